@@ -1,0 +1,18 @@
+"""qada: query-adaptive long-context head identification for cheaper long-context decoding."""
+
+from qada.criteria import CRITERIA, HeadCriterion, StepContext, register_criterion
+from qada.registry import Component, Registry, load_config
+from qada.version import __version__
+from qada.window import Window
+
+__all__ = [
+    "CRITERIA",
+    "Component",
+    "HeadCriterion",
+    "Registry",
+    "StepContext",
+    "Window",
+    "__version__",
+    "load_config",
+    "register_criterion",
+]

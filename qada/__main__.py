@@ -1,0 +1,5 @@
+import sys
+
+from qada.cli import main
+
+sys.exit(main())

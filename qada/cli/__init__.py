@@ -1,0 +1,41 @@
+"""The ``qada`` command line: one module per subcommand, each with ``add_parser`` and ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from qada.version import __version__
+
+# Subcommand modules, imported only when the command line is parsed (no work at import of qada).
+SUBCOMMANDS = ("criteria", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(
+        prog="qada",
+        description="Query-adaptive long-context head identification: which attention heads need the whole "
+        "context, per query.",
+    )
+    parser.add_argument("--version", action="version", version=f"qada {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"qada.cli.{name}")
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
+        print(f"qada {args.command}: error: {error}", file=sys.stderr)
+        return 1

@@ -1,0 +1,72 @@
+"""The lognormal bulk estimate (paper eqs. 5-7).
+
+If bulk keys are ``k ~ N(mu_K, Sigma_K)`` then ``s = scale * q·k ~ N(mu_s, sigma_s^2)`` with
+
+.. math::
+
+    \\mu_s = \\text{scale}\\, q^\\top \\mu_K, \\qquad \\sigma_s^2 = \\text{scale}^2\\, q^\\top \\Sigma_K q,
+
+and ``E[exp(s)] = exp(mu_s + sigma_s^2 / 2)``, so ``log A_bulk ≈ log T_bulk + mu_s + sigma_s^2 / 2``.
+Moments are per KV head and shared by the ``G`` query heads of a group (GQA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qada.functional._checks import accumulation_dtype, check_float, check_ndim, group_size
+
+__all__ = ["lognormal_log_bulk_mass", "lognormal_score_moments"]
+
+
+def lognormal_score_moments(
+    query: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mu_s, sigma_s^2)``, each ``[b, H]``, from query ``[b, H, d]``, mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``.
+
+    Accumulates in float32 (float64 if any input is float64); half-precision inputs are upcast first.
+    """
+    for name, tensor in (("query", query), ("mean", mean), ("cov", cov)):
+        check_float(name, tensor)
+    check_ndim("query", query, 3, "[batch, heads, head_dim]")
+    check_ndim("mean", mean, 3, "[batch, kv_heads, head_dim]")
+    check_ndim("cov", cov, 4, "[batch, kv_heads, head_dim, head_dim]")
+    b, H, d = query.shape
+    H_kv = mean.shape[1]
+    if mean.shape != (b, H_kv, d) or cov.shape != (b, H_kv, d, d):
+        raise ValueError(
+            f"expected mean [{b}, kv_heads, {d}] and cov [{b}, kv_heads, {d}, {d}] for query {tuple(query.shape)} "
+            f"but got mean {tuple(mean.shape)} and cov {tuple(cov.shape)}"
+        )
+    G = group_size(H, H_kv)
+    dtype = accumulation_dtype(query, mean, cov)
+    q = query.to(dtype).view(b, H_kv, G, d)
+    mu_s = scale * torch.einsum("bkgd,bkd->bkg", q, mean.to(dtype))
+    q_cov = torch.einsum("bkgd,bkde->bkge", q, cov.to(dtype))
+    var_s = scale * scale * (q_cov * q).sum(-1)
+    return mu_s.reshape(b, H), var_s.reshape(b, H)
+
+
+def lognormal_log_bulk_mass(
+    query: torch.Tensor,
+    mean: torch.Tensor,
+    cov: torch.Tensor,
+    t_bulk: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``log Â_bulk = log T_bulk + mu_s + sigma_s^2 / 2`` (paper eq. 7), ``[b, H]``.
+
+    Args:
+        query: ``[b, H, d]`` RoPE-rotated decode queries.
+        mean, cov: ``[b, H_kv, d]`` and ``[b, H_kv, d, d]`` bulk key moments (population covariance).
+        t_bulk: ``[b]`` bulk size of each row *of the current prompt*; 0 gives ``-inf`` (no bulk).
+        scale: the attention scaling, normally ``1/sqrt(d)``.
+    """
+    mu_s, var_s = lognormal_score_moments(query, mean, cov, scale)
+    check_ndim("t_bulk", t_bulk, 1, "[batch]")
+    if t_bulk.shape[0] != query.shape[0]:
+        raise ValueError(f"expected t_bulk of shape [{query.shape[0]}] but got {tuple(t_bulk.shape)}")
+    log_t = torch.log(t_bulk.to(device=mu_s.device, dtype=mu_s.dtype))[:, None]
+    estimate = log_t + mu_s + 0.5 * var_s
+    neg_inf = torch.tensor(float("-inf"), dtype=estimate.dtype, device=estimate.device)
+    return torch.where(t_bulk.to(mu_s.device)[:, None] > 0, estimate, neg_inf)

@@ -1,0 +1,70 @@
+"""Scores and log attention masses (paper §2): ``log A_local``, ``log A_bulk`` by logsumexp, in float32+.
+
+Shapes: query ``[b, H, d]``, keys ``[b, H_kv, T, d]`` with ``H = G * H_kv`` (GQA: query heads ``g*G .. g*G+G-1``
+share KV head ``g``, the layout of transformers' ``repeat_kv``). Scores are ``s_i = scale * q·k_i``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qada.functional._checks import accumulation_dtype, check_float, check_ndim, group_size
+
+__all__ = ["full_scores", "log_bulk_mass", "log_local_mass", "window_scores"]
+
+
+def _grouped_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[b, H, d] x [b, H_kv, N, d] -> [b, H, N]`` scores in float32+, without repeating the keys."""
+    check_float("query", query)
+    check_float("keys", keys)
+    check_ndim("query", query, 3, "[batch, heads, head_dim]")
+    check_ndim("keys", keys, 4, "[batch, kv_heads, length, head_dim]")
+    b, H, d = query.shape
+    if keys.shape[0] != b or keys.shape[-1] != d:
+        raise ValueError(
+            f"expected keys of shape [{b}, kv_heads, length, {d}] to match query {tuple(query.shape)} "
+            f"but got {tuple(keys.shape)}"
+        )
+    H_kv = keys.shape[1]
+    G = group_size(H, H_kv)
+    dtype = accumulation_dtype(query, keys)
+    q = query.to(dtype).view(b, H_kv, G, d)
+    s = torch.einsum("bkgd,bknd->bkgn", q, keys.to(dtype)) * scale
+    return s.reshape(b, H, keys.shape[2])
+
+
+def full_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """All scores ``[b, H, T]`` of one decode query against the whole cache (the oracle needs them)."""
+    return _grouped_scores(query, keys, scale)
+
+
+def window_scores(query: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scores ``[b, H, W]`` against the keys at ``index [b, W]`` only (the local window): O(W d), not O(T d)."""
+    check_ndim("index", index, 2, "[batch, window]")
+    b, H_kv, _, d = keys.shape
+    gathered = torch.gather(keys, 2, index[:, None, :, None].expand(b, H_kv, index.shape[1], d))
+    return _grouped_scores(query, gathered, scale)
+
+
+def _masked_logsumexp(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if mask.ndim == 2:
+        mask = mask[:, None, :]
+    if mask.shape[-1] != scores.shape[-1]:
+        raise ValueError(
+            f"expected a mask over {scores.shape[-1]} positions but got mask of shape {tuple(mask.shape)}"
+        )
+    neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+    return torch.logsumexp(torch.where(mask, scores, neg_inf), dim=-1)
+
+
+def log_local_mass(scores: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``log A_local = logsumexp_{i in I} s_i``: scores ``[b, H, N]``, mask ``[b, N]`` or ``[b, H, N]`` -> ``[b, H]``.
+
+    An empty local set gives ``-inf``.
+    """
+    return _masked_logsumexp(scores, local)
+
+
+def log_bulk_mass(scores: torch.Tensor, bulk: torch.Tensor) -> torch.Tensor:
+    """``log A_bulk = logsumexp_{i in B} s_i`` (``-inf`` for an empty bulk). Same shapes as :func:`log_local_mass`."""
+    return _masked_logsumexp(scores, bulk)

@@ -1,0 +1,99 @@
+"""The local index set ``I`` and the bulk ``B = [T] \\ I`` (paper §2), per row of a left-padded batch.
+
+Rows may start at different positions (left padding): row ``r`` holds real tokens at ``[start_r, T)``, its
+sinks are its first ``T_sink`` *real* tokens and its recent tokens are the last ``T_local - T_sink``.
+A row with at most ``T_local`` real tokens has no bulk: every head is trivially local.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qada.window import Window
+
+__all__ = ["bulk_count", "bulk_mask", "local_index_set", "window_indices"]
+
+
+def _starts(T: int, start: torch.Tensor | None, device: torch.device | str | None) -> torch.Tensor:
+    if T < 0:
+        raise ValueError(f"expected a sequence length T >= 0 but got {T}")
+    if start is None:
+        return torch.zeros(1, dtype=torch.long, device=device)
+    if start.ndim != 1:
+        raise ValueError(f"expected start of shape [batch] but got shape {tuple(start.shape)}")
+    return start.to(dtype=torch.long, device=device if device is not None else start.device)
+
+
+def local_index_set(T: int, t_local: int = 128, t_sink: int = 16) -> torch.Tensor:
+    """Sorted indices of ``I`` for one unpadded sequence of length ``T``.
+
+    Returns a LongTensor of ``min(T, T_local)`` indices: ``0 .. T_sink-1`` and ``T-(T_local-T_sink) .. T-1``,
+    or all of ``0 .. T-1`` when ``T <= T_local``.
+    """
+    window = Window(t_local, t_sink)
+    if T < 0:
+        raise ValueError(f"expected a sequence length T >= 0 but got {T}")
+    if T <= window.t_local:
+        return torch.arange(T)
+    return torch.cat([torch.arange(window.t_sink), torch.arange(T - window.t_recent, T)])
+
+
+def window_indices(
+    T: int,
+    t_local: int = 128,
+    t_sink: int = 16,
+    start: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather indices of the local window for every row.
+
+    Args:
+        T: cache length (padding included).
+        start: ``[b]`` index of each row's first real token (left padding); ``None`` means 0 for one row.
+
+    Returns:
+        ``(index [b, W], valid [b, W])`` with ``W = min(T, T_local)``; ``index`` is clamped into ``[0, T)``
+        and ``valid`` marks the slots that hold a distinct real token of the row's local set.
+    """
+    window = Window(t_local, t_sink)
+    starts = _starts(T, start, device)
+    W = min(T, window.t_local)
+    slot = torch.arange(W, device=starts.device)
+    n_sink_slots = min(window.t_sink, W)
+    is_sink = slot < n_sink_slots
+    sink_index = starts[:, None] + slot[None, :]
+    recent_index = (T - (W - slot))[None, :].expand(starts.shape[0], W)
+    index = torch.where(is_sink[None, :], sink_index, recent_index)
+    valid_sink = sink_index < T
+    valid_recent = recent_index >= starts[:, None] + window.t_sink
+    valid = torch.where(is_sink[None, :], valid_sink, valid_recent) & (index >= starts[:, None])
+    return index.clamp(0, max(T - 1, 0)), valid
+
+
+def bulk_mask(
+    T: int,
+    t_local: int = 128,
+    t_sink: int = 16,
+    start: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``[b, T]`` bool, True on the bulk ``[start + T_sink, T - (T_local - T_sink))`` of each row."""
+    window = Window(t_local, t_sink)
+    starts = _starts(T, start, device)
+    position = torch.arange(T, device=starts.device)[None, :]
+    count = bulk_count(T, t_local, t_sink, starts)
+    first = starts[:, None] + window.t_sink
+    return (position >= first) & (position < first + count[:, None])
+
+
+def bulk_count(
+    T: int,
+    t_local: int = 128,
+    t_sink: int = 16,
+    start: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``[b]`` LongTensor ``T_bulk = max(0, (T - start) - T_local)`` per row."""
+    window = Window(t_local, t_sink)
+    starts = _starts(T, start, device)
+    return (T - starts - window.t_local).clamp(min=0)

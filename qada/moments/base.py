@@ -1,0 +1,70 @@
+"""The :class:`MomentSource` interface and the moment-source registry.
+
+A moment source gives, for one layer and the current decode step, the mean ``mu_K [b, H_kv, d]`` and the
+population covariance ``Sigma_K [b, H_kv, d, d]`` of the bulk keys that QAdA's lognormal estimate needs
+(paper §3.2). The wrapper calls, per layer:
+
+* :meth:`prefill` once after the dense prefill, with the whole prefilled cache;
+* :meth:`append` on every decode step, after the new key was appended (the cache grew by exactly one);
+* :meth:`moments` when a criterion asks for them at that step.
+
+and :meth:`reset` before a new sequence (a new prefill), :meth:`prepare` once per model before the first
+prefill (only sources with ``needs_model`` do anything there).
+
+Keys are the cache's post-RoPE keys ``[b, H_kv, T, d]`` (padding included); ``start [b]`` is each row's first
+real token (left padding) or ``None``. Each row's real length is ``n_r = T - start_r``.
+
+:meth:`moments` is self-synchronising: called on a layer that saw no prefill it prefills, called with a longer
+cache than the last :meth:`append` it appends, so a wrapper that only calls :meth:`moments` is still correct
+(streaming sources then do the update lazily). The returned tensors are float32 on the keys' device and stay
+valid until the next call for that layer; rows without a bulk get harmless zeros (QAdA treats them as local).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import torch
+
+from qada.moments.types import BulkMoments
+from qada.registry import Component, Registry
+from qada.window import Window
+
+__all__ = ["MOMENT_SOURCES", "MomentSource", "register_moment_source"]
+
+
+class MomentSource(Component, abc.ABC):
+    """Where ``mu_K`` and ``Sigma_K`` come from. Subclasses are dataclasses; state lives in private attrs.
+
+    Capability flags:
+
+    * ``needs_model``: :meth:`prepare` must run the model once (stored reference prompts) before decoding.
+    """
+
+    needs_model: ClassVar[bool] = False
+
+    def prepare(self, model: Any, tokenizer: Any = None) -> None:  # noqa: B027 - optional hook
+        """Build or load what the source needs for ``model`` (reference keys); a no-op by default."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Forget all per-sequence state (a new prefill follows)."""
+
+    @abc.abstractmethod
+    def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+        """Initialise ``layer`` from the prefilled cache ``keys [b, H_kv, T, d]``."""
+
+    @abc.abstractmethod
+    def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+        """One decode step of ``layer``: ``keys [b, H_kv, T+1, d]`` is the cache after appending one key."""
+
+    @abc.abstractmethod
+    def moments(
+        self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window
+    ) -> BulkMoments:
+        """Bulk moments for the current step of ``layer``: mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``."""
+
+
+MOMENT_SOURCES: Registry[MomentSource] = Registry("moment source", MomentSource)
+register_moment_source = MOMENT_SOURCES.register

@@ -1,0 +1,106 @@
+"""Current-prompt moments (paper Option 1), streamed: O(d²) per decode step and KV head, constant in ``T``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qada.functional import bulk_count, bulk_mask
+from qada.moments.base import MomentSource, register_moment_source
+from qada.moments.math import MomentState, add_key, block_moments, merge_moments, to_bulk_moments
+from qada.moments.types import BulkMoments
+from qada.window import Window
+
+__all__ = ["CurrentMoments"]
+
+
+@register_moment_source("current")
+@dataclass
+class CurrentMoments(MomentSource):
+    """Mean and population covariance of each row's bulk keys ``[start + T_sink, T - (T_local - T_sink))``.
+
+    :meth:`prefill` computes them from the prefilled cache; each decode step adds the one key that leaves the
+    recent window, the key at index ``T - (T_local - T_sink)`` when the cache grows from ``T`` to ``T + 1``
+    (only once the row holds more than ``T_local`` real tokens). The state is float64 and updated by Welford's
+    rank-1 rule, so the streamed moments equal a fresh recomputation after any number of steps.
+
+    Args:
+        freeze: keep the moments of the prefill (the paper's setting for short answers) instead of streaming.
+    """
+
+    freeze: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.freeze, bool):
+            raise ValueError(f"expected freeze to be a bool but got {self.freeze!r}")
+        self._states: dict[int, MomentState] = {}
+        self._lengths: dict[int, int] = {}
+        self._cached: dict[int, BulkMoments] = {}
+
+    def reset(self) -> None:
+        self._states.clear()
+        self._lengths.clear()
+        self._cached.clear()
+
+    def state(self, layer: int) -> MomentState:
+        """The float64 :class:`MomentState` ``[b, H_kv]`` of ``layer`` (count = ``T_bulk`` per row)."""
+        if layer not in self._states:
+            raise RuntimeError(f"layer {layer} has no moments yet: call prefill first")
+        return self._states[layer]
+
+    def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+        b, _, T, _ = keys.shape
+        starts = _row_starts(start, b, keys.device)
+        mask = bulk_mask(T, window.t_local, window.t_sink, starts)  # [b, T]
+        self._states[layer] = block_moments(keys, mask[:, None, :])
+        self._lengths[layer] = T
+        self._cached.pop(layer, None)
+
+    def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+        if layer not in self._states:
+            raise RuntimeError(f"append on layer {layer} before prefill: call prefill on the prefilled cache")
+        old, new = self._lengths[layer], keys.shape[2]
+        if new < old:
+            raise ValueError(f"expected the cache of layer {layer} to grow from {old} but got length {new}")
+        if new == old:
+            return
+        self._lengths[layer] = new
+        if self.freeze:
+            return
+        b = keys.shape[0]
+        starts = _row_starts(start, b, keys.device)
+        before = bulk_count(old, window.t_local, window.t_sink, starts)
+        after = bulk_count(new, window.t_local, window.t_sink, starts)
+        state = self._states[layer]
+        if new == old + 1:
+            # The key at old - T_recent enters the bulk of the rows whose bulk grew.
+            entering = keys[:, :, old - window.t_recent] if old >= window.t_recent else keys[:, :, 0]
+            weight = (after > before).to(torch.float64)[:, None]
+            self._states[layer] = add_key(state, entering, weight)
+        else:
+            first = starts + window.t_sink + before  # first index entering, per row
+            position = torch.arange(new, device=keys.device)[None, :]
+            mask = (position >= first[:, None]) & (position < (starts + window.t_sink + after)[:, None])
+            self._states[layer] = merge_moments(state, block_moments(keys, mask[:, None, :]))
+        self._cached.pop(layer, None)
+
+    def moments(
+        self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window
+    ) -> BulkMoments:
+        if layer not in self._states:
+            self.prefill(layer, keys, start, window)
+        elif keys.shape[2] != self._lengths[layer]:
+            self.append(layer, keys, start, window)
+        if layer not in self._cached:
+            mean, cov = to_bulk_moments(self._states[layer])
+            self._cached[layer] = BulkMoments(mean.to(keys.device), cov.to(keys.device))
+        return self._cached[layer]
+
+
+def _row_starts(start: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
+    if start is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    if start.shape != (batch,):
+        raise ValueError(f"expected start of shape [{batch}] but got {tuple(start.shape)}")
+    return start.to(device=device, dtype=torch.long)

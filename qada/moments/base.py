@@ -44,8 +44,12 @@ class MomentSource(Component, abc.ABC):
 
     needs_model: ClassVar[bool] = False
 
-    def prepare(self, model: Any, tokenizer: Any = None) -> None:  # noqa: B027 - optional hook
-        """Build or load what the source needs for ``model`` (reference keys); a no-op by default."""
+    def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:  # noqa: B027
+        """Build or load what the source needs for ``model`` (reference keys); a no-op by default.
+
+        ``window`` is the window decoding will use (``bucketed`` precomputes its buckets for it; ``None``
+        means the default :class:`~qada.window.Window`).
+        """
 
     @abc.abstractmethod
     def reset(self) -> None:

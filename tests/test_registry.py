@@ -1,0 +1,73 @@
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from qada import load_config
+from qada.criteria import CRITERIA, HeadCriterion, OracleCriterion, register_criterion
+
+
+def test_unknown_name_lists_the_choices():
+    with pytest.raises(ValueError, match=r"unknown criterion 'qdaa'; expected one of \[.*'oracle'.*'qada'"):
+        CRITERIA.build("qdaa")
+
+
+def test_unknown_parameter_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['tua'\]; expected some of \['tau'\]"):
+        CRITERIA.build("qada", tua=0.5)
+
+
+@pytest.mark.parametrize("tau", [-0.01, 1.01])
+def test_bad_tau_from_a_config(tau):
+    with pytest.raises(ValueError, match=r"expected tau in \[0, 1\]"):
+        CRITERIA.build({"name": "oracle", "tau": tau})
+
+
+def test_config_without_name():
+    with pytest.raises(ValueError, match="with a 'name' key"):
+        CRITERIA.build({"tau": 0.5})
+
+
+def test_instances_pass_through_and_reject_extra_params():
+    oracle = OracleCriterion(0.3)
+    assert CRITERIA.build(oracle) is oracle
+    with pytest.raises(ValueError, match="together with a built criterion"):
+        CRITERIA.build(oracle, tau=0.2)
+
+
+def test_register_guards_against_silent_override():
+    @register_criterion("test_always_local")
+    @dataclass
+    class AlwaysLocal(HeadCriterion):
+        def decide(self, ctx):
+            return torch.ones(ctx.batch_size, ctx.num_heads, dtype=torch.bool)
+
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+
+            @register_criterion("test_always_local")
+            @dataclass
+            class Other(HeadCriterion):
+                def decide(self, ctx):
+                    raise NotImplementedError
+
+        @register_criterion("test_always_local", override=True)
+        @dataclass
+        class Replacement(AlwaysLocal):
+            pass
+
+        assert CRITERIA.get("test_always_local") is Replacement
+        with pytest.raises(TypeError, match="subclass of HeadCriterion"):
+            register_criterion("test_not_a_criterion")(int)
+    finally:
+        CRITERIA._classes.pop("test_always_local", None)
+
+
+def test_yaml_config(tmp_path):
+    path = tmp_path / "criterion.yaml"
+    path.write_text("name: layer_override\nbase: {name: qada, tau: 0.7}\noverrides:\n  0: dense\n")
+    criterion = CRITERIA.build(load_config(path))
+    assert criterion.base.tau == 0.7 and 0 in criterion.overrides
+    assert CRITERIA.build(load_config("{name: oracle, tau: 0.2}")).tau == 0.2
+    with pytest.raises(ValueError, match="YAML mapping"):
+        load_config("- a\n- b\n")

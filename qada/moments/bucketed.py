@@ -1,0 +1,125 @@
+"""Bucketed moments: a reference prompt's bulk moments precomputed on a grid of lengths, O(1) lookup."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qada.artifacts import ArtifactError, model_fingerprint
+from qada.moments.base import register_moment_source
+from qada.moments.reference import BucketedMomentsData, compute_bucketed_moments
+from qada.moments.stored import ReferenceMomentSource
+from qada.moments.types import BulkMoments
+from qada.window import Window
+
+__all__ = ["BucketedMoments"]
+
+
+@register_moment_source("bucketed")
+@dataclass
+class BucketedMoments(ReferenceMomentSource):
+    """Moments of the reference bulk ``[first, end_j)`` for the largest bucket end ``end_j <= n - offset``.
+
+    The target end per row follows :func:`~qada.moments.stored.reference_bulk_end` (short-prompt rule
+    included); a row whose target lies below the smallest bucket gets the smallest bucket (by default
+    ``first + min_bulk_keys`` keys), a row without a bulk gets zeros.
+
+    Args:
+        bucket_size: spacing of the grid in tokens (plus a geometric ladder below it, see
+            :func:`~qada.moments.reference.bucket_ends`). Other arguments as for ``stored``.
+    """
+
+    bucket_size: int = 512
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (
+            isinstance(self.bucket_size, bool)
+            or not isinstance(self.bucket_size, int)
+            or self.bucket_size < 1
+        ):
+            raise ValueError(f"expected bucket_size to be an int >= 1 but got {self.bucket_size!r}")
+        self._data: BucketedMomentsData | None = None
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:
+        window = window or Window()
+        fingerprint = model_fingerprint(model.config, model)
+        first = self.first(window)
+        if self.path is not None:
+            self.set_data(BucketedMomentsData.load(self.path, fingerprint, first))
+            return
+        length = self.resolved_length(model)
+        extra = f"-b{self.bucket_size}-f{first}-m{self.min_bulk_keys}"
+        file = self._cache_file("bucketed", fingerprint, length, extra)
+        if file.exists():
+            try:
+                self.set_data(BucketedMomentsData.load(file, fingerprint, first))
+                return
+            except ArtifactError as error:
+                warnings.warn(f"rebuilding the cached bucketed moments: {error}", stacklevel=2)
+        reference = self.reference_keys_for(model, tokenizer)
+        data = compute_bucketed_moments(reference, self.bucket_size, first, self.min_bulk_keys)
+        data.save(file)
+        self.set_data(data)
+
+    def set_data(self, data: BucketedMomentsData) -> None:
+        """Use precomputed bucketed moments from now on."""
+        self._data = data
+        self._on_device.clear()
+
+    @property
+    def data(self) -> BucketedMomentsData:
+        if self._data is None:
+            raise RuntimeError("bucketed moments have no data: call prepare(model, tokenizer) or set_data")
+        return self._data
+
+    def reset(self) -> None:
+        """Stateless per sequence: nothing to forget."""
+
+    def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+        """Nothing to do: the lookup depends on the current length only."""
+
+    def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+        """Nothing to do: the lookup depends on the current length only."""
+
+    def bucket_index(self, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> torch.Tensor:
+        """``[b]`` index of the chosen bucket per row, ``-1`` for rows without a bulk."""
+        data = self.data
+        if data.first != self.first(window):
+            raise ValueError(
+                f"expected bucketed moments whose bulk starts at {self.first(window)} ({window}) but got "
+                f"moments built from {data.first}"
+            )
+        ends = data.ends.to(torch.long)
+        target = self._ends(keys, start, window, int(ends[-1]))
+        index = torch.searchsorted(ends, target, right=True) - 1
+        return torch.where(target > data.first, index.clamp(min=0), torch.full_like(index, -1))
+
+    def moments(
+        self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window
+    ) -> BulkMoments:
+        data = self.data
+        if not 0 <= layer < data.mean.shape[0]:
+            raise ValueError(f"expected a layer in [0, {data.mean.shape[0]}) but got {layer}")
+        if data.mean.shape[2] != keys.shape[1] or data.mean.shape[3] != keys.shape[3]:
+            raise ValueError(
+                f"expected keys with {data.mean.shape[2]} KV heads of dim {data.mean.shape[3]} but got "
+                f"{tuple(keys.shape)}"
+            )
+        device = keys.device
+        if device not in self._on_device:
+            zero_mean = torch.zeros_like(data.mean[:, :1])
+            zero_cov = torch.zeros_like(data.cov[:, :1])
+            # Slot 0 holds zeros for rows without a bulk; bucket j lives in slot j + 1.
+            self._on_device[device] = (
+                torch.cat([zero_mean, data.mean], 1).to(device, torch.float32),
+                torch.cat([zero_cov, data.cov], 1).to(device, torch.float32),
+                data.ends.to(device),
+            )
+        mean, cov, _ = self._on_device[device]
+        slot = (self.bucket_index(keys, start, window) + 1).to(device)
+        return BulkMoments(mean[layer, slot], cov[layer, slot])

@@ -1,0 +1,252 @@
+"""Reference keys: a reference prompt run once through the model, its post-RoPE keys per layer and KV head.
+
+The keys come from the model's own cache (``DynamicCache.layers[i].keys``, ``[1, H_kv, T, d]``), so they are
+exactly what decoding would see. The prompt runs in chunks with the cache, which bounds memory and lets a
+progress bar move; chunked and unchunked runs give the same keys.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qada.artifacts import ArtifactError, load_artifact, model_fingerprint, save_artifact
+from qada.moments.math import MomentState, block_moments
+
+__all__ = [
+    "BucketedMomentsData",
+    "ReferenceKeys",
+    "bucket_ends",
+    "collect_reference_keys",
+    "compute_bucketed_moments",
+]
+
+
+@dataclass
+class ReferenceKeys:
+    """Post-RoPE keys of a reference prompt: ``keys [L, H_kv, N, d]`` plus the model fingerprint and details.
+
+    ``info`` records how the prompt was made (``prompt``, ``seed``, ``length``, ...).
+    """
+
+    keys: torch.Tensor
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keys, torch.Tensor) or self.keys.ndim != 4:
+            shape = (
+                tuple(self.keys.shape) if isinstance(self.keys, torch.Tensor) else type(self.keys).__name__
+            )
+            raise ValueError(
+                f"expected reference keys of shape [layers, kv_heads, length, head_dim] but got {shape}"
+            )
+        L, H_kv, _, d = self.keys.shape
+        for name, value in (("num_layers", L), ("num_kv_heads", H_kv), ("head_dim", d)):
+            if self.fingerprint.get(name, value) != value:
+                raise ValueError(
+                    f"expected {name}={self.fingerprint[name]} from the fingerprint but got {value}"
+                )
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return save_artifact(path, "reference_keys", {"keys": self.keys}, self.fingerprint, info=self.info)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, fingerprint: dict[str, Any] | None = None) -> ReferenceKeys:
+        """Load and check; ``fingerprint`` (if given) must match the file's."""
+        tensors, info = load_artifact(path, "reference_keys", required=("keys",), fingerprint=fingerprint)
+        keys = tensors["keys"]
+        expected = [info.model.get(k) for k in ("num_layers", "num_kv_heads")]
+        if (
+            keys.ndim != 4
+            or [keys.shape[0], keys.shape[1]] != expected
+            or keys.shape[3] != info.model.get("head_dim")
+        ):
+            raise ArtifactError(
+                f"artifact {info.path!r} holds keys of shape {list(keys.shape)}, which do not fit its model "
+                f"(layers, kv_heads, head_dim = {expected + [info.model.get('head_dim')]})"
+            )
+        return cls(keys, dict(info.model), dict(info.info))
+
+
+@torch.no_grad()
+def collect_reference_keys(
+    model: Any,
+    input_ids: torch.Tensor,
+    chunk_size: int | None = 1024,
+    progress: bool | Callable[[int], None] = False,
+    dtype: torch.dtype = torch.float32,
+    info: dict[str, Any] | None = None,
+) -> ReferenceKeys:
+    """Run ``input_ids [1, N]`` (or ``[N]``) through ``model`` with a cache and keep every layer's keys.
+
+    Args:
+        chunk_size: tokens per forward (``None``: one forward); the cache carries the context between chunks.
+        progress: True for a tqdm bar, or a callable receiving the number of tokens done after each chunk.
+        dtype: dtype of the returned keys.
+    """
+    from transformers import DynamicCache
+
+    ids = torch.as_tensor(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"expected one non-empty reference prompt [1, N] but got shape {tuple(ids.shape)}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"expected chunk_size >= 1 or None but got {chunk_size}")
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    N = ids.shape[1]
+    step = N if chunk_size is None else chunk_size
+    bar = None
+    if progress is True:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=N, unit="tok", desc="reference keys")
+    cache = DynamicCache(config=model.config)
+    for lo in range(0, N, step):
+        hi = min(N, lo + step)
+        position = torch.arange(lo, hi, device=device)[None]
+        model(
+            input_ids=ids[:, lo:hi],
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=position,
+            cache_position=position[0],
+            logits_to_keep=1,
+        )
+        if bar is not None:
+            bar.update(hi - lo)
+        elif callable(progress):
+            progress(hi)
+    if bar is not None:
+        bar.close()
+    keys = torch.stack([layer.keys[0].to(device="cpu", dtype=dtype) for layer in cache.layers])
+    if keys.shape[2] != N:
+        raise RuntimeError(f"expected the cache to hold {N} keys but it holds {keys.shape[2]}")
+    return ReferenceKeys(keys, model_fingerprint(model.config, model), dict(info or {}, length=N))
+
+
+# --- bucketed moments --------------------------------------------------------------------------------------
+
+
+def bucket_ends(length: int, bucket_size: int, first: int, min_keys: int = 64) -> list[int]:
+    """Bucket end indices into a reference of ``length`` keys whose bulk starts at ``first``.
+
+    Multiples of ``bucket_size`` up to ``length``, ``length`` itself, and below the first multiple a geometric
+    ladder ``first + min_keys * 2^j`` so short prompts find a bucket too.
+    """
+    if bucket_size < 1:
+        raise ValueError(f"expected bucket_size >= 1 but got {bucket_size}")
+    ends = set(range(bucket_size, length + 1, bucket_size))
+    small = first + max(1, min_keys)
+    while small < min(bucket_size, length):
+        ends.add(small)
+        small = first + 2 * (small - first)
+    ends.add(length)
+    return sorted(e for e in ends if first < e <= length)
+
+
+@dataclass
+class BucketedMomentsData:
+    """Moments of a reference bulk ``[first, end_j)`` for a grid of ends: ``ends [J]``, ``count [J]``,
+    ``mean [L, J, H_kv, d]``, ``cov [L, J, H_kv, d, d]`` (population), float32 on disk."""
+
+    ends: torch.Tensor
+    mean: torch.Tensor
+    cov: torch.Tensor
+    first: int
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        J = self.ends.shape[0]
+        if (
+            self.mean.ndim != 4
+            or self.cov.ndim != 5
+            or self.mean.shape[1] != J
+            or self.cov.shape != (*self.mean.shape, self.mean.shape[3])
+        ):
+            raise ValueError(
+                f"expected ends [J], mean [L, J, H_kv, d], cov [L, J, H_kv, d, d] but got "
+                f"{list(self.ends.shape)}, "
+                f"{list(self.mean.shape)}, {list(self.cov.shape)}"
+            )
+        if J == 0 or not bool((self.ends[1:] > self.ends[:-1]).all()):
+            raise ValueError(f"expected strictly increasing bucket ends but got {self.ends.tolist()}")
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return save_artifact(
+            path,
+            "bucketed_moments",
+            {"ends": self.ends.long(), "mean": self.mean.float(), "cov": self.cov.float()},
+            self.fingerprint,
+            window={"first": self.first},
+            info=self.info,
+        )
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, fingerprint: dict[str, Any] | None = None, first: int | None = None
+    ) -> BucketedMomentsData:
+        """Load and check; ``first`` (the bulk start, ``T_sink`` or 0 with sinks) must match if given."""
+        window = None if first is None else {"first": first}
+        tensors, info = load_artifact(
+            path, "bucketed_moments", required=("ends", "mean", "cov"), fingerprint=fingerprint, window=window
+        )
+        try:
+            return cls(
+                tensors["ends"],
+                tensors["mean"],
+                tensors["cov"],
+                int(info.window["first"]),
+                dict(info.model),
+                dict(info.info),
+            )
+        except (ValueError, TypeError, KeyError) as error:
+            raise ArtifactError(
+                f"artifact {info.path!r} holds inconsistent bucketed moments ({error})"
+            ) from error
+
+
+def compute_bucketed_moments(
+    reference: ReferenceKeys, bucket_size: int = 512, first: int = 16, min_keys: int = 64
+) -> BucketedMomentsData:
+    """Moments of ``reference.keys[:, :, first:end]`` for every end of :func:`bucket_ends`, in one pass.
+
+    Each bucket merges the previous one with the keys in between (Chan), so the cost is O(N d²) in all.
+    """
+    from qada.moments.math import merge_moments, to_bulk_moments
+
+    keys = reference.keys
+    L, H_kv, N, d = keys.shape
+    ends = bucket_ends(N, bucket_size, first, min_keys)
+    if not ends:
+        raise ValueError(f"expected a reference longer than its bulk start {first} but got {N} keys")
+    means, covs = [], []
+    state: MomentState = block_moments(keys[:, :, first:first])
+    previous = first
+    for end in ends:
+        state = merge_moments(state, block_moments(keys[:, :, previous:end]))
+        previous = end
+        mean, cov = to_bulk_moments(state)
+        means.append(mean)
+        covs.append(cov)
+    info = dict(reference.info, bucket_size=bucket_size, min_keys=min_keys)
+    return BucketedMomentsData(
+        torch.tensor(ends),
+        torch.stack(means, 1),
+        torch.stack(covs, 1),
+        first,
+        dict(reference.fingerprint),
+        info,
+    )

@@ -1,0 +1,276 @@
+"""Stored-prompt moments (paper Option 2): bulk moments of a reference prompt's keys, matched to the length.
+
+For a row of real length ``n`` the moments come from the reference bulk ``[first, n - offset)`` with
+``first = T_sink`` (0 with ``include_sinks``) and ``offset = 1024`` (paper App. B). See
+:func:`reference_bulk_end` for the short-prompt rule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qada.artifacts import ArtifactError, model_fingerprint
+from qada.moments.base import MomentSource, register_moment_source
+from qada.moments.math import shifted_sums, state_from_shifted_sums, to_bulk_moments
+from qada.moments.reference import ReferenceKeys, collect_reference_keys
+from qada.moments.types import BulkMoments
+from qada.window import Window
+
+__all__ = ["ReferenceMomentSource", "StoredMoments", "cache_dir", "reference_bulk_end"]
+
+MAX_REFERENCE_LENGTH = 32768
+
+
+def cache_dir(path: str | os.PathLike | None = None) -> Path:
+    """The artifact cache: ``path``, else ``$QADA_CACHE_DIR``, else ``~/.cache/qada``."""
+    if path is not None:
+        return Path(path)
+    return Path(os.environ.get("QADA_CACHE_DIR") or Path.home() / ".cache" / "qada")
+
+
+def reference_bulk_end(
+    n: torch.Tensor, window: Window, offset: int, first: int, min_bulk_keys: int = 64
+) -> torch.Tensor:
+    """``[b]`` end index into the reference bulk ``[first, end)`` for rows of real length ``n [b]``.
+
+    * Normally ``end = n - offset``.
+    * Short prompts: when that leaves fewer than ``min_bulk_keys`` keys, the reference keys at the prompt's
+      own bulk positions are used instead, ``end = first + T_bulk`` with ``T_bulk = n - T_local`` (never more
+      keys than the prompt's own bulk).
+    * Rows without a bulk (``n <= T_local``) get ``end = first`` (an empty bulk, zero moments).
+
+    The caller clamps ``end`` to the reference length.
+    """
+    t_bulk = (n - window.t_local).clamp(min=0)
+    primary = n - offset
+    end = torch.where(primary - first >= min_bulk_keys, primary, first + t_bulk)
+    return torch.where(t_bulk > 0, end, torch.full_like(end, first))
+
+
+@dataclass
+class ReferenceMomentSource(MomentSource):
+    """Shared fields and plumbing of the sources built from a reference prompt (``stored``, ``bucketed``).
+
+    Args:
+        path: artifact to load; ``None`` builds the reference on :meth:`prepare` and caches it.
+        prompt: reference prompt kind (``random_words``, ``text``, ``single_word``).
+        length: reference length in tokens; ``None`` is the model's maximum positions capped at 32768.
+        seed: seed of the prompt builder.
+        offset: the reference bulk ends ``offset`` tokens before the prompt's length.
+        include_sinks: let the reference bulk start at 0 instead of ``T_sink``.
+        min_bulk_keys: below this many keys the short-prompt rule applies.
+        cache_dir: artifact cache (default ``$QADA_CACHE_DIR`` or ``~/.cache/qada``).
+        chunk_size: tokens per forward when the reference is built.
+    """
+
+    path: str | None = None
+    prompt: str = "random_words"
+    length: int | None = None
+    seed: int = 0
+    offset: int = 1024
+    include_sinks: bool = False
+    min_bulk_keys: int = 64
+    cache_dir: str | None = None
+    chunk_size: int = 1024
+
+    needs_model = True
+
+    def __post_init__(self) -> None:
+        from qada.moments.prompts import PROMPT_BUILDERS
+
+        for name, low in (("offset", 0), ("min_bulk_keys", 0), ("chunk_size", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"expected {name} to be an int >= {low} but got {value!r}")
+        if self.length is not None and (
+            isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1
+        ):
+            raise ValueError(f"expected length to be None or an int >= 1 but got {self.length!r}")
+        if not isinstance(self.include_sinks, bool):
+            raise ValueError(f"expected include_sinks to be a bool but got {self.include_sinks!r}")
+        if self.prompt not in PROMPT_BUILDERS:
+            raise ValueError(f"expected prompt in {sorted(PROMPT_BUILDERS)} but got {self.prompt!r}")
+        if self.path is not None:
+            self.path = os.fspath(self.path)
+        self._warned_short = False
+
+    # --- shared helpers --------------------------------------------------------------------------------
+    def first(self, window: Window) -> int:
+        """Where the reference bulk starts: ``T_sink``, or 0 with ``include_sinks``."""
+        return 0 if self.include_sinks else window.t_sink
+
+    def _ends(
+        self, keys: torch.Tensor, start: torch.Tensor | None, window: Window, available: int
+    ) -> torch.Tensor:
+        b, T = keys.shape[0], keys.shape[2]
+        starts = torch.zeros(b, dtype=torch.long) if start is None else start.detach().to("cpu", torch.long)
+        if starts.shape != (b,):
+            raise ValueError(f"expected start of shape [{b}] but got {tuple(starts.shape)}")
+        first = self.first(window)
+        end = reference_bulk_end(T - starts, window, self.offset, first, self.min_bulk_keys)
+        if bool((end > available).any()) and not self._warned_short:
+            self._warned_short = True
+            warnings.warn(
+                f"the reference ({available} keys) is shorter than this prompt needs (up to {int(end.max())} "
+                f"keys): using all of it. Build a longer reference (length=...) to avoid this.",
+                stacklevel=3,
+            )
+        return end.clamp(max=available)
+
+    def resolved_length(self, model: Any) -> int:
+        """``length``, or the model's maximum positions capped at 32768."""
+        if self.length is not None:
+            return self.length
+        max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        return min(int(max_positions or MAX_REFERENCE_LENGTH), MAX_REFERENCE_LENGTH)
+
+    def _cache_file(self, kind: str, fingerprint: dict[str, Any], length: int, extra: str = "") -> Path:
+        key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+        model = fingerprint.get("model_type")
+        name = f"{kind}-{model}-{key}-{self.prompt}-n{length}-s{self.seed}{extra}.safetensors"
+        return cache_dir(self.cache_dir) / name
+
+    def reference_keys_for(self, model: Any, tokenizer: Any) -> ReferenceKeys:
+        """Reference keys for ``model``: loaded from the cache, or built (prompt, forward) and cached."""
+        from qada.moments.prompts import build_reference_prompt
+
+        fingerprint = model_fingerprint(model.config, model)
+        length = self.resolved_length(model)
+        file = self._cache_file("reference", fingerprint, length)
+        if file.exists():
+            try:
+                return ReferenceKeys.load(file, fingerprint)
+            except ArtifactError as error:
+                warnings.warn(f"rebuilding the cached reference: {error}", stacklevel=2)
+        if tokenizer is None:
+            raise ValueError(
+                f"expected a tokenizer to build the {self.prompt!r} reference prompt (or an artifact path) "
+                f"but got None"
+            )
+        ids = build_reference_prompt(self.prompt, tokenizer, length, self.seed)
+        info = {"prompt": self.prompt, "seed": self.seed}
+        reference = collect_reference_keys(model, ids, self.chunk_size, dtype=torch.float32, info=info)
+        # Cached in float16 (half the disk); use what was cached so fresh and cached runs agree.
+        reference.keys = reference.keys.to(torch.float16)
+        reference.save(file)
+        return reference
+
+
+@register_moment_source("stored")
+@dataclass
+class StoredMoments(ReferenceMomentSource):
+    """Moments of a reference prompt's bulk keys ``[first, n - offset)``, per layer, KV head and row.
+
+    Reference keys come from :meth:`prepare` (``path``, or built and cached for the model) or
+    :meth:`set_reference`. The float64 shifted sums of each row's range are kept and moved as the prompt
+    grows: one key per decode step, O(d²), whatever ``T``; a jump (new prefill) costs O(|jump| d²).
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._reference: ReferenceKeys | None = None
+        self._keys: dict[torch.device, torch.Tensor] = {}
+        self._shift: dict[torch.device, torch.Tensor] = {}
+        self._state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    # --- reference ---------------------------------------------------------------------------------------
+    def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:
+        if self.path is not None:
+            self.set_reference(ReferenceKeys.load(self.path, model_fingerprint(model.config, model)))
+        else:
+            self.set_reference(self.reference_keys_for(model, tokenizer))
+
+    def set_reference(self, reference: ReferenceKeys) -> None:
+        """Use ``reference`` (keys ``[L, H_kv, N, d]``) from now on; per-sequence state is reset."""
+        self._reference = reference
+        self._keys.clear()
+        self._shift.clear()
+        self.reset()
+
+    @property
+    def reference(self) -> ReferenceKeys:
+        if self._reference is None:
+            raise RuntimeError(
+                "stored moments have no reference: call prepare(model, tokenizer) or set_reference"
+            )
+        return self._reference
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._keys:
+            keys = self.reference.keys.to(device=device, dtype=torch.float32)
+            self._keys[device] = keys
+            self._shift[device] = keys.double().mean(2)  # [L, H_kv, d]: sums around it keep their precision
+        return self._keys[device], self._shift[device]
+
+    # --- MomentSource --------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._state.clear()
+
+    def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+        self._state.pop(layer, None)
+
+    def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+        """Nothing to do: :meth:`moments` moves each row's range to the current length."""
+
+    def moments(
+        self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window
+    ) -> BulkMoments:
+        ref, shift = self._on(keys.device)
+        if not 0 <= layer < ref.shape[0]:
+            raise ValueError(f"expected a layer in [0, {ref.shape[0]}) but got {layer}")
+        if keys.shape[1] != ref.shape[1] or keys.shape[3] != ref.shape[3]:
+            raise ValueError(
+                f"expected keys with {ref.shape[1]} KV heads of dim {ref.shape[3]} (the reference) but got "
+                f"{tuple(keys.shape)}"
+            )
+        ref, shift = ref[layer], shift[layer]  # [H_kv, N, d], [H_kv, d]
+        first = self.first(window)
+        end = self._ends(keys, start, window, ref.shape[1]).to(keys.device)
+        self._move(layer, ref, shift, first, end)
+        count, s1, s2, _ = self._state[layer]
+        mean, cov = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
+        return BulkMoments(mean, cov)
+
+    def _move(
+        self, layer: int, ref: torch.Tensor, shift: torch.Tensor, first: int, end: torch.Tensor
+    ) -> None:
+        """Bring ``layer``'s per-row sums over ``[first, end_r)`` up to date (incrementally when possible)."""
+        b, (H_kv, _, d) = end.shape[0], ref.shape
+        state = self._state.get(layer)
+        if state is None or state[3].shape != end.shape:
+            device = ref.device
+            f64 = torch.float64
+            count = torch.zeros(b, H_kv, dtype=f64, device=device)
+            s1 = torch.zeros(b, H_kv, d, dtype=f64, device=device)
+            s2 = torch.zeros(b, H_kv, d, d, dtype=f64, device=device)
+            old = torch.full_like(end, first)
+        else:
+            count, s1, s2, old = state
+        delta = end - old
+        if bool((delta.abs() <= 1).all()):
+            if bool((delta != 0).any()):
+                # One key per row enters (delta = 1) or leaves (delta = -1): a vectorised rank-1 update.
+                index = torch.where(delta > 0, old, end).clamp(0, ref.shape[1] - 1)
+                x = ref[:, index].transpose(0, 1).double() - shift  # [b, H_kv, d]
+                w = delta.to(torch.float64)[:, None]
+                count = count + w
+                s1 = s1 + w[..., None] * x
+                s2 = s2 + w[..., None, None] * (x[..., :, None] * x[..., None, :])
+        else:
+            count, s1, s2 = count.clone(), s1.clone(), s2.clone()
+            for r in torch.nonzero(delta).flatten().tolist():
+                lo, hi = sorted((int(old[r]), int(end[r])))
+                sign = 1.0 if end[r] > old[r] else -1.0
+                n, t1, t2 = shifted_sums(ref[:, lo:hi], shift)
+                count[r] += sign * n
+                s1[r] += sign * t1
+                s2[r] += sign * t2
+        self._state[layer] = (count, s1, s2, end)

@@ -1,0 +1,222 @@
+"""Stored and bucketed reference moments, reference key collection from a tiny random Llama."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from qada.artifacts import ArtifactError
+from qada.moments import (
+    MOMENT_SOURCES,
+    BucketedMoments,
+    BucketedMomentsData,
+    ReferenceKeys,
+    StoredMoments,
+    collect_reference_keys,
+    reference_bulk_end,
+)
+from qada.moments.reference import bucket_ends, compute_bucketed_moments
+from qada.window import Window
+
+WINDOW = Window(16, 4)
+
+
+def explicit(ref: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``[H, d]`` and population covariance of ``ref[:, lo:hi]`` (``ref [H, N, d]``), float64."""
+    x = ref[:, lo:hi].double()
+    mean = x.mean(1)
+    c = x - mean[:, None]
+    return mean, c.transpose(1, 2) @ c / x.shape[1]
+
+
+@pytest.fixture
+def reference() -> ReferenceKeys:
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 2, 600, 4, generator=g) * 2 + 30
+    return ReferenceKeys(keys, {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4}, {"prompt": "test"})
+
+
+def cache(b: int, T: int) -> torch.Tensor:
+    return torch.zeros(b, 2, T, 4)
+
+
+def test_reference_bulk_end_rule():
+    n = torch.tensor([10, 16, 17, 100, 150, 300])
+    end = reference_bulk_end(n, WINDOW, offset=100, first=4, min_bulk_keys=64)
+    # no bulk -> empty; short -> the prompt's own bulk positions [4, 4 + n - 16); long -> n - offset
+    assert end.tolist() == [4, 4, 5, 88, 138, 200]
+    assert (end - 4 <= (n - 16).clamp(min=0)).all()  # never more keys than the prompt's own bulk
+
+
+def test_stored_picks_rows_first_to_n_minus_offset(reference):
+    source = MOMENT_SOURCES.build("stored", offset=100)
+    source.set_reference(reference)
+    start = torch.tensor([0, 40, 130])
+    T = 400
+    mean, cov = source.moments(1, cache(3, T), start, WINDOW)
+    for r in range(3):
+        n = T - int(start[r])
+        hi = n - 100 if n - 100 - 4 >= 64 else 4 + n - 16
+        m, c = explicit(reference.keys[1], 4, hi)
+        torch.testing.assert_close(mean[r].double(), m, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(cov[r].double(), c, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("include_sinks", [False, True])
+def test_stored_streaming_equals_fresh_lookup(reference, include_sinks):
+    streamed = StoredMoments(offset=50, include_sinks=include_sinks)
+    streamed.set_reference(reference)
+    start = torch.tensor([0, 90])
+    streamed.prefill(0, cache(2, 100), start, WINDOW)
+    for T in range(100, 600):
+        streamed.append(0, cache(2, T), start, WINDOW)
+        got = streamed.moments(0, cache(2, T), start, WINDOW)
+        if T % 97 == 0 or T == 599:
+            fresh = StoredMoments(offset=50, include_sinks=include_sinks)
+            fresh.set_reference(reference)
+            want = fresh.moments(0, cache(2, T), start, WINDOW)
+            torch.testing.assert_close(got.mean, want.mean, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.cov, want.cov, rtol=1e-4, atol=1e-4)
+    first = 0 if include_sinks else 4
+    m, c = explicit(reference.keys[0], first, 599 - 50)
+    torch.testing.assert_close(got.cov[0].double(), c, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.mean[0].double(), m, rtol=1e-5, atol=1e-4)
+
+
+def test_stored_short_rows_zero_and_warning_once(reference):
+    source = StoredMoments(offset=10)
+    source.set_reference(reference)
+    mean, cov = source.moments(0, cache(2, 12), None, WINDOW)
+    assert torch.all(mean == 0) and torch.all(cov == 0)  # no bulk
+    with pytest.warns(UserWarning, match="shorter"):
+        mean, _ = source.moments(0, cache(1, 700), None, WINDOW)
+    m, _ = explicit(reference.keys[0], 4, 600)
+    torch.testing.assert_close(mean[0].double(), m, rtol=1e-5, atol=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        source.moments(0, cache(1, 701), None, WINDOW)
+
+
+def test_stored_validation_and_missing_reference(reference):
+    for bad in ({"offset": -1}, {"min_bulk_keys": -2}, {"prompt": "poetry"}, {"length": 0}, {"seed": 1.5}):
+        with pytest.raises(ValueError, match="expected"):
+            StoredMoments(**bad)
+    with pytest.raises(RuntimeError, match="prepare"):
+        StoredMoments().moments(0, cache(1, 300), None, WINDOW)
+    source = StoredMoments()
+    source.set_reference(reference)
+    with pytest.raises(ValueError, match="KV heads"):
+        source.moments(0, torch.zeros(1, 3, 300, 4), None, WINDOW)
+
+
+def test_bucket_ends_grid():
+    assert bucket_ends(2000, 512, 16, 64) == [80, 144, 272, 512, 1024, 1536, 2000]
+    assert bucket_ends(1024, 512, 0, 64) == [64, 128, 256, 512, 1024]
+    with pytest.raises(ValueError, match="bucket_size"):
+        bucket_ends(100, 0, 0)
+
+
+def test_bucketed_picks_largest_bucket_below_target(reference):
+    data = compute_bucketed_moments(reference, bucket_size=100, first=4, min_keys=64)
+    assert data.ends.tolist() == [68, 100, 200, 300, 400, 500, 600]
+    source = MOMENT_SOURCES.build("bucketed", offset=50, bucket_size=100)
+    source.set_data(data)
+    start = torch.tensor([0, 100, 200, 380, 250])
+    T = 450  # n = 450, 350, 250, 70, 200 -> targets 400, 300, 200, 4 + 54 (short), 150
+    index = source.bucket_index(cache(5, T), start, WINDOW)
+    assert data.ends[index[:3]].tolist() == [400, 300, 200]
+    assert index[3] == 0  # below the smallest bucket: the smallest one
+    assert data.ends[index[4]] == 100
+    mean, cov = source.moments(1, cache(5, T), start, WINDOW)
+    for r, hi in enumerate([400, 300, 200, 68, 100]):
+        m, c = explicit(reference.keys[1], 4, hi)
+        torch.testing.assert_close(mean[r].double(), m, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(cov[r].double(), c, rtol=1e-4, atol=1e-4)
+    mean, _ = source.moments(0, cache(1, 10), None, WINDOW)
+    assert torch.all(mean == 0)
+    with pytest.raises(ValueError, match="bulk starts"):
+        source.moments(0, cache(1, 300), None, Window(16, 8))
+    with pytest.raises(ValueError, match="bucket_size"):
+        BucketedMoments(bucket_size=0)
+
+
+def test_reference_and_bucketed_round_trip(tmp_path, reference):
+    path = reference.save(tmp_path / "ref.safetensors")
+    loaded = ReferenceKeys.load(path, reference.fingerprint)
+    assert torch.equal(loaded.keys, reference.keys) and loaded.info == {"prompt": "test"}
+    data = compute_bucketed_moments(reference, 128, 4)
+    data.save(tmp_path / "b.safetensors")
+    back = BucketedMomentsData.load(tmp_path / "b.safetensors", reference.fingerprint, first=4)
+    assert torch.equal(back.ends, data.ends) and torch.equal(back.cov, data.cov) and back.first == 4
+    with pytest.raises(ArtifactError, match="window"):
+        BucketedMomentsData.load(tmp_path / "b.safetensors", first=0)
+    with pytest.raises(ArtifactError, match="bucketed_moments"):
+        ReferenceKeys.load(tmp_path / "b.safetensors")
+    source = StoredMoments(path=str(path))
+    assert source.to_config()["path"] == str(path)
+
+
+# --- reference keys from a tiny model --------------------------------------------------------------------
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def test_collect_reference_keys_chunked_equals_single_forward():
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (1, 45), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    full = torch.stack([layer.keys[0] for layer in out.past_key_values.layers])
+    seen = []
+    chunked = collect_reference_keys(model, ids, chunk_size=16, progress=seen.append)
+    single = collect_reference_keys(model, ids[0], chunk_size=None)
+    assert chunked.keys.shape == (2, 2, 45, 16) and seen == [16, 32, 45]
+    torch.testing.assert_close(single.keys, full, rtol=0, atol=0)
+    torch.testing.assert_close(chunked.keys, full, rtol=1e-5, atol=1e-5)
+    assert chunked.fingerprint["num_kv_heads"] == 2 and "weights" in chunked.fingerprint
+
+
+class WordTokenizer:
+    """A fake word-level tokenizer: one id per whitespace-separated word (hash of the word)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [sum(map(ord, word)) % 97 for word in text.split()]
+
+
+def test_prepare_builds_caches_and_reloads(tmp_path, monkeypatch):
+    monkeypatch.setenv("QADA_CACHE_DIR", str(tmp_path))
+    model = tiny_llama()
+    source = StoredMoments(length=200, chunk_size=64)
+    source.prepare(model, WordTokenizer())
+    files = list(tmp_path.glob("reference-llama-*-random_words-n200-s0.safetensors"))
+    assert len(files) == 1 and source.reference.keys.shape == (2, 2, 200, 16)
+    again = StoredMoments(length=200)
+    again.prepare(model, None)  # cached: no tokenizer needed
+    assert torch.equal(again.reference.keys, source.reference.keys)
+    bucketed = BucketedMoments(length=200, bucket_size=64, offset=20)
+    bucketed.prepare(model, None, WINDOW)
+    assert bucketed.data.ends.tolist() == [64, 128, 192, 200]
+    assert len(list(tmp_path.glob("bucketed-*.safetensors"))) == 1
+    other = tiny_llama()
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.add_(1.0)  # same config, other weights
+    with pytest.raises(ArtifactError, match="weights"):
+        StoredMoments(path=str(files[0])).prepare(other, None)
+    with pytest.raises(ValueError, match="tokenizer"):
+        StoredMoments(length=100).prepare(model, None)

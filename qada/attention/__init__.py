@@ -1,0 +1,24 @@
+"""Attention executors: compute one decode step given the per-head local/dense decision.
+
+Importing this package registers the built-in executors in :data:`EXECUTORS` (cheap: no triton import, no
+compilation; those happen on an executor's first call).
+"""
+
+from qada.attention.base import EXECUTORS, AttentionExecutor, ExecutorOutput, register_executor
+from qada.attention.flex import FlexExecutor
+from qada.attention.group_policy import GROUP_POLICIES, apply_group_policy, check_group_policy
+from qada.attention.reference import ReferenceExecutor
+from qada.attention.sdpa import SDPAExecutor
+
+__all__ = [
+    "EXECUTORS",
+    "GROUP_POLICIES",
+    "AttentionExecutor",
+    "ExecutorOutput",
+    "FlexExecutor",
+    "ReferenceExecutor",
+    "SDPAExecutor",
+    "apply_group_policy",
+    "check_group_policy",
+    "register_executor",
+]

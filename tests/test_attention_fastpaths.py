@@ -1,0 +1,177 @@
+"""The ``sdpa`` and ``flex`` executors equal the reference over generated shapes, masks, dtypes and policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qada.attention  # noqa: F401  (registers every executor)
+from qada.attention import EXECUTORS, ExecutorOutput
+from qada.window import Window
+
+WINDOW = Window(16, 4)
+TOLERANCE = {  # (atol, rtol) against the float32 reference cast to the input dtype
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+def make_case(b, H, H_kv, T, d, starts, mask, dtype, seed=0):
+    """Random ``q [b,H,1,d]``, ``K, V [b,H_kv,T,d]``, ``local [b,H]`` of a kind, ``start [b]`` or None."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, H, 1, d, generator=g)
+    k = torch.randn(b, H_kv, T, d, generator=g) * 1.5
+    v = torch.randn(b, H_kv, T, d, generator=g)
+    if mask == "local":
+        local = torch.ones(b, H, dtype=torch.bool)
+    elif mask == "dense":
+        local = torch.zeros(b, H, dtype=torch.bool)
+    elif mask == "mixed":
+        local = torch.rand(b, H, generator=g) < 0.5
+    elif mask == "one_group_local":  # some KV groups fully local (bulk skipped), others mixed
+        local = torch.rand(b, H, generator=g) < 0.5
+        local.view(b, H_kv, H // H_kv)[:, 0] = True
+        local.view(b, H_kv, H // H_kv)[:, -1, 0] = False
+    else:
+        raise ValueError(mask)
+    start = None if starts is None else torch.tensor(starts)
+    return q.to(dtype), k.to(dtype), v.to(dtype), local, start
+
+
+def check_against_reference(executor, case, window=WINDOW) -> ExecutorOutput:
+    q, k, v, local, start = case
+    ref = EXECUTORS.build("reference", group_policy=executor.group_policy)(q, k, v, local, window, start=start)
+    got = executor(q, k, v, local, window, start=start)
+    assert got.output.shape == q.shape and got.output.dtype == q.dtype
+    atol, rtol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(got.output.float(), ref.output.float(), atol=atol, rtol=rtol)
+    assert torch.equal(got.local, ref.local)
+    assert got.sparsity.ndim == 0 and got.kv_sparsity.ndim == 0
+    torch.testing.assert_close(got.sparsity, ref.sparsity)
+    torch.testing.assert_close(got.kv_sparsity, ref.kv_sparsity)
+    return got
+
+
+FAST = ["sdpa", "flex_eager"]
+
+
+def build(name: str, policy: str):
+    if name == "flex_eager":
+        return EXECUTORS.build("flex", group_policy=policy, compile=False)
+    return EXECUTORS.build(name, group_policy=policy)
+
+
+SHAPES = [  # (b, H, H_kv, T, d, starts)
+    (1, 4, 4, 7, 8, None),  # T < T_local: no bulk
+    (1, 4, 2, 16, 8, None),  # T == T_local
+    (1, 4, 1, 17, 8, None),  # one bulk token
+    (3, 8, 2, 45, 16, [0, 9, 30]),  # left padding; last row has exactly T_local - 1 real tokens
+    (2, 4, 1, 131, 32, [3, 0]),
+    (2, 8, 4, 99, 16, [98, 50]),  # a row with a single real token
+]
+
+
+@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(str(x) for x in s[:5]))
+@pytest.mark.parametrize("mask", ["local", "dense", "mixed", "one_group_local"])
+@pytest.mark.parametrize("policy", ["exact", "promote"])
+def test_fast_path_equals_reference_float32(name, shape, mask, policy):
+    b, H, H_kv, T, d, starts = shape
+    check_against_reference(build(name, policy), make_case(b, H, H_kv, T, d, starts, mask, torch.float32, seed=T))
+
+
+@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("policy", ["exact", "promote"])
+def test_fast_path_equals_reference_half(name, dtype, policy):
+    case = make_case(2, 8, 2, 77, 16, [0, 20], "one_group_local", dtype, seed=1)
+    check_against_reference(build(name, policy), case)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 3),
+    H_kv=st.integers(1, 3),
+    G=st.sampled_from([1, 2, 4]),
+    T=st.integers(1, 150),
+    d=st.sampled_from([4, 8, 16]),
+    t_local=st.integers(1, 40),
+    t_sink_frac=st.floats(0, 1),
+    policy=st.sampled_from(["exact", "promote"]),
+    mask=st.sampled_from(["local", "dense", "mixed", "one_group_local"]),
+    name=st.sampled_from(FAST),
+    data=st.data(),
+)
+def test_fast_path_equals_reference_generated(b, H_kv, G, T, d, t_local, t_sink_frac, policy, mask, name, data):
+    window = Window(t_local, int(t_sink_frac * t_local))
+    starts = data.draw(st.one_of(st.none(), st.lists(st.integers(0, T - 1), min_size=b, max_size=b)))
+    case = make_case(b, H_kv * G, H_kv, T, d, starts, mask, torch.float32, seed=T)
+    check_against_reference(build(name, policy), case, window)
+
+
+def test_sdpa_skips_full_attention_for_local_groups():
+    """Full attention is computed only for read groups: poison the keys of a skipped group's bulk."""
+    q, k, v, local, start = make_case(2, 4, 2, 60, 8, [0, 10], "dense", torch.float32)
+    local[:, :2] = True  # KV head 0 is local in both rows: its bulk must never be read
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k[:, 0, 20:40] = float("nan")  # inside both rows' bulk: [4, 48) and [14, 48)
+    poisoned_v[:, 0, 20:40] = float("nan")
+    got = EXECUTORS.build("sdpa")(q, poisoned_k, poisoned_v, local, WINDOW, start=start)
+    ref = EXECUTORS.build("reference")(q, k, v, local, WINDOW, start=start)
+    torch.testing.assert_close(got.output, ref.output, atol=2e-5, rtol=2e-5)
+
+
+def test_flex_block_lists_skip_the_bulk_by_hand():
+    from qada.attention.flex import _kv_blocks
+
+    # T = 100, blocks of 16 (7 blocks), window (16, 4): row 0 real [0, 100), bulk [4, 88); row 1 real [40, 100)
+    start = torch.tensor([0, 40])
+    dense = torch.tensor([[False, True], [False, True]])
+    kv_num, kv_indices = _kv_blocks(start, 100, dense, Window(16, 4), 7, 16)
+    assert kv_num[:, :, 0].tolist() == [[3, 7], [3, 5]]  # local: the sink block + the recent blocks only
+    assert kv_indices[0, 0, 0, :3].tolist() == [0, 5, 6]  # [0, 4) in block 0, [88, 100) in blocks 5, 6
+    assert kv_indices[1, 0, 0, :3].tolist() == [2, 5, 6]  # row 1's sinks [40, 44) in block 2
+    assert kv_num.dtype == torch.int32 and kv_indices.shape == (2, 2, 1, 7)
+    kv_num, kv_indices = _kv_blocks(start, 100, dense, Window(16, 0), 7, 16)
+    assert kv_indices[0, 0, 0, :2].tolist() == [5, 6] and kv_num[0, 0, 0] == 2  # no sinks
+
+
+def test_flex_bucket_lengths():
+    flex = EXECUTORS.build("flex", block_size=16)
+    assert [flex.bucket_length(T) for T in (1, 16, 17, 32, 33, 64, 65, 200)] == [16, 16, 32, 32, 64, 64, 128, 256]
+    with pytest.raises(ValueError, match="expected block_size to be a power of two"):
+        EXECUTORS.build("flex", block_size=24)
+    with pytest.raises(ValueError, match="expected compile in"):
+        EXECUTORS.build("flex", compile="yes")
+
+
+def test_flex_without_compiler_warns_or_raises(monkeypatch):
+    monkeypatch.setattr("qada.attention.flex.shutil.which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    case = make_case(1, 2, 1, 40, 8, None, "mixed", torch.float32)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        EXECUTORS.build("flex", compile=True)(*case[:4], WINDOW)
+    with pytest.warns(UserWarning, match="uncompiled"):
+        check_against_reference(EXECUTORS.build("flex"), case)
+
+
+def test_flex_compiled_reuses_block_mask_without_recompiling():
+    """One compilation per bucket: later steps change local, starts and T inside the bucket, no recompile."""
+    import torch._dynamo
+
+    from qada.attention.flex import flex_compile_support
+
+    reason = flex_compile_support(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"torch.compile(flex_attention) is not available on this CPU: {reason}")
+    torch._dynamo.reset()
+    flex = EXECUTORS.build("flex", compile=True, block_size=32)
+    steps = [(70, [0, 5], "mixed"), (71, [2, 70], "one_group_local"), (90, [1, 30], "dense")]
+    for i, (T, starts, mask) in enumerate(steps):  # all in the 128 bucket
+        case = make_case(2, 4, 2, T, 16, starts, mask, torch.float32, seed=i)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            check_against_reference(flex, case)
+    assert len(flex._states) == 1

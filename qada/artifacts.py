@@ -203,8 +203,7 @@ def _open_metadata(path: Path) -> tuple[dict[str, str], dict[str, tuple[tuple[in
         raise ArtifactError(f"artifact {str(path)!r} is not a qada artifact (no 'format: qada' metadata)")
     if metadata.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(
-            f"artifact {str(path)!r} has format version {metadata.get('format_version')!r}; "
-            f"expected {FORMAT_VERSION!r}"
+            f"artifact {str(path)!r} has format version {metadata.get('format_version')!r}; expected {FORMAT_VERSION!r}"
         )
     return metadata, shapes
 
@@ -244,15 +243,11 @@ def load_artifact(
         raise ArtifactError(f"artifact {info.path!r} holds {info.kind!r}; expected {kind!r}")
     missing = sorted(set(required) - set(info.tensors))
     if missing:
-        raise ArtifactError(
-            f"artifact {info.path!r} is missing tensor(s) {missing}; it has {sorted(info.tensors)}"
-        )
+        raise ArtifactError(f"artifact {info.path!r} is missing tensor(s) {missing}; it has {sorted(info.tensors)}")
     if fingerprint is not None:
         check_fingerprint(fingerprint, info.model, what=f"artifact {info.path!r}")
     if window is not None and _plain(window) != info.window:
-        raise ArtifactError(
-            f"artifact {info.path!r} was made for window {info.window!r}; expected {_plain(window)!r}"
-        )
+        raise ArtifactError(f"artifact {info.path!r} was made for window {info.window!r}; expected {_plain(window)!r}")
     try:
         tensors = load_file(info.path)
     except Exception as error:
@@ -276,9 +271,7 @@ def save_head_mask(
     """Save an ``[L, H]`` bool mask (True = local) for the static criterion."""
     mask = torch.as_tensor(mask)
     if mask.ndim != 2 or mask.dtype != torch.bool:
-        raise ValueError(
-            f"expected a bool mask of shape [layers, heads] but got {mask.dtype} {tuple(mask.shape)}"
-        )
+        raise ValueError(f"expected a bool mask of shape [layers, heads] but got {mask.dtype} {tuple(mask.shape)}")
     L, H = mask.shape
     if fingerprint.get("num_layers") not in (None, L) or fingerprint.get("num_heads") not in (None, H):
         raise ValueError(

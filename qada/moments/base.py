@@ -64,9 +64,7 @@ class MomentSource(Component, abc.ABC):
         """One decode step of ``layer``: ``keys [b, H_kv, T+1, d]`` is the cache after appending one key."""
 
     @abc.abstractmethod
-    def moments(
-        self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window
-    ) -> BulkMoments:
+    def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> BulkMoments:
         """Bulk moments for the current step of ``layer``: mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``."""
 
 

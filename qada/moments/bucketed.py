@@ -36,11 +36,7 @@ class BucketedMoments(ReferenceMomentSource):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if (
-            isinstance(self.bucket_size, bool)
-            or not isinstance(self.bucket_size, int)
-            or self.bucket_size < 1
-        ):
+        if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1:
             raise ValueError(f"expected bucket_size to be an int >= 1 but got {self.bucket_size!r}")
         self._data: BucketedMomentsData | None = None
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -99,9 +95,7 @@ class BucketedMoments(ReferenceMomentSource):
         index = torch.searchsorted(ends, target, right=True) - 1
         return torch.where(target > data.first, index.clamp(min=0), torch.full_like(index, -1))
 
-    def moments(
-        self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window
-    ) -> BulkMoments:
+    def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> BulkMoments:
         data = self.data
         if not 0 <= layer < data.mean.shape[0]:
             raise ValueError(f"expected a layer in [0, {data.mean.shape[0]}) but got {layer}")

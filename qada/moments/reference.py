@@ -40,18 +40,12 @@ class ReferenceKeys:
 
     def __post_init__(self) -> None:
         if not isinstance(self.keys, torch.Tensor) or self.keys.ndim != 4:
-            shape = (
-                tuple(self.keys.shape) if isinstance(self.keys, torch.Tensor) else type(self.keys).__name__
-            )
-            raise ValueError(
-                f"expected reference keys of shape [layers, kv_heads, length, head_dim] but got {shape}"
-            )
+            shape = tuple(self.keys.shape) if isinstance(self.keys, torch.Tensor) else type(self.keys).__name__
+            raise ValueError(f"expected reference keys of shape [layers, kv_heads, length, head_dim] but got {shape}")
         L, H_kv, _, d = self.keys.shape
         for name, value in (("num_layers", L), ("num_kv_heads", H_kv), ("head_dim", d)):
             if self.fingerprint.get(name, value) != value:
-                raise ValueError(
-                    f"expected {name}={self.fingerprint[name]} from the fingerprint but got {value}"
-                )
+                raise ValueError(f"expected {name}={self.fingerprint[name]} from the fingerprint but got {value}")
 
     @property
     def length(self) -> int:
@@ -66,11 +60,7 @@ class ReferenceKeys:
         tensors, info = load_artifact(path, "reference_keys", required=("keys",), fingerprint=fingerprint)
         keys = tensors["keys"]
         expected = [info.model.get(k) for k in ("num_layers", "num_kv_heads")]
-        if (
-            keys.ndim != 4
-            or [keys.shape[0], keys.shape[1]] != expected
-            or keys.shape[3] != info.model.get("head_dim")
-        ):
+        if keys.ndim != 4 or [keys.shape[0], keys.shape[1]] != expected or keys.shape[3] != info.model.get("head_dim"):
             raise ArtifactError(
                 f"artifact {info.path!r} holds keys of shape {list(keys.shape)}, which do not fit its model "
                 f"(layers, kv_heads, head_dim = {expected + [info.model.get('head_dim')]})"
@@ -213,9 +203,7 @@ class BucketedMomentsData:
                 dict(info.info),
             )
         except (ValueError, TypeError, KeyError) as error:
-            raise ArtifactError(
-                f"artifact {info.path!r} holds inconsistent bucketed moments ({error})"
-            ) from error
+            raise ArtifactError(f"artifact {info.path!r} holds inconsistent bucketed moments ({error})") from error
 
 
 def compute_bucketed_moments(

@@ -107,9 +107,7 @@ class ReferenceMomentSource(MomentSource):
         """Where the reference bulk starts: ``T_sink``, or 0 with ``include_sinks``."""
         return 0 if self.include_sinks else window.t_sink
 
-    def _ends(
-        self, keys: torch.Tensor, start: torch.Tensor | None, window: Window, available: int
-    ) -> torch.Tensor:
+    def _ends(self, keys: torch.Tensor, start: torch.Tensor | None, window: Window, available: int) -> torch.Tensor:
         b, T = keys.shape[0], keys.shape[2]
         starts = torch.zeros(b, dtype=torch.long) if start is None else start.detach().to("cpu", torch.long)
         if starts.shape != (b,):
@@ -152,8 +150,7 @@ class ReferenceMomentSource(MomentSource):
                 warnings.warn(f"rebuilding the cached reference: {error}", stacklevel=2)
         if tokenizer is None:
             raise ValueError(
-                f"expected a tokenizer to build the {self.prompt!r} reference prompt (or an artifact path) "
-                f"but got None"
+                f"expected a tokenizer to build the {self.prompt!r} reference prompt (or an artifact path) but got None"
             )
         ids = build_reference_prompt(self.prompt, tokenizer, length, self.seed)
         info = {"prompt": self.prompt, "seed": self.seed}
@@ -198,9 +195,7 @@ class StoredMoments(ReferenceMomentSource):
     @property
     def reference(self) -> ReferenceKeys:
         if self._reference is None:
-            raise RuntimeError(
-                "stored moments have no reference: call prepare(model, tokenizer) or set_reference"
-            )
+            raise RuntimeError("stored moments have no reference: call prepare(model, tokenizer) or set_reference")
         return self._reference
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,9 +215,7 @@ class StoredMoments(ReferenceMomentSource):
     def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
         """Nothing to do: :meth:`moments` moves each row's range to the current length."""
 
-    def moments(
-        self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window
-    ) -> BulkMoments:
+    def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> BulkMoments:
         ref, shift = self._on(keys.device)
         if not 0 <= layer < ref.shape[0]:
             raise ValueError(f"expected a layer in [0, {ref.shape[0]}) but got {layer}")
@@ -239,9 +232,7 @@ class StoredMoments(ReferenceMomentSource):
         mean, cov = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
         return BulkMoments(mean, cov)
 
-    def _move(
-        self, layer: int, ref: torch.Tensor, shift: torch.Tensor, first: int, end: torch.Tensor
-    ) -> None:
+    def _move(self, layer: int, ref: torch.Tensor, shift: torch.Tensor, first: int, end: torch.Tensor) -> None:
         """Bring ``layer``'s per-row sums over ``[first, end_r)`` up to date (incrementally when possible)."""
         b, (H_kv, _, d) = end.shape[0], ref.shape
         state = self._state.get(layer)

@@ -6,6 +6,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qada.artifacts import ArtifactError
 from qada.moments import (
@@ -220,3 +222,36 @@ def test_prepare_builds_caches_and_reloads(tmp_path, monkeypatch):
         StoredMoments(path=str(files[0])).prepare(other, None)
     with pytest.raises(ValueError, match="tokenizer"):
         StoredMoments(length=100).prepare(model, None)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    T=st.integers(1, 700),
+    starts=st.lists(st.integers(0, 700), min_size=1, max_size=3),
+    offset=st.integers(0, 300),
+    t_local=st.integers(1, 40),
+    sink_frac=st.floats(0, 1),
+    include_sinks=st.booleans(),
+)
+def test_stored_matches_explicit_rows(T, starts, offset, t_local, sink_frac, include_sinks):
+    g = torch.Generator().manual_seed(T)
+    ref = torch.randn(1, 1, 500, 3, generator=g) + 5
+    window = Window(t_local, int(sink_frac * t_local))
+    source = StoredMoments(offset=offset, include_sinks=include_sinks, min_bulk_keys=20)
+    source.set_reference(ReferenceKeys(ref))
+    start = torch.tensor(starts).clamp(max=T - 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mean, cov = source.moments(0, torch.zeros(len(starts), 1, T, 3), start, window)
+    first = 0 if include_sinks else window.t_sink
+    for r, s in enumerate(start.tolist()):
+        n = T - s
+        t_bulk = max(0, n - t_local)
+        hi = n - offset if n - offset - first >= 20 else first + t_bulk
+        hi = min(hi, 500) if t_bulk > 0 else first
+        if hi <= first:
+            assert torch.all(mean[r] == 0) and torch.all(cov[r] == 0)
+        else:
+            m, c = explicit(ref[0], first, hi)
+            torch.testing.assert_close(mean[r].double(), m, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cov[r].double(), c, rtol=1e-4, atol=1e-4)

@@ -74,7 +74,8 @@ class BucketedMoments(ReferenceMomentSource):
         return self._data
 
     def reset(self) -> None:
-        """Stateless per sequence: nothing to forget."""
+        """Stateless per sequence apart from a CPU copy of ``start``."""
+        self._starts_cpu = None
 
     def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
         """Nothing to do: the lookup depends on the current length only."""

@@ -101,15 +101,26 @@ class ReferenceMomentSource(MomentSource):
         if self.path is not None:
             self.path = os.fspath(self.path)
         self._warned_short = False
+        self._starts_cpu: tuple[tuple, torch.Tensor] | None = None
 
     # --- shared helpers --------------------------------------------------------------------------------
     def first(self, window: Window) -> int:
         """Where the reference bulk starts: ``T_sink``, or 0 with ``include_sinks``."""
         return 0 if self.include_sinks else window.t_sink
 
+    def _cpu_starts(self, start: torch.Tensor | None, b: int) -> torch.Tensor:
+        """``start`` on the CPU, copied once per tensor (no device sync on every step and layer)."""
+        if start is None:
+            return torch.zeros(b, dtype=torch.long)
+        key = (start.data_ptr(), str(start.device), tuple(start.shape), start._version)
+        if self._starts_cpu is None or self._starts_cpu[0] != key:
+            self._starts_cpu = (key, start.detach().to("cpu", torch.long))
+        return self._starts_cpu[1]
+
     def _ends(self, keys: torch.Tensor, start: torch.Tensor | None, window: Window, available: int) -> torch.Tensor:
+        """``[b]`` CPU LongTensor of each row's reference bulk end, clamped to ``available`` (warns once)."""
         b, T = keys.shape[0], keys.shape[2]
-        starts = torch.zeros(b, dtype=torch.long) if start is None else start.detach().to("cpu", torch.long)
+        starts = self._cpu_starts(start, b)
         if starts.shape != (b,):
             raise ValueError(f"expected start of shape [{b}] but got {tuple(starts.shape)}")
         first = self.first(window)
@@ -176,7 +187,7 @@ class StoredMoments(ReferenceMomentSource):
         self._reference: ReferenceKeys | None = None
         self._keys: dict[torch.device, torch.Tensor] = {}
         self._shift: dict[torch.device, torch.Tensor] = {}
-        self._state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
 
     # --- reference ---------------------------------------------------------------------------------------
     def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:
@@ -208,6 +219,7 @@ class StoredMoments(ReferenceMomentSource):
     # --- MomentSource --------------------------------------------------------------------------------------
     def reset(self) -> None:
         self._state.clear()
+        self._starts_cpu = None
 
     def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
         self._state.pop(layer, None)
@@ -226,9 +238,9 @@ class StoredMoments(ReferenceMomentSource):
             )
         ref, shift = ref[layer], shift[layer]  # [H_kv, N, d], [H_kv, d]
         first = self.first(window)
-        end = self._ends(keys, start, window, ref.shape[1]).to(keys.device)
+        end = self._ends(keys, start, window, ref.shape[1])
         self._move(layer, ref, shift, first, end)
-        count, s1, s2, _ = self._state[layer]
+        count, s1, s2, _, _ = self._state[layer]
         mean, cov = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
         return BulkMoments(mean, cov)
 
@@ -236,7 +248,7 @@ class StoredMoments(ReferenceMomentSource):
         """Bring ``layer``'s per-row sums over ``[first, end_r)`` up to date (incrementally when possible)."""
         b, (H_kv, _, d) = end.shape[0], ref.shape
         state = self._state.get(layer)
-        if state is None or state[3].shape != end.shape:
+        if state is None or state[3].shape != end.shape or state[4] != first:
             device = ref.device
             f64 = torch.float64
             count = torch.zeros(b, H_kv, dtype=f64, device=device)
@@ -244,14 +256,14 @@ class StoredMoments(ReferenceMomentSource):
             s2 = torch.zeros(b, H_kv, d, d, dtype=f64, device=device)
             old = torch.full_like(end, first)
         else:
-            count, s1, s2, old = state
+            count, s1, s2, old, _ = state
         delta = end - old
         if bool((delta.abs() <= 1).all()):
             if bool((delta != 0).any()):
                 # One key per row enters (delta = 1) or leaves (delta = -1): a vectorised rank-1 update.
-                index = torch.where(delta > 0, old, end).clamp(0, ref.shape[1] - 1)
+                index = torch.where(delta > 0, old, end).clamp(0, ref.shape[1] - 1).to(ref.device)
                 x = ref[:, index].transpose(0, 1).double() - shift  # [b, H_kv, d]
-                w = delta.to(torch.float64)[:, None]
+                w = delta.to(device=ref.device, dtype=torch.float64)[:, None]
                 count = count + w
                 s1 = s1 + w[..., None] * x
                 s2 = s2 + w[..., None, None] * (x[..., :, None] * x[..., None, :])
@@ -264,4 +276,4 @@ class StoredMoments(ReferenceMomentSource):
                 count[r] += sign * n
                 s1[r] += sign * t1
                 s2[r] += sign * t2
-        self._state[layer] = (count, s1, s2, end)
+        self._state[layer] = (count, s1, s2, end, first)

@@ -9,6 +9,7 @@ from qada.attention.flex import FlexExecutor
 from qada.attention.group_policy import GROUP_POLICIES, apply_group_policy, check_group_policy
 from qada.attention.reference import ReferenceExecutor
 from qada.attention.sdpa import SDPAExecutor
+from qada.attention.triton_decode import TritonExecutor, check_triton_runtime
 
 __all__ = [
     "EXECUTORS",
@@ -18,7 +19,9 @@ __all__ = [
     "FlexExecutor",
     "ReferenceExecutor",
     "SDPAExecutor",
+    "TritonExecutor",
     "apply_group_policy",
     "check_group_policy",
+    "check_triton_runtime",
     "register_executor",
 ]

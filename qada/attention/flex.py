@@ -77,7 +77,7 @@ def _kv_blocks(start: torch.Tensor, T: int, dense: torch.Tensor, window: Window,
     sink_end = (first + window.t_sink).clamp(max=T)
     bulk_end = torch.maximum(torch.full_like(sink_end, T - window.t_recent), sink_end)
     real = (lo < T) & (hi > first)  # [b, NB]
-    in_window = ((lo < sink_end) & (hi > first)) | ((hi > bulk_end) & (lo < T) & (bulk_end < T))
+    in_window = ((lo < sink_end) & (hi > first) & (first < sink_end)) | ((hi > bulk_end) & (lo < T) & (bulk_end < T))
     need = torch.where(dense[:, :, None], real[:, None, :], in_window[:, None, :])  # [b, H, NB]
     kv_num = need.sum(-1, dtype=torch.int32)[:, :, None]
     kv_indices = torch.argsort((~need).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, :, None, :]

@@ -1,0 +1,150 @@
+"""The fused ``triton`` decode kernel against the reference; on CPU it runs in Triton's interpreter (slow:
+small shapes only)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must happen before triton is imported anywhere
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+import qada.attention  # noqa: E402, F401  (registers every executor)
+from qada.attention import EXECUTORS, check_triton_runtime  # noqa: E402
+from qada.functional import local_index_set  # noqa: E402
+from qada.window import Window  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+WINDOW = Window(32, 4)
+TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def make_case(b, H, H_kv, T, d, starts, mask, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, H, 1, d, generator=g)
+    k = torch.randn(b, H_kv, T, d, generator=g) * 1.5
+    v = torch.randn(b, H_kv, T, d, generator=g)
+    local = {
+        "local": torch.ones(b, H, dtype=torch.bool),
+        "dense": torch.zeros(b, H, dtype=torch.bool),
+        "mixed": torch.rand(b, H, generator=g) < 0.5,
+    }[mask.removesuffix("+one_group_local")]
+    if mask.endswith("+one_group_local"):  # KV head 0 fully local (bulk skipped), the last one read
+        local.view(b, H_kv, H // H_kv)[:, 0] = True
+        local.view(b, H_kv, H // H_kv)[:, -1, 0] = False
+    start = None if starts is None else torch.tensor(starts, device=DEVICE)
+    return (*(t.to(DEVICE, dtype) for t in (q, k, v)), local.to(DEVICE), start)
+
+
+def hand_bulk_blocks(T, block, starts, local, H_kv, window):
+    """Blocks holding bulk tokens but no window token, summed over the read (row, KV head) pairs."""
+    b, H = local.shape
+    count = 0
+    for r in range(b):
+        first = 0 if starts is None else int(starts[r])
+        in_window = set((first + local_index_set(T - first, window.t_local, window.t_sink)).tolist())
+        bulk = set(range(first, T)) - in_window
+        for g in range(H_kv):
+            if local[r, g * (H // H_kv) : (g + 1) * (H // H_kv)].all():
+                continue
+            for lo in range(0, T, block):
+                positions = set(range(lo, min(lo + block, T)))
+                count += bool(positions & bulk) and not (positions & in_window)
+    return count
+
+
+def check(executor, case, window=WINDOW):
+    q, k, v, local, start = case
+    ref = EXECUTORS.build("reference", group_policy=executor.group_policy)(q, k, v, local, window, start=start)
+    got = executor(q, k, v, local, window, start=start)
+    assert got.output.shape == q.shape and got.output.dtype == q.dtype
+    assert torch.isfinite(got.output).all()
+    atol, rtol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(got.output.float(), ref.output.float(), atol=atol, rtol=rtol)
+    assert torch.equal(got.local, ref.local)
+    torch.testing.assert_close(got.sparsity, ref.sparsity)
+    torch.testing.assert_close(got.kv_sparsity, ref.kv_sparsity)
+    expected = hand_bulk_blocks(k.shape[2], executor.block_size, start, got.local.cpu(), k.shape[1], window)
+    assert got.bulk_blocks.ndim == 0 and got.bulk_blocks.item() == expected
+    return got
+
+
+CASES = [  # (b, H, H_kv, T, d, starts, mask, num_splits)
+    (1, 2, 2, 20, 16, None, "mixed", 1),  # T < T_local: no bulk, a single partial block
+    (1, 4, 2, 33, 16, None, "dense", 2),  # one bulk token; split 1 of 2 is empty (one block)
+    (2, 4, 1, 150, 32, [0, 37], "mixed+one_group_local", 3),
+    (3, 8, 2, 300, 16, [0, 100, 280], "mixed+one_group_local", 5),  # row 2: 20 real tokens, no bulk
+    (2, 4, 4, 97, 32, [5, 0], "local", 1),
+    (2, 8, 2, 257, 16, [0, 3], "mixed+one_group_local", 16),  # more splits than blocks: empty splits
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(str(x) for x in c[:5]) + f"-{c[6]}-s{c[7]}")
+@pytest.mark.parametrize("policy", ["exact", "promote"])
+def test_triton_equals_reference_float32(case, policy):
+    b, H, H_kv, T, d, starts, mask, splits = case
+    executor = EXECUTORS.build("triton", group_policy=policy, num_splits=splits)
+    check(executor, make_case(b, H, H_kv, T, d, starts, mask, torch.float32, seed=T))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_equals_reference_half(dtype):
+    case = make_case(2, 8, 2, 200, 32, [0, 60], "mixed+one_group_local", dtype, seed=2)
+    check(EXECUTORS.build("triton", num_splits=3), case)
+
+
+def test_triton_odd_window_and_block():
+    """No sinks, a window that is not a block multiple, block 16, auto splits."""
+    case = make_case(2, 4, 2, 90, 16, [0, 11], "mixed", torch.float32, seed=5)
+    check(EXECUTORS.build("triton", block_size=16), case, Window(21, 0))
+
+
+def test_triton_skips_the_bulk_of_local_groups():
+    """NaN in a skipped group's pure-bulk blocks never reaches the output; read groups do read their bulk."""
+    q, k, v, local, start = make_case(1, 4, 2, 256, 16, None, "dense", torch.float32)
+    local[:, :2] = True  # KV head 0 is all local: its blocks 1 and 2 (tokens 64..191) hold only bulk tokens
+    poisoned = k.clone()
+    poisoned[:, 0, 64:192] = float("nan")
+    res = EXECUTORS.build("triton", num_splits=2)(q, poisoned, v, local, WINDOW, start=start)
+    ref = EXECUTORS.build("reference")(q, k, v, local, WINDOW, start=start)
+    torch.testing.assert_close(res.output, ref.output, atol=2e-5, rtol=2e-5)
+    assert res.bulk_blocks.item() == 2 and res.kv_sparsity.item() == 0.5
+    poisoned = k.clone()
+    poisoned[:, 1, 64:192] = float("nan")
+    res = EXECUTORS.build("triton", num_splits=2)(q, poisoned, v, local, WINDOW, start=start)
+    assert res.output[0, 2:].isnan().all() and not res.output[0, :2].isnan().any()
+
+
+def test_triton_without_gpu_or_interpreter_is_an_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="needs a CUDA device, or Triton's interpreter"):
+        check_triton_runtime(torch.device("cpu"))
+    case = make_case(1, 2, 1, 40, 16, None, "mixed", torch.float32)
+    cpu_case = [t.cpu() for t in case[:4]]
+    with pytest.raises(RuntimeError, match="choose another executor"):
+        EXECUTORS.build("triton")(*cpu_case, WINDOW)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_triton_runtime(torch.device("cpu"))  # the interpreter makes CPU tensors acceptable
+
+
+def test_triton_rejects_float64_and_bad_parameters():
+    case = make_case(1, 2, 1, 40, 16, None, "mixed", torch.float64)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        EXECUTORS.build("triton")(*case[:4], WINDOW)
+    with pytest.raises(ValueError, match="expected block_size to be a power of two"):
+        EXECUTORS.build("triton", block_size=48)
+    with pytest.raises(ValueError, match="expected num_splits to be a positive int"):
+        EXECUTORS.build("triton", num_splits=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_gpu_long_context(dtype):
+    case = make_case(2, 32, 8, 8191, 128, [0, 1000], "mixed+one_group_local", dtype, seed=7)
+    check(EXECUTORS.build("triton"), case, Window(128, 16))

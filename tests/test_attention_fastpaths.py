@@ -136,7 +136,8 @@ def test_flex_block_lists_skip_the_bulk_by_hand():
     assert kv_indices[1, 0, 0, :3].tolist() == [2, 5, 6]  # row 1's sinks [40, 44) in block 2
     assert kv_num.dtype == torch.int32 and kv_indices.shape == (2, 2, 1, 7)
     kv_num, kv_indices = _kv_blocks(start, 100, dense, Window(16, 0), 7, 16)
-    assert kv_indices[0, 0, 0, :2].tolist() == [5, 6] and kv_num[0, 0, 0] == 2  # no sinks
+    assert kv_indices[0, 0, 0, :2].tolist() == [5, 6] and kv_num[:, 0, 0].tolist() == [2, 2]  # no sinks
+    assert kv_indices[1, 0, 0, :2].tolist() == [5, 6]  # block 2 holds row 1's first token but no sink
 
 
 def test_flex_bucket_lengths():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -137,6 +139,13 @@ def test_invalid_inputs_raise(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         ReferenceExecutor()(**args)
+
+
+def test_import_is_cheap():
+    """Importing the executors imports neither triton nor the compiler stack."""
+    code = "import sys, qada.attention; print(sorted(m for m in ('triton', 'torch._inductor') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("name", EXECUTORS.names())

@@ -165,7 +165,7 @@ class ReferenceMomentSource(MomentSource):
             )
         ids = build_reference_prompt(self.prompt, tokenizer, length, self.seed)
         info = {"prompt": self.prompt, "seed": self.seed}
-        reference = collect_reference_keys(model, ids, self.chunk_size, dtype=torch.float32, info=info)
+        reference = collect_reference_keys(model, ids, self.chunk_size, progress=True, dtype=torch.float32, info=info)
         # Cached in float16 (half the disk); use what was cached so fresh and cached runs agree.
         reference.keys = reference.keys.to(torch.float16)
         reference.save(file)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from qada.version import __version__
 
 # Subcommand modules, imported only when the command line is parsed (no work at import of qada).
-SUBCOMMANDS = ("criteria", "demo", "moments")
+SUBCOMMANDS = ("criteria", "demo", "generate", "moments")
 
 
 def build_parser() -> argparse.ArgumentParser:

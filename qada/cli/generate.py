@@ -1,0 +1,76 @@
+"""``qada generate``: generate from a prompt file with a chosen criterion and print a summary."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("generate", help="generate text with QAdA (or another criterion) and report sparsity")
+    parser.add_argument("--prompt-file", required=True, help="text file with the prompt (completion style)")
+    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--criterion", default="qada", help="criterion name (see `qada criteria`); dense = unmodified")
+    parser.add_argument("--tau", type=float, default=None, help="threshold for oracle/qada (default 0.6)")
+    parser.add_argument("--moments", default="stored", help="moment source: stored, bucketed, current (default stored)")
+    parser.add_argument("--executor", default="sdpa", help="attention executor: sdpa, reference, flex, triton")
+    parser.add_argument("--t-local", type=int, default=128)
+    parser.add_argument("--t-sink", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--per-layer", action="store_true", help="print sparsity and kv_sparsity per layer")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from qada.models import enable, load_model
+    from qada.window import Window
+
+    prompt = Path(args.prompt_file).read_text()
+    if args.max_new_tokens < 1:
+        raise ValueError(f"expected --max-new-tokens >= 1 but got {args.max_new_tokens}")
+    model, tokenizer = load_model(args.model)
+    torch.manual_seed(args.seed)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    criterion: dict = {"name": args.criterion}
+    if args.tau is not None:
+        criterion["tau"] = args.tau
+    run = None
+    if args.criterion != "dense":
+        run = enable(
+            model, criterion=criterion, moments=args.moments, executor=args.executor,
+            window=Window(args.t_local, args.t_sink), tokenizer=tokenizer,
+        )
+    try:
+        start = time.perf_counter()
+        with torch.no_grad():
+            output = model.generate(
+                **inputs, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        elapsed = time.perf_counter() - start
+    finally:
+        if run is not None:
+            run.remove()
+    new_tokens = output[0, inputs["input_ids"].shape[1]:]
+    print(tokenizer.decode(new_tokens, skip_special_tokens=True))
+    print("---")
+    print(f"prompt tokens: {inputs['input_ids'].shape[1]}  new tokens: {len(new_tokens)}  "
+          f"time: {elapsed:.2f} s (prefill included)  tokens/s: {len(new_tokens) / elapsed:.2f}")
+    if run is None:
+        print("criterion: dense (unmodified model)  sparsity: 0.000  kv_sparsity: 0.000")
+        return 0
+    summary = run.summary()
+    print(f"criterion: {run.criterion.to_config()}  moments: {args.moments}  executor: {args.executor}")
+    print(f"sparsity: {summary['sparsity']:.3f}  kv_sparsity: {summary['kv_sparsity']:.3f}  "
+          f"fail-safe fallbacks: {summary['fail_safe']}")
+    if args.per_layer:
+        print("layer  sparsity  kv_sparsity")
+        for layer, value in summary["sparsity_per_layer"].items():
+            print(f"{layer:>5}  {value:>8.3f}  {summary['kv_sparsity_per_layer'][layer]:>11.3f}")
+    return 0

@@ -1,0 +1,1 @@
+"""Evaluation: tasks (pass key, RULER-compatible) and scoring."""

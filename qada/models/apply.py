@@ -1,0 +1,132 @@
+"""Installing qada on a transformers model: :func:`apply` (a context manager) and :func:`enable` (persistent)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from qada.attention import EXECUTORS
+from qada.criteria import CRITERIA
+from qada.models.attention_function import ATTENTION_NAME, active_runs, qada_attention_forward
+from qada.models.observers import Observer
+from qada.models.run import QAdARun, UnsupportedModelError
+from qada.moments import MOMENT_SOURCES
+from qada.registry import load_config
+from qada.window import Window
+
+__all__ = ["apply", "enable", "register_attention"]
+
+_DEFAULTS = {"criterion": "qada", "moments": "stored", "executor": "sdpa"}
+
+
+def register_attention() -> None:
+    """Register qada's attention function (and the SDPA mask it needs) with transformers, under ``"qada"``.
+
+    Called by :func:`enable`; idempotent. Only qada's own name is added: no transformers function is wrapped.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if AttentionInterface._global_mapping.get(ATTENTION_NAME) is not qada_attention_forward:
+        AttentionInterface.register(ATTENTION_NAME, qada_attention_forward)
+    if ATTENTION_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+
+
+def attention_modules(model: Any) -> list[Any]:
+    """The attention modules of ``model`` (those with a ``layer_idx`` whose class name ends in ``Attention``)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def _check_model(model: Any) -> list[Any]:
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False) or not hasattr(model, "set_attn_implementation"):
+        raise UnsupportedModelError(
+            f"{name} does not route its attention through transformers' AttentionInterface, so qada cannot wrap it"
+        )
+    modules = attention_modules(model)
+    if not modules:
+        raise UnsupportedModelError(f"{name} has no attention modules with a layer_idx: qada cannot wrap it")
+    if any(m in active_runs for m in modules):
+        raise UnsupportedModelError(f"qada is already enabled on this {name}; remove the first run before a second")
+    return modules
+
+
+def _components(
+    criterion: Any, moments: Any, executor: Any, window: Any, config: str | os.PathLike | Mapping | None
+) -> tuple[Any, Any, Any, Window]:
+    specs: dict[str, Any] = dict(_DEFAULTS)
+    if config is not None:
+        loaded = load_config(config)
+        unknown = sorted(set(loaded) - {"criterion", "moments", "executor", "window"})
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}; expected criterion, moments, executor, window")
+        specs.update(loaded)
+    for key, value in (("criterion", criterion), ("moments", moments), ("executor", executor), ("window", window)):
+        if value is not None:
+            specs[key] = value
+    built_criterion = CRITERIA.build(specs["criterion"])
+    built_moments = None if specs["moments"] in (None, "none") else MOMENT_SOURCES.build(specs["moments"])
+    built_executor = EXECUTORS.build(specs["executor"])
+    window_spec = specs.get("window") or Window()
+    built_window = window_spec if isinstance(window_spec, Window) else Window(**dict(window_spec))
+    return built_criterion, built_moments, built_executor, built_window
+
+
+def enable(
+    model: Any,
+    criterion: Any = None,
+    moments: Any = None,
+    executor: Any = None,
+    window: Window | Mapping | None = None,
+    observers: Sequence[Observer] = (),
+    tokenizer: Any = None,
+    config: str | os.PathLike | Mapping | None = None,
+) -> QAdARun:
+    """Wrap ``model`` until ``run.remove()`` is called; returns the :class:`~qada.models.run.QAdARun`.
+
+    Components are objects, registry names, or config dicts; ``config`` (a dict, YAML string or YAML file) gives
+    ``criterion``, ``moments``, ``executor`` and ``window`` at once, and explicit arguments override it.
+    Defaults: ``qada`` criterion (tau 0.6), ``stored`` moments (a random-words reference built once per model and
+    cached), ``sdpa`` executor, window 128/16. Moments are prepared (the reference run) only if the criterion
+    or an observer needs them. ``tokenizer`` is needed to build a stored reference prompt.
+    """
+    modules = _check_model(model)
+    built_criterion, built_moments, built_executor, built_window = _components(
+        criterion, moments, executor, window, config
+    )
+    run = QAdARun(built_criterion, built_moments, built_executor, built_window, observers)
+    if built_criterion.needs_moments and built_moments is None:
+        raise ValueError(f"criterion {built_criterion.registry_name!r} needs a moment source but moments is None")
+    if run.uses_moments and built_moments.needs_model:
+        built_moments.prepare(model, tokenizer, window=built_window)
+    register_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise UnsupportedModelError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
+    for module in modules:
+        active_runs[module] = run
+
+    def remove() -> None:
+        for module in modules:
+            active_runs.pop(module, None)
+        model.set_attn_implementation(previous)
+
+    run._remove = remove
+    return run
+
+
+@contextmanager
+def apply(model: Any, *args: Any, **kwargs: Any) -> Iterator[QAdARun]:
+    """``with qada.apply(model, criterion=..., moments=..., executor=...) as run:`` — see :func:`enable`.
+
+    The model's previous attention implementation is restored on exit, also after an exception.
+    """
+    run = enable(model, *args, **kwargs)
+    try:
+        yield run
+    finally:
+        run.remove()

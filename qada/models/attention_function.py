@@ -1,0 +1,63 @@
+"""The one function qada registers with transformers' ``AttentionInterface`` (under the name ``"qada"``).
+
+It only routes: prefill (more than one query) runs transformers' own SDPA attention and feeds the moment
+source; a decode step (one query) goes to the run's criterion and executor. The run of a module is looked up in
+a weak map filled by :func:`qada.apply`; no model class is patched.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from qada.models.run import QAdARun, UnsupportedModelError, row_starts
+
+__all__ = ["ATTENTION_NAME", "active_runs", "qada_attention_forward"]
+
+ATTENTION_NAME = "qada"
+
+# attention module -> the run that wraps it; filled and emptied by qada.apply / enable.
+active_runs: weakref.WeakKeyDictionary[torch.nn.Module, QAdARun] = weakref.WeakKeyDictionary()
+
+
+def qada_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention signature: ``query [b, H, q, d]``, ``key/value [b, H_kv, T, d]`` -> ``([b, q, H, d], None)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    run = active_runs.get(module)
+    if run is None:
+        raise UnsupportedModelError(
+            f"attention implementation {ATTENTION_NAME!r} is set but qada is not active on this module; "
+            "use qada.apply(model, ...) or qada.enable(model, ...)"
+        )
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise UnsupportedModelError(f"{type(module).__name__} has no layer_idx: qada needs one per attention layer")
+    T = key.shape[2]
+    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if sliding is not None and T > sliding:
+        raise UnsupportedModelError(
+            f"layer {layer} uses a sliding window of {sliding} tokens, shorter than the sequence ({T}): qada supports "
+            "full-attention layers only"
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    start = row_starts(attention_mask, T)
+    if query.shape[2] > 1:  # prefill (or a resumed chunk): dense, as in the paper
+        output, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        run.prefill(layer, key, start)
+        return output, None
+    output = run.decode(layer, query, key, value, scaling, start)
+    return output.transpose(1, 2), None

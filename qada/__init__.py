@@ -1,6 +1,7 @@
 """qada: query-adaptive long-context head identification for cheaper long-context decoding."""
 
 from qada.criteria import CRITERIA, HeadCriterion, StepContext, register_criterion
+from qada.models import apply, enable, load_default_model, load_model
 from qada.registry import Component, Registry, load_config
 from qada.version import __version__
 from qada.window import Window
@@ -13,6 +14,10 @@ __all__ = [
     "StepContext",
     "Window",
     "__version__",
+    "apply",
+    "enable",
+    "load_default_model",
+    "load_model",
     "load_config",
     "register_criterion",
 ]

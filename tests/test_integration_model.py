@@ -1,0 +1,45 @@
+"""Integration on the real embedded model (SmolLM2-135M-Instruct, offline): pass-key retrieval at 2k tokens."""
+
+import pytest
+import torch
+
+from qada.eval.passkey import passkey_prompt
+from qada.models import apply, load_default_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_default_model()
+
+
+def test_default_model_loads_offline(smollm):
+    model, tokenizer = smollm
+    config = model.config
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
+    assert config.max_position_embeddings == 8192 and model.dtype == torch.float32
+    assert tokenizer.padding_side == "left"
+
+
+def _answer(model, tokenizer, prompt, **spec):
+    with apply(model, tokenizer=tokenizer, **spec) as run:
+        out = model.generate(
+            prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids), max_new_tokens=8, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return tokenizer.decode(out[0, prompt.length:]), run.summary()
+
+
+@pytest.mark.parametrize("depth", [0.1, 0.3, 0.6, 0.9])
+def test_passkey_dense_finds_it_local_does_not_qada_does_with_high_sparsity(smollm, depth):
+    model, tokenizer = smollm
+    prompt = passkey_prompt(tokenizer, 2048, depth, seed=0)
+    assert prompt.needle_position < prompt.length - 128, "the key must lie outside the local window"
+    dense, _ = _answer(model, tokenizer, prompt, criterion="dense", moments=None)
+    local, local_summary = _answer(model, tokenizer, prompt, criterion="local", moments=None)
+    qada, qada_summary = _answer(model, tokenizer, prompt, criterion={"name": "qada", "tau": 0.6})  # stored moments
+    assert prompt.key in dense
+    assert prompt.key not in local and local_summary["sparsity"] == 1.0
+    assert prompt.key in qada, f"QAdA answered {qada!r}"
+    assert qada_summary["sparsity"] > 0.5 and qada_summary["fail_safe"] == 0

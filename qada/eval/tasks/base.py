@@ -140,8 +140,11 @@ class Task(Component, abc.ABC):
 
     # ---- what subclasses write -------------------------------------------------------------------------
     @abc.abstractmethod
-    def build(self, rng: random.Random, size: int, length: int) -> Built:
-        """The task text of one sample with a haystack of ``size`` units (``length``: the target tokens)."""
+    def build(self, rng: random.Random, size: int, length: int, index: int = 0) -> Built:
+        """The task text of sample ``index`` with a haystack of ``size`` units (``length``: the target tokens).
+
+        All randomness comes from ``rng`` (fresh and identical at every probe of the size search).
+        """
 
     @abc.abstractmethod
     def size_range(self, length: int) -> tuple[int, int]:
@@ -177,7 +180,7 @@ class Task(Component, abc.ABC):
         return samples
 
     def _render(self, tokenizer: Any, seed: int, index: int, size: int, length: int) -> tuple[Built, str, int]:
-        built = self.build(sample_rng(seed, index, self.name), size, length)
+        built = self.build(sample_rng(seed, index, self.name), size, length, index)
         prompt = format_prompt(tokenizer, built.text, built.answer_prefix, self.template)
         return built, prompt, count_tokens(tokenizer, prompt, self.template)
 

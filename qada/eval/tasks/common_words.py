@@ -59,7 +59,7 @@ class CommonWordsTask(Task):
         rng.shuffle(items)
         return _enumerate(items), frequent
 
-    def build(self, rng: random.Random, size: int, length: int) -> Built:
+    def build(self, rng: random.Random, size: int, length: int, index: int = 0) -> Built:
         words = _vocabulary(getattr(self, "_seed", 0))
         if length < 4096:
             example, example_answer = self._list(rng, words, 20, 3, 1)

@@ -65,7 +65,7 @@ class ContextFreeTask(Task):
     def size_range(self, length: int) -> tuple[int, int]:
         return self._context.size_range(length)
 
-    def build(self, rng: random.Random, size: int, length: int) -> Built:
+    def build(self, rng: random.Random, size: int, length: int, index: int = 0) -> Built:
         niah = self._context
         context, needles, _, _ = niah.context(rng, size)
         if self.question == "arithmetic":

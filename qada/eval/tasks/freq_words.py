@@ -53,7 +53,7 @@ class FreqWordsTask(Task):
     def size_range(self, length: int) -> tuple[int, int]:
         return 100, 4 * length + 100
 
-    def build(self, rng: random.Random, size: int, length: int) -> Built:
+    def build(self, rng: random.Random, size: int, length: int, index: int = 0) -> Built:
         vocab_size = max(5, length // 50) if self.vocab_size == -1 else self.vocab_size
         letters = string.ascii_lowercase
         vocab = ["".join(rng.choices(letters, k=self.coded_wordlen)) for _ in range(vocab_size)]

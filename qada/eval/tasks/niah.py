@@ -114,7 +114,7 @@ class NiahTask(Task):
         answers = [a for i in chosen for a in values[i]]
         return context, needles, queries, answers
 
-    def build(self, rng: random.Random, size: int, length: int) -> Built:
+    def build(self, rng: random.Random, size: int, length: int, index: int = 0) -> Built:
         context, needles, queries, answers = self.context(rng, size)
         query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
         template = TASK_TEMPLATES["niah"]["template"]

@@ -45,13 +45,9 @@ class QATask(Task):
     def prepare(self, tokenizer, length: int, seed: int) -> None:
         qa_data(self.dataset)  # load once, outside the timed search
 
-    def _render(self, tokenizer, seed, index, size, length):
-        self._index = index  # the question is chosen by the sample index, as in RULER
-        return super()._render(tokenizer, seed, index, size, length)
-
-    def build(self, rng: random.Random, size: int, length: int) -> Built:
+    def build(self, rng: random.Random, size: int, length: int, index: int = 0) -> Built:
         questions, docs = qa_data(self.dataset)
-        number = (self.first_question + getattr(self, "_index", 0)) % len(questions)
+        number = (self.first_question + index) % len(questions)  # RULER: the question of sample i is QAS[i]
         question = questions[number]
         gold, more = list(question["context"]), list(question["more_context"])
         num_docs = max(size, len(gold))

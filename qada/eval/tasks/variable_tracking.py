@@ -97,7 +97,7 @@ class VariableTrackingTask(Task):
         full, _ = example(good)
         self._example = {"text": full + "\n\n", "answer": full.rsplit(_T["answer_prefix"][-10:], 1)[1].split()}
 
-    def build(self, rng: random.Random, size: int, length: int) -> Built:
+    def build(self, rng: random.Random, size: int, length: int, index: int = 0) -> Built:
         text, prefix, answer, statements = self._text(rng, size, is_icl=False)
         if self._example:
             example = self._example["text"]

@@ -4,6 +4,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# Triton kernels run in the interpreter on machines without a GPU; the variable must be set before triton is
+# imported anywhere in the process (torch.compile and the triton tests both import it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 settings.register_profile(
     "qada",
     deadline=None,

@@ -16,7 +16,7 @@ from qada.moments import MOMENT_SOURCES
 from qada.registry import load_config
 from qada.window import Window
 
-__all__ = ["apply", "enable", "register_attention"]
+__all__ = ["apply", "attach", "build_run", "enable", "prepare_run", "register_attention"]
 
 _DEFAULTS = {"criterion": "qada", "moments": "stored", "executor": "sdpa"}
 
@@ -75,6 +75,50 @@ def _components(
     return built_criterion, built_moments, built_executor, built_window
 
 
+def build_run(
+    criterion: Any = None,
+    moments: Any = None,
+    executor: Any = None,
+    window: Window | Mapping | None = None,
+    observers: Sequence[Observer] = (),
+    config: str | os.PathLike | Mapping | None = None,
+) -> QAdARun:
+    """A :class:`~qada.models.run.QAdARun` from components (objects, names or configs), not yet attached."""
+    built_criterion, built_moments, built_executor, built_window = _components(
+        criterion, moments, executor, window, config
+    )
+    if built_criterion.needs_moments and built_moments is None:
+        raise ValueError(f"criterion {built_criterion.registry_name!r} needs a moment source but moments is None")
+    return QAdARun(built_criterion, built_moments, built_executor, built_window, observers)
+
+
+def prepare_run(run: QAdARun, model: Any, tokenizer: Any = None) -> QAdARun:
+    """Run the moment source's one-off preparation for ``model`` (a stored reference) if the run uses it."""
+    if run.uses_moments and run.moments.needs_model:
+        run.moments.prepare(model, tokenizer, window=run.window)
+    return run
+
+
+def attach(model: Any, run: QAdARun) -> QAdARun:
+    """Route ``model``'s attention through ``run`` until ``run.remove()``; the run must already be prepared."""
+    modules = _check_model(model)
+    register_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise UnsupportedModelError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
+    for module in modules:
+        active_runs[module] = run
+
+    def remove() -> None:
+        for module in modules:
+            active_runs.pop(module, None)
+        model.set_attn_implementation(previous)
+
+    run._remove = remove
+    return run
+
+
 def enable(
     model: Any,
     criterion: Any = None,
@@ -93,30 +137,9 @@ def enable(
     cached), ``sdpa`` executor, window 128/16. Moments are prepared (the reference run) only if the criterion
     or an observer needs them. ``tokenizer`` is needed to build a stored reference prompt.
     """
-    modules = _check_model(model)
-    built_criterion, built_moments, built_executor, built_window = _components(
-        criterion, moments, executor, window, config
-    )
-    run = QAdARun(built_criterion, built_moments, built_executor, built_window, observers)
-    if built_criterion.needs_moments and built_moments is None:
-        raise ValueError(f"criterion {built_criterion.registry_name!r} needs a moment source but moments is None")
-    if run.uses_moments and built_moments.needs_model:
-        built_moments.prepare(model, tokenizer, window=built_window)
-    register_attention()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION_NAME)
-    if model.config._attn_implementation != ATTENTION_NAME:
-        raise UnsupportedModelError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
-    for module in modules:
-        active_runs[module] = run
-
-    def remove() -> None:
-        for module in modules:
-            active_runs.pop(module, None)
-        model.set_attn_implementation(previous)
-
-    run._remove = remove
-    return run
+    _check_model(model)
+    run = build_run(criterion, moments, executor, window, observers, config)
+    return attach(model, prepare_run(run, model, tokenizer))
 
 
 @contextmanager

@@ -106,6 +106,14 @@ class QAdARun:
         for observer in self.observers:
             observer.on_prefill(layer, key.shape[2])
 
+    def prefill_from_cache(self, cache: Any, start: torch.Tensor | None = None) -> None:
+        """Start decoding from an already prefilled transformers cache (e.g. a copy shared by a sweep).
+
+        Feeds every layer's cached keys ``[b, H_kv, T, d]`` to :meth:`prefill`, as a dense prefill would have.
+        """
+        for layer, cache_layer in enumerate(cache.layers):
+            self.prefill(layer, cache_layer.keys, start)
+
     def decode(
         self,
         layer: int,

@@ -1,0 +1,72 @@
+"""Prefill once, decode many: the dense prefill of a prompt and greedy decoding from a copy of its cache."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qada.models.apply import attach
+from qada.models.run import QAdARun
+
+__all__ = ["Prefilled", "decode_greedy", "prefill"]
+
+
+@dataclass
+class Prefilled:
+    """A prompt after the dense prefill: its cache, the logits of its last position, its length."""
+
+    cache: Any
+    last_logits: torch.Tensor
+    length: int
+
+
+@torch.no_grad()
+def prefill(model: Any, input_ids: torch.Tensor) -> Prefilled:
+    """Dense prefill of ``input_ids [1, T]`` with the model as it is (qada not attached), as in the paper."""
+    from transformers import DynamicCache
+
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"expected input_ids of shape [1, T] but got {tuple(input_ids.shape)}")
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return Prefilled(out.past_key_values, out.logits[:, -1].float(), input_ids.shape[1])
+
+
+@torch.no_grad()
+def decode_greedy(
+    model: Any,
+    prefilled: Prefilled,
+    max_new_tokens: int,
+    eos_token_ids: Iterable[int] = (),
+    run: QAdARun | None = None,
+) -> list[int]:
+    """Greedy tokens after the prompt, decoded from a *copy* of the prefilled cache (the original stays intact).
+
+    With ``run``, qada is attached for the decode steps only and removed afterwards; the run's moment source is
+    started from the copied cache (:meth:`~qada.models.run.QAdARun.prefill_from_cache`). Stops after
+    ``max_new_tokens`` tokens or at an EOS token (which is included).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"expected max_new_tokens >= 1 but got {max_new_tokens}")
+    eos = set(eos_token_ids)
+    cache = copy.deepcopy(prefilled.cache)
+    token = int(prefilled.last_logits.argmax(-1))
+    tokens = [token]
+    if run is not None:
+        attach(model, run)
+    try:
+        if run is not None:
+            run.prefill_from_cache(cache)
+        device = prefilled.last_logits.device
+        while len(tokens) < max_new_tokens and token not in eos:
+            out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+    finally:
+        if run is not None:
+            run.remove()
+    return tokens

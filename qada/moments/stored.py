@@ -179,7 +179,7 @@ class StoredMoments(ReferenceMomentSource):
 
     Reference keys come from :meth:`prepare` (``path``, or built and cached for the model) or
     :meth:`set_reference`. The float64 shifted sums of each row's range are kept and moved as the prompt
-    grows: one key per decode step, O(d²), whatever ``T``; a jump (new prefill) costs O(|jump| d²).
+    grows: one key per decode step, O(d²), whatever ``T``; a jump (new prefill) costs ``O(|jump| d²)``.
     """
 
     def __post_init__(self) -> None:

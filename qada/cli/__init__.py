@@ -9,7 +9,10 @@ from collections.abc import Sequence
 from qada.version import __version__
 
 # Subcommand modules, imported only when the command line is parsed (no work at import of qada).
-SUBCOMMANDS = ("criteria", "demo", "generate", "moments")
+SUBCOMMANDS = ("criteria", "demo", "eval", "generate", "moments")
+
+
+_MODULES = {"eval": "evaluate"}  # subcommand -> module, where the name is a Python builtin
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"qada {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        module = importlib.import_module(f"qada.cli.{name}")
+        module = importlib.import_module(f"qada.cli.{_MODULES.get(name, name)}")
         module.add_parser(sub)
     return parser
 

@@ -1,0 +1,102 @@
+"""Results: the JSON record of a configuration, a printed table, and the accuracy-vs-sparsity plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_table", "plot_score_vs_sparsity", "result_record", "write_results"]
+
+
+def result_record(entry: dict, task: str, length: int | None, n: int, model: Any, seed: int, extra: dict | None = None):
+    """One configuration's JSON result with everything needed to reproduce and compare it."""
+    from qada.artifacts import model_fingerprint
+    from qada.version import __version__
+
+    criterion = entry["criterion"]
+    return {
+        "task": task,
+        "length": length,
+        "n": n,
+        "label": entry["label"],
+        "family": entry["family"],
+        "criterion": criterion if isinstance(criterion, dict) else {"name": criterion},
+        "moments": entry["moments"],
+        "executor": entry["executor"],
+        "window": entry["window"],
+        "score": entry["score"],
+        "sparsity": entry["sparsity"],
+        "kv_sparsity": entry["kv_sparsity"],
+        **{k: v for k, v in entry.items() if k.startswith("oracle_")},
+        "decode_seconds": entry["decode_seconds"],
+        "model": model_fingerprint(model.config),
+        "qada_version": __version__,
+        "seed": seed,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **(extra or {}),
+    }
+
+
+def format_table(records: Sequence[dict]) -> str:
+    """A plain-text table: task, length, configuration, score, sparsity, kv_sparsity, oracle agreement."""
+    header = f"{'task':<16} {'len':>5} {'n':>3} {'configuration':<28} {'score':>6} {'sparsity':>8} {'kv_sp':>6} {'agree':>6}"
+    lines = [header, "-" * len(header)]
+    for r in records:
+        agree = r.get("oracle_agreement")
+        lines.append(
+            f"{r['task']:<16} {r['length'] or 0:>5} {r['n']:>3} {r['label']:<28} {r['score']:>6.1f} "
+            f"{r['sparsity']:>8.3f} {r['kv_sparsity']:>6.3f} {'' if agree is None else f'{agree:.3f}':>6}"
+        )
+    return "\n".join(lines)
+
+
+def write_results(records: Sequence[dict], out_dir: str | Path, name: str = "results") -> tuple[Path, Path]:
+    """``name.json`` (all records) and ``name.csv`` (the flat columns) in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"{name}.json"
+    json_path.write_text(json.dumps(list(records), indent=2))
+    csv_path = out / f"{name}.csv"
+    columns = ["task", "length", "n", "family", "label", "score", "sparsity", "kv_sparsity", "oracle_agreement",
+               "decode_seconds"]
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(records)
+    return json_path, csv_path
+
+
+def plot_score_vs_sparsity(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """Score vs sparsity, one curve per configuration family and one panel per (task, length) (paper Fig. 4/5)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["task"], r["length"]) for r in records}, key=lambda p: (p[0], p[1] or 0))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    for ax, (task, length) in zip(axes[0], panels, strict=True):
+        rows = [r for r in records if r["task"] == task and r["length"] == length]
+        for family in sorted({r["family"] for r in rows}):
+            points = sorted((r["sparsity"], r["score"]) for r in rows if r["family"] == family)
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", label=family, linestyle="-" if len(points) > 1 else "none")
+        ax.set_xlabel("sparsity (fraction of heads local)")
+        ax.set_ylabel("score (0-100)")
+        ax.set_title(f"{task} @ {length} tokens")
+        ax.set_xlim(-0.02, 1.02)
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="lower left")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

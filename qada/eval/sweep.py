@@ -1,0 +1,82 @@
+"""A paper-style sweep over tasks and lengths: calibrate static masks, evaluate every configuration, report."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from qada.eval.calibrate import calibrate_static, save_static_frequency
+from qada.eval.configs import EvalConfig, sweep_configs
+from qada.eval.evaluator import Evaluator
+from qada.eval.report import result_record
+from qada.eval.tasks import TASKS, Sample
+
+__all__ = ["run_sweep"]
+
+
+def run_sweep(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    num_samples: int,
+    out_dir: str | Path,
+    taus: Sequence[float] | None = None,
+    alphas: Sequence[float] | None = None,
+    moment_sources: Sequence[str] = ("stored", "current"),
+    static: Sequence[str] = ("static_oracle", "static_ruler"),
+    calibration_samples: int | None = None,
+    tau_static: float = 0.6,
+    record_oracle: bool = False,
+    seed: int = 0,
+    template: str = "base",
+    fabric: Any = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Evaluate dense, oracle, QAdA (per moment source) and static masks on each (task, length).
+
+    ``static_oracle`` is calibrated on the evaluated samples themselves, ``static_ruler`` on samples of the
+    other tasks of the sweep at the same length (different seed); with a single task ``static_ruler`` is skipped.
+    Results (per-sample JSONL for resume, calibration artifacts) go under ``out_dir/<task>-<length>/``.
+    """
+    records: list[dict] = []
+    out = Path(out_dir)
+    for length in lengths:
+        generated: dict[str, list[Sample]] = {
+            task: TASKS.build(task, template=template).generate(tokenizer, length, num_samples, seed)
+            for task in tasks
+        }
+        for task in tasks:
+            folder = out / f"{task}-{length}"
+            masks = {}
+            if "static_oracle" in static:
+                masks["static_oracle"] = _calibrated(model, tokenizer, generated[task], folder / "static_oracle.safetensors",
+                                                     tau_static, progress)
+            others = [t for t in tasks if t != task]
+            if "static_ruler" in static and others:
+                n = calibration_samples or num_samples
+                pool = [s for t in others for s in TASKS.build(t, template=template).generate(tokenizer, length, n, seed + 1)]
+                masks["static_ruler"] = _calibrated(model, tokenizer, pool, folder / "static_ruler.safetensors",
+                                                    tau_static, progress)
+            configs: list[EvalConfig] = sweep_configs(
+                list(taus) if taus is not None else None, tuple(moment_sources), static_masks=masks,
+                alphas=list(alphas) if alphas is not None else None,
+            )
+            evaluator = Evaluator(model, tokenizer, configs, folder, fabric=fabric, record_oracle=record_oracle,
+                                  progress=progress)
+            results = evaluator.evaluate(generated[task])
+            records += [result_record(entry, task, length, len(generated[task]), model, seed, {"template": template})
+                        for entry in results.values()]
+    return records
+
+
+def _calibrated(model, tokenizer, samples, path: Path, tau_static: float, progress: bool):
+    """Calibrate (or reuse a finished calibration at ``path``) and return the ``[L, H]`` frequencies."""
+    from qada.eval.calibrate import load_static_frequency
+
+    if path.is_file():
+        return load_static_frequency(path, model)[0]
+    frequency = calibrate_static(model, tokenizer, samples, tau_static, decode_with_oracle=True, progress=progress)
+    save_static_frequency(path, frequency, model, alpha=0.5, info={"tau_static": tau_static, "n": len(samples)})
+    return frequency

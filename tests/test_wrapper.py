@@ -226,3 +226,19 @@ def test_resumed_generation_on_an_existing_cache_matches_one_long_prompt():
 
 def test_top_level_api():
     assert qada.apply is apply and qada.enable is enable
+
+
+def test_beam_search_reordering_is_refused_with_per_row_moments():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(5))
+    with apply(model, criterion="qada", moments="current", window=WINDOW):
+        with pytest.raises(StaleStateError, match="reordered"):
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=4, max_new_tokens=12,
+                           do_sample=False, pad_token_id=0)
+    # criteria that keep no per-row state follow reordered rows correctly: beam search equals the unwrapped model
+    reference = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=3, max_new_tokens=6,
+                               do_sample=False, pad_token_id=0)
+    with apply(model, criterion="dense", moments=None):
+        beams = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=3, max_new_tokens=6,
+                               do_sample=False, pad_token_id=0)
+    assert torch.equal(beams, reference)

@@ -71,6 +71,7 @@ class QAdARun:
         self._fail_safe: torch.Tensor | None = None
         self._length: dict[int, int] = {}
         self._step: dict[int, int] = {}
+        self._newest_key: dict[int, torch.Tensor] = {}
 
     @property
     def uses_moments(self) -> bool:
@@ -101,6 +102,7 @@ class QAdARun:
         """After the dense prefill of ``layer`` (its cache is ``key [b, H_kv, T, d]``)."""
         self._length[layer] = key.shape[2]
         self._step[layer] = 0
+        self._remember_newest_key(layer, key)
         if self.uses_moments:
             self.moments.prefill(layer, key, start, self.window)
         for observer in self.observers:
@@ -136,6 +138,7 @@ class QAdARun:
                 "follows a cache that grows by one key per step (cache cropping, e.g. assisted decoding, is not "
                 "supported)"
             )
+        self._check_row_order(layer, key)
         self._length[layer] = T
         step = self._step[layer]
         self._step[layer] = step + 1
@@ -151,6 +154,29 @@ class QAdARun:
         if self.observers:
             self._notify(ctx, local, result)
         return result.output
+
+    @property
+    def _tracks_row_order(self) -> bool:
+        return self.uses_moments and self.moments.per_row_state
+
+    def _remember_newest_key(self, layer: int, key: torch.Tensor) -> None:
+        self._newest_key.pop(layer, None)
+        if self._tracks_row_order and key.shape[0] > 1 and layer == min(self._length):
+            self._newest_key[layer] = key[:, :, -1].clone()
+
+    def _check_row_order(self, layer: int, key: torch.Tensor) -> None:
+        """Per-row moment state follows cache rows: refuse a cache whose rows were reordered (beam search).
+
+        Checked on the first layer only, by comparing the previous step's newest key with the same position now
+        (one host sync per decode step, only with per-row moment state and batch > 1).
+        """
+        previous = self._newest_key.get(layer)
+        if previous is not None and not torch.equal(key[:, :, -2], previous):
+            raise StaleStateError(
+                "the rows of the cache were reordered between decode steps (beam search?); qada's per-row moment "
+                "state (the 'current' source) cannot follow that: use greedy or sampling, or a stored moment source"
+            )
+        self._remember_newest_key(layer, key)
 
     def _accumulate(self, layer: int, sparsity, kv_sparsity, fail_safe) -> None:
         sparsity = sparsity.detach().float()

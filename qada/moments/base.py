@@ -40,9 +40,11 @@ class MomentSource(Component, abc.ABC):
     Capability flags:
 
     * ``needs_model``: :meth:`prepare` must run the model once (stored reference prompts) before decoding.
+    * ``per_row_state``: the state follows the rows of the cache (the wrapper refuses reordered rows).
     """
 
     needs_model: ClassVar[bool] = False
+    per_row_state: ClassVar[bool] = False
 
     def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:  # noqa: B027
         """Build or load what the source needs for ``model`` (reference keys); a no-op by default.

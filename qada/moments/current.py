@@ -30,6 +30,7 @@ class CurrentMoments(MomentSource):
     """
 
     freeze: bool = False
+    per_row_state = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.freeze, bool):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from qada.version import __version__
 
 # Subcommand modules, imported only when the command line is parsed (no work at import of qada).
-SUBCOMMANDS = ("criteria", "demo", "eval", "generate", "moments")
+SUBCOMMANDS = ("analyze", "calibrate", "criteria", "demo", "eval", "generate", "moments", "sweep")
 
 
 _MODULES = {"eval": "evaluate"}  # subcommand -> module, where the name is a Python builtin

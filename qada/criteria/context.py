@@ -14,11 +14,12 @@ from qada.functional import (
     full_scores,
     log_bulk_mass,
     log_local_mass,
-    lognormal_log_bulk_mass,
+    lognormal_score_moments,
     window_indices,
     window_scores,
 )
 from qada.functional._checks import check_float, check_ndim, group_size
+from qada.functional.lognormal import lognormal_log_bulk_from_moments
 from qada.moments.types import BulkMoments
 from qada.window import Window
 
@@ -141,10 +142,16 @@ class StepContext:
         return self.moments() if callable(self.moments) else self.moments
 
     @cached_property
+    def score_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mu_s, sigma_s^2)``, each ``[b, H]``: mean and variance of the bulk scores under the moments (eqs. 5-6)."""
+        mean, cov = self.bulk_moments
+        return lognormal_score_moments(self.query, mean, cov, self.scale)
+
+    @cached_property
     def log_bulk_estimate(self) -> torch.Tensor:
         """``[b, H]`` lognormal estimate ``log T_bulk + mu_s + sigma_s^2/2`` (paper eq. 7)."""
-        mean, cov = self.bulk_moments
-        return lognormal_log_bulk_mass(self.query, mean, cov, self.t_bulk, self.scale)
+        mu_s, var_s = self.score_moments
+        return lognormal_log_bulk_from_moments(mu_s, var_s, self.t_bulk)
 
     # --- bookkeeping -------------------------------------------------------------------------------------
     def note_fail_safe(self, forced_dense: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from qada.functional._checks import accumulation_dtype, check_float, check_ndim, group_size
 
-__all__ = ["lognormal_log_bulk_mass", "lognormal_score_moments"]
+__all__ = ["lognormal_log_bulk_from_moments", "lognormal_log_bulk_mass", "lognormal_score_moments"]
 
 
 def lognormal_score_moments(
@@ -62,10 +62,14 @@ def lognormal_log_bulk_mass(
         t_bulk: ``[b]`` bulk size of each row *of the current prompt*; 0 gives ``-inf`` (no bulk).
         scale: the attention scaling, normally ``1/sqrt(d)``.
     """
-    mu_s, var_s = lognormal_score_moments(query, mean, cov, scale)
+    return lognormal_log_bulk_from_moments(*lognormal_score_moments(query, mean, cov, scale), t_bulk)
+
+
+def lognormal_log_bulk_from_moments(mu_s: torch.Tensor, var_s: torch.Tensor, t_bulk: torch.Tensor) -> torch.Tensor:
+    """``log T_bulk + mu_s + sigma_s^2 / 2`` from score moments ``[b, H]`` and ``t_bulk [b]`` (``-inf`` if 0)."""
     check_ndim("t_bulk", t_bulk, 1, "[batch]")
-    if t_bulk.shape[0] != query.shape[0]:
-        raise ValueError(f"expected t_bulk of shape [{query.shape[0]}] but got {tuple(t_bulk.shape)}")
+    if t_bulk.shape[0] != mu_s.shape[0]:
+        raise ValueError(f"expected t_bulk of shape [{mu_s.shape[0]}] but got {tuple(t_bulk.shape)}")
     log_t = torch.log(t_bulk.to(device=mu_s.device, dtype=mu_s.dtype))[:, None]
     estimate = log_t + mu_s + 0.5 * var_s
     neg_inf = torch.tensor(float("-inf"), dtype=estimate.dtype, device=estimate.device)

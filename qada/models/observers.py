@@ -27,6 +27,7 @@ class DecisionEvent:
         log_local: ``[b, H]`` ``log A_local``.
         log_bulk: ``[b, H]`` exact ``log A_bulk`` (only for observers with ``wants_oracle``).
         log_bulk_estimate: ``[b, H]`` lognormal estimate (``wants_oracle`` and a moment source), else ``None``.
+        score_mean, score_var: ``[b, H]`` ``mu_s`` and ``sigma_s^2`` behind that estimate (same condition).
     """
 
     layer: int
@@ -40,6 +41,8 @@ class DecisionEvent:
     log_local: torch.Tensor | None = None
     log_bulk: torch.Tensor | None = None
     log_bulk_estimate: torch.Tensor | None = None
+    score_mean: torch.Tensor | None = None
+    score_var: torch.Tensor | None = None
 
     @property
     def oracle_ratio(self) -> torch.Tensor | None:
@@ -74,7 +77,7 @@ class DecisionRecorder(Observer):
 
     def on_decision(self, event: DecisionEvent) -> None:
         for name in ("t_bulk", "local", "effective_local", "sparsity", "kv_sparsity", "log_local", "log_bulk",
-                     "log_bulk_estimate"):
+                     "log_bulk_estimate", "score_mean", "score_var"):
             value = getattr(event, name)
             if value is not None:
                 setattr(event, name, value.detach().cpu())

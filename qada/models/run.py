@@ -192,9 +192,10 @@ class QAdARun:
 
     def _notify(self, ctx: StepContext, local: torch.Tensor, result) -> None:
         wants_oracle = any(o.wants_oracle for o in self.observers)
-        estimate = None
+        estimate = score_mean = score_var = None
         if wants_oracle and ctx.moments is not None:
             estimate = ctx.log_bulk_estimate
+            score_mean, score_var = ctx.score_moments
         event = DecisionEvent(
             layer=ctx.layer,
             step=ctx.step,
@@ -207,6 +208,8 @@ class QAdARun:
             log_local=ctx.log_local if wants_oracle else None,
             log_bulk=ctx.log_bulk if wants_oracle else None,
             log_bulk_estimate=estimate,
+            score_mean=score_mean,
+            score_var=score_var,
         )
         for observer in self.observers:
             observer.on_decision(event)

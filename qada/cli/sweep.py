@@ -1,0 +1,49 @@
+"""``qada sweep``: a grid of configurations over tasks and lengths; a results folder with tables and plots."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("sweep", help="sweep criteria x thresholds over tasks and lengths; results + plots")
+    parser.add_argument("--tasks", default="niah_single_1,niah_single_2", help="comma-separated task names")
+    parser.add_argument("--lengths", default="2048", help="comma-separated prompt lengths in tokens")
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--taus", type=_floats, default=None, help="comma-separated taus (default: the paper's grid)")
+    parser.add_argument("--alphas", type=_floats, default=None, help="comma-separated alphas (default 0.05..0.95)")
+    parser.add_argument("--moments", default="stored,current", help="QAdA moment sources, one curve each")
+    parser.add_argument("--static", default="static_oracle,static_ruler", help="static families ('' for none)")
+    parser.add_argument("--record-oracle", action="store_true", help="also measure agreement with the oracle")
+    parser.add_argument("--template", default="base", choices=["base", "chat"])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="results folder (resumable)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from qada.eval.report import format_table, plot_score_vs_sparsity, write_results
+    from qada.eval.sweep import run_sweep
+    from qada.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    tasks = [t for t in args.tasks.split(",") if t]
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    records = run_sweep(
+        model, tokenizer, tasks, lengths, args.samples, args.out, taus=args.taus, alphas=args.alphas,
+        moment_sources=tuple(m for m in args.moments.split(",") if m),
+        static=tuple(s for s in args.static.split(",") if s), record_oracle=args.record_oracle, seed=args.seed,
+        template=args.template,
+    )
+    print(format_table(records))
+    json_path, csv_path = write_results(records, args.out)
+    plot = plot_score_vs_sparsity(records, Path(args.out) / "score_vs_sparsity.png")
+    print(f"wrote {json_path}, {csv_path}, {plot}")
+    return 0

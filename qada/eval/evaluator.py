@@ -121,10 +121,11 @@ class Evaluator:
         from tqdm.auto import tqdm
 
         done = self.finished()
-        for (_, label), row in done.items():
-            if label in self.metrics:
-                self._update(row)
         mine = list(samples)[self.fabric.global_rank :: self.fabric.world_size]
+        my_keys = {sample_key(s) for s in mine}
+        for (key, label), row in done.items():  # resume: count this rank's finished work once, on this rank
+            if label in self.metrics and key in my_keys:
+                self._update(row)
         todo = [(s, c) for s in mine for c in self.configs if (sample_key(s), c.label) not in done]
         eos = {self.tokenizer.eos_token_id} | set(_as_list(getattr(self.model.generation_config, "eos_token_id", None)))
         eos.discard(None)
@@ -170,7 +171,9 @@ class Evaluator:
         """Per-configuration metrics (synced across processes)."""
         results = {}
         for config in self.configs:
-            values = self.metrics[config.label].compute()
+            metrics = self.metrics[config.label]
+            values = {name: metrics[name].compute() for name in ("score", "sparsity", "kv_sparsity")}
+            values["oracle"] = metrics["oracle"].compute() if _updated(metrics["oracle"]) else torch.zeros(5)
             entry = {
                 **config.to_dict(),
                 "score": float(values["score"]),
@@ -182,6 +185,14 @@ class Evaluator:
                           for k, v in agreement_summary(values["oracle"]).items()})
             results[config.label] = entry
         return results
+
+
+def _updated(metric: Any) -> bool:
+    """Whether any process updated ``metric`` (synced: the oracle may be recorded on some ranks' samples only)."""
+    count = torch.tensor(float(metric.update_count), device=metric.device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(count)
+    return bool(count > 0)
 
 
 def _as_list(value: Any) -> list:

@@ -22,9 +22,9 @@ class SDPAExecutor(AttentionExecutor):
     for the (row, KV group) pairs with a dense head.
 
     Full attention runs once over the whole batch (``enable_gqa=True``, no copy of K/V) when every group reads
-    its bulk; otherwise the read groups are gathered (a copy of their K/V) and each group's ``G`` query heads
-    attend as ``G`` query rows of one head. Choosing the groups needs their number on the host: one sync per
-    call (``nonzero``) when ``T > T_local``; the reported sparsities stay on the device.
+    its bulk; otherwise each read (row, group) attends over views of its own K/V (no copy of the cache).
+    Choosing the groups needs them on the host: one sync per call (``nonzero``) when ``T > T_local``; the
+    reported sparsities stay on the device.
     """
 
     def attend(
@@ -71,13 +71,16 @@ class SDPAExecutor(AttentionExecutor):
                 enable_gqa=True,
             )
         else:
-            rows, groups = pairs.unbind(1)
-            q_sel = query.view(b, H_kv, G, d)[rows, groups][:, None]  # [n, 1, G, d]: G query rows
-            mask = None if real is None else real[rows][:, None, None, :]
-            full_sel = F.scaled_dot_product_attention(
-                q_sel, key[rows, groups][:, None], value[rows, groups][:, None], attn_mask=mask, scale=scale
-            )
-            full = out.new_zeros(b, H_kv, G, d)
-            full[rows, groups] = full_sel[:, 0]
-            full = full.view(b, H, 1, d)
+            # Each read (row, KV group) attends over views of its own K/V: no copy of the cache.
+            full = out.clone()
+            for row, group in pairs.tolist():
+                heads = slice(group * G, (group + 1) * G)
+                full[row : row + 1, heads] = F.scaled_dot_product_attention(
+                    query[row : row + 1, heads],
+                    key[row : row + 1, group : group + 1],
+                    value[row : row + 1, group : group + 1],
+                    attn_mask=None if real is None else real[row : row + 1, None, None, :],
+                    scale=scale,
+                    enable_gqa=True,
+                )
         return torch.where(local[:, :, None, None], out, full), None

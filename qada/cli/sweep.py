@@ -18,6 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--alphas", type=_floats, default=None, help="comma-separated alphas (default 0.05..0.95)")
     parser.add_argument("--moments", default="stored,current", help="QAdA moment sources, one curve each")
     parser.add_argument("--static", default="static_oracle,static_ruler", help="static families ('' for none)")
+    parser.add_argument("--calibration-samples", type=int, default=None,
+                        help="samples per other task for static_ruler calibration (default: --samples)")
     parser.add_argument("--record-oracle", action="store_true", help="also measure agreement with the oracle")
     parser.add_argument("--template", default="base", choices=["base", "chat"])
     parser.add_argument("--model", default=None)
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     records = run_sweep(
         model, tokenizer, tasks, lengths, args.samples, args.out, taus=args.taus, alphas=args.alphas,
         moment_sources=tuple(m for m in args.moments.split(",") if m),
-        static=tuple(s for s in args.static.split(",") if s), record_oracle=args.record_oracle, seed=args.seed,
+        static=tuple(s for s in args.static.split(",") if s), calibration_samples=args.calibration_samples,
+        record_oracle=args.record_oracle, seed=args.seed,
         template=args.template,
     )
     print(format_table(records))

@@ -69,9 +69,9 @@ def test_log_error_table_rows_and_exactness_of_the_control():
 
 
 def test_analyze_cli_writes_every_output(tmp_path):
-    from qada.cli import main
     from transformers import AutoTokenizer
 
+    from qada.cli import main
     from qada.models.loading import _resolve
 
     tokenizer = AutoTokenizer.from_pretrained(_resolve(None))

@@ -172,7 +172,8 @@ def test_padded_batch_equals_loop_over_rows(seed, starts):
     b = len(starts)
     keys = torch.randn(b, 2, T, d, generator=g)
     query = torch.randn(b, 4, d, generator=g)
-    moments = BulkMoments(torch.randn(b, 2, d, generator=g), torch.stack([random_psd(d, g) for _ in range(2 * b)]).view(b, 2, d, d))
+    covs = torch.stack([random_psd(d, g) for _ in range(2 * b)]).view(b, 2, d, d)
+    moments = BulkMoments(torch.randn(b, 2, d, generator=g), covs)
     start = torch.tensor(starts)
     batch = StepContext(query, keys, 0.35, window, start=start, moments=moments)
     for r, s in enumerate(starts):

@@ -79,5 +79,6 @@ def run(args: argparse.Namespace) -> int:
               f"{row['abs_log_gap_bulk_vs_local']:>28.3f}")
     for name, t in types.items():
         print(f"head types ({name}, tau {args.tau}): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
-    print(f"wrote {out}/table2_log_error.json, head_maps.png/json, sparsity_vs_tau.png/json, per_token_sparsity.png/json")
+    print(f"wrote {out}/table2_log_error.json, head_maps.png/json, sparsity_vs_tau.png/json, "
+          "per_token_sparsity.png/json")
     return 0

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
         task = samples[0].task if samples and samples[0].task else Path(args.data).stem
         length = samples[0].length if samples else None
     else:
-        samples = TASKS.build(args.task, template=args.template).generate(tokenizer, args.length, args.samples, args.seed)
+        task_builder = TASKS.build(args.task, template=args.template)
+        samples = task_builder.generate(tokenizer, args.length, args.samples, args.seed)
         task, length = args.task, args.length
     criterion: dict = {"name": args.criterion}
     if args.tau is not None:

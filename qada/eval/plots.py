@@ -22,7 +22,7 @@ def _pyplot():
 def plot_head_maps(maps: Mapping[str, np.ndarray], path: str | Path, title: str = "") -> Path:
     """One ``[L, H]`` heat map per entry (e.g. oracle vs QAdA long-context frequency), shared colour scale."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(maps), figsize=(3.2 * len(maps) + 1, 6), squeeze=False)
+    fig, axes = plt.subplots(1, len(maps), figsize=(3.2 * len(maps) + 1.5, 6), squeeze=False, constrained_layout=True)
     image = None
     for ax, (name, values) in zip(axes[0], maps.items(), strict=True):
         image = ax.imshow(values, aspect="auto", vmin=0, vmax=1, cmap="viridis")

@@ -43,7 +43,8 @@ def result_record(entry: dict, task: str, length: int | None, n: int, model: Any
 
 def format_table(records: Sequence[dict]) -> str:
     """A plain-text table: task, length, configuration, score, sparsity, kv_sparsity, oracle agreement."""
-    header = f"{'task':<16} {'len':>5} {'n':>3} {'configuration':<28} {'score':>6} {'sparsity':>8} {'kv_sp':>6} {'agree':>6}"
+    header = (f"{'task':<16} {'len':>5} {'n':>3} {'configuration':<28} {'score':>6} {'sparsity':>8} {'kv_sp':>6} "
+              f"{'agree':>6}")
     lines = [header, "-" * len(header)]
     for r in records:
         agree = r.get("oracle_agreement")

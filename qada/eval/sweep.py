@@ -51,12 +51,14 @@ def run_sweep(
             folder = out / f"{task}-{length}"
             masks = {}
             if "static_oracle" in static:
-                masks["static_oracle"] = _calibrated(model, tokenizer, generated[task], folder / "static_oracle.safetensors",
-                                                     tau_static, progress)
+                masks["static_oracle"] = _calibrated(
+                    model, tokenizer, generated[task], folder / "static_oracle.safetensors", tau_static, progress
+                )
             others = [t for t in tasks if t != task]
             if "static_ruler" in static and others:
                 n = calibration_samples or num_samples
-                pool = [s for t in others for s in TASKS.build(t, template=template).generate(tokenizer, length, n, seed + 1)]
+                pool = [s for t in others
+                        for s in TASKS.build(t, template=template).generate(tokenizer, length, n, seed + 1)]
                 masks["static_ruler"] = _calibrated(model, tokenizer, pool, folder / "static_ruler.safetensors",
                                                     tau_static, progress)
             configs: list[EvalConfig] = sweep_configs(

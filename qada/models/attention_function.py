@@ -31,7 +31,10 @@ def qada_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention signature: ``query [b, H, q, d]``, ``key/value [b, H_kv, T, d]`` -> ``([b, q, H, d], None)``."""
+    """transformers' attention signature: ``query [b, H, q, d]``, ``key/value [b, H_kv, T, d]``.
+
+    Returns ``([b, q, H, d], None)``.
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     run = active_runs.get(module)

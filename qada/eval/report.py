@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "plot_score_vs_sparsity", "result_record", "write_results"]
+__all__ = ["format_table", "markdown_table", "plot_score_vs_sparsity", "result_record", "write_results"]
 
 
 def result_record(entry: dict, task: str, length: int | None, n: int, model: Any, seed: int, extra: dict | None = None):
@@ -55,10 +55,28 @@ def format_table(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_results(records: Sequence[dict], out_dir: str | Path, name: str = "results") -> tuple[Path, Path]:
-    """``name.json`` (all records) and ``name.csv`` (the flat columns) in ``out_dir``."""
+def markdown_table(records: Sequence[dict]) -> str:
+    """A markdown table of the records (one row per task, length and configuration)."""
+    lines = ["| task | length | n | configuration | score | sparsity | kv_sparsity |",
+             "|---|---:|---:|---|---:|---:|---:|"]
+    for r in records:
+        lines.append(f"| {r['task']} | {r['length']} | {r['n']} | {r['label']} | {r['score']:.1f} | "
+                     f"{r['sparsity']:.3f} | {r['kv_sparsity']:.3f} |")
+    return "\n".join(lines)
+
+
+def write_results(
+    records: Sequence[dict], out_dir: str | Path, name: str = "results", command: str | None = None
+) -> tuple[Path, Path]:
+    """``name.json`` (all records), ``name.csv`` (the flat columns) and ``name.md`` (a table with the command
+    that produced it) in ``out_dir``."""
+    import sys
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    command = command or "qada " + " ".join(sys.argv[1:])
+    (out / f"{name}.md").write_text(f"Produced by `{command}` (qada, {time.strftime('%Y-%m-%d')}).\n\n"
+                                    + markdown_table(records) + "\n")
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(list(records), indent=2))
     csv_path = out / f"{name}.csv"

@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
           f"--moments {args.moments} --tau {args.tau}` ({meta['records']} layer-step-head records).", "",
           "| selection | n | mean abs(log A_bulk - lognormal estimate) | mean abs(log A_bulk - log A_local) |",
           "|---|---:|---:|---:|"]
-    md += [f"| {r['selection']} | {r['n']} | {r['abs_log_error_lognormal']:.3f} | {r['abs_log_gap_bulk_vs_local']:.3f} |"
+    md += [f"| {r['selection']} | {r['n']} | {r['abs_log_error_lognormal']:.3f} | "
+           f"{r['abs_log_gap_bulk_vs_local']:.3f} |"
            for r in table]
     md += ["", "| head types at tau " + str(args.tau) + " | consistently local | varying | often long-context |",
            "|---|---:|---:|---:|"]

@@ -1,0 +1,153 @@
+"""Decode attention alone: each qada executor at forced sparsity vs dense ``scaled_dot_product_attention``.
+
+``local`` is built so that a chosen number of whole KV groups is local (all ``G`` query heads of the group) and
+the other groups are dense: ``rho_kv`` = fraction of KV groups whose bulk is skipped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import measure
+from qada.attention import EXECUTORS
+from qada.window import Window
+
+__all__ = ["Shape", "copy_bandwidth", "group_local_mask", "run_attention"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    b: int
+    H: int
+    H_kv: int
+    d: int
+    dtype: torch.dtype
+
+
+SMOLLM2 = Shape("smollm2", 1, 9, 3, 64, torch.float32)
+LLAMA8B_F32 = Shape("llama3-8b-layer-f32", 1, 32, 8, 128, torch.float32)
+LLAMA8B_BF16 = Shape("llama3-8b-layer", 1, 32, 8, 128, torch.bfloat16)
+
+
+def group_local_mask(shape: Shape, local_groups: int, device: torch.device | str) -> torch.Tensor:
+    """``[b, H]`` bool: the first ``local_groups`` KV groups entirely local, the others entirely dense."""
+    G = shape.H // shape.H_kv
+    group_is_local = torch.arange(shape.H_kv, device=device) < local_groups
+    return group_is_local.repeat_interleave(G)[None, :].expand(shape.b, shape.H).contiguous()
+
+
+def kv_bytes(shape: Shape, T: int, local_groups: int, window: Window) -> int:
+    """Bytes of K and V an ideal kernel reads: the whole cache of dense groups, the window of local ones."""
+    element = torch.finfo(shape.dtype).bits // 8
+    tokens = (shape.H_kv - local_groups) * T + local_groups * min(T, window.t_local)
+    return 2 * shape.b * tokens * shape.d * element
+
+
+def copy_bandwidth(device: torch.device | str, nbytes: int, reps: int) -> dict[str, Any]:
+    """Bytes/s of ``dst.copy_(src)`` on a ``nbytes`` tensor (counting the read and the write)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    timing = measure(lambda: dst.copy_(src), device, reps=reps, warmup=2)
+    return {"bytes": 2 * nbytes, "timing": timing, "bandwidth_gbs": 2 * nbytes / timing["median"] / 1e9}
+
+
+def _rho_list(shape: Shape) -> list[int]:
+    """Numbers of local KV groups to force: 0, ~H_kv/2, ~7/8 H_kv (distinct, < H_kv), all."""
+    wanted = [0, round(0.5 * shape.H_kv), round(0.875 * shape.H_kv), shape.H_kv]
+    if shape.H_kv == 3:  # SmolLM2: 0.5 and 0.875 are not reachable with 3 groups; take 1/3 and 2/3
+        wanted = [0, 1, 2, 3]
+    return sorted(set(wanted))
+
+
+def build_executor(name: str, flex_compile: bool | None):
+    if name == "flex":
+        return EXECUTORS.build({"name": "flex", "compile": flex_compile})
+    return EXECUTORS.build(name)
+
+
+def run_attention(
+    shapes: list[Shape],
+    lengths: list[int],
+    executors: list[str],
+    device: torch.device | str,
+    reps: int,
+    inner: int = 1,
+    flex_compile: bool | None = None,
+    log=print,
+) -> list[dict[str, Any]]:
+    """One row per (shape, T, executor, local groups): time per call, ratio to dense SDPA, bytes, bandwidth."""
+    window = Window()
+    rows = []
+    built = {name: build_executor(name, flex_compile) for name in executors}
+    for shape in shapes:
+        for T in lengths:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            q = torch.randn(shape.b, shape.H, 1, shape.d, generator=g).to(device, shape.dtype)
+            k = torch.randn(shape.b, shape.H_kv, T, shape.d, generator=g).to(device, shape.dtype)
+            v = torch.randn(shape.b, shape.H_kv, T, shape.d, generator=g).to(device, shape.dtype)
+            scale = shape.d**-0.5
+
+            def dense(q=q, k=k, v=v, scale=scale):
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+            dense_t = measure(dense, device, reps=reps, warmup=2, inner=inner)
+            dense_bytes = kv_bytes(shape, T, 0, window)
+            rows.append(_row(shape, T, "dense_sdpa", 0, dense_t, dense_t, dense_bytes, None))
+            log(f"  attention {shape.name} T={T} dense_sdpa {dense_t.ms()} ms")
+            for local_groups in _rho_list(shape):
+                local = group_local_mask(shape, local_groups, device)
+                expected = None
+                for name, executor in built.items():
+
+                    def call(executor=executor, local=local, q=q, k=k, v=v, scale=scale):
+                        return executor(q, k, v, local, window, scale)
+
+                    try:
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore")
+                            out = call()
+                            if expected is None:
+                                expected = EXECUTORS.build("reference")(q, k, v, local, window, scale).output.float()
+                            error = (out.output.float() - expected).abs().max().item()
+                            timing = measure(call, device, reps=reps, warmup=2, inner=inner)
+                    except Exception as exc:  # one executor failing must not lose the others' numbers
+                        rows.append({"shape": shape.name, "T": T, "executor": name, "error": repr(exc)[:300]})
+                        log(f"  attention {shape.name} T={T} {name} FAILED: {exc!r}"[:300])
+                        continue
+                    row = _row(shape, T, name, local_groups, timing, dense_t, kv_bytes(shape, T, local_groups, window),
+                               error)  # fmt: skip
+                    row["kv_sparsity_reported"] = float(out.kv_sparsity)
+                    rows.append(row)
+                    log(
+                        f"  attention {shape.name} T={T} {name} rho_kv={row['rho_kv']:.3f} {timing.ms()} ms "
+                        f"x{row['speedup_vs_dense']:.2f} vs dense"
+                    )
+            del q, k, v
+    return rows
+
+
+def _row(shape, T, name, local_groups, timing, dense_t, nbytes, error) -> dict[str, Any]:
+    return {
+        "shape": shape.name,
+        "b": shape.b,
+        "H": shape.H,
+        "H_kv": shape.H_kv,
+        "d": shape.d,
+        "dtype": str(shape.dtype).replace("torch.", ""),
+        "T": T,
+        "executor": name,
+        "local_groups": local_groups,
+        "rho_kv": local_groups / shape.H_kv,
+        "timing": timing,
+        "dense_timing": dense_t,
+        "speedup_vs_dense": dense_t["median"] / timing["median"],
+        "kv_bytes_ideal": nbytes,
+        "bandwidth_gbs": nbytes / timing["median"] / 1e9,
+        "max_abs_err_vs_reference": error,
+    }

@@ -1,0 +1,139 @@
+"""qada's speed benchmarks (issue 8): one command per suite.
+
+    python benchmarks/run.py --quick              # CPU, ~2-3 min: attention, overhead, end-to-end at 4k and 7.5k
+    python benchmarks/run.py                      # the full CPU suite (run it on a quiet machine)
+    python benchmarks/run.py --gpu --out $OUT     # the GPU suite (bare H100/H200; Llama-3-8B shapes, bf16)
+    python benchmarks/run.py --gpu --dry-run      # the GPU code path on the CPU with tiny shapes
+    python benchmarks/run.py --smoke              # tiny shapes, 1 repetition (the test)
+
+Results: ``<out>/<suite>-<machine>.json`` and ``.md`` (default out: benchmarks/results), rewritten after every
+section so that an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # ``python benchmarks/run.py`` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="qada speed benchmarks", formatter_class=argparse.RawTextHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="short CPU suite (~2-3 min)")
+    mode.add_argument("--gpu", action="store_true", help="GPU suite (CUDA; Llama-3-8B shapes, bf16)")
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repetition (tests)")
+    parser.add_argument("--dry-run", action="store_true", help="with --gpu: the GPU suite's code on CPU, tiny shapes")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--only", default="attention,overhead,end_to_end", help="comma-separated sections")
+    parser.add_argument("--note", default="", help="a note written at the top of the markdown")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser.parse_args(argv)
+
+
+def suite_name(args: argparse.Namespace) -> str:
+    if args.gpu:
+        return "gpu-dryrun" if args.dry_run else "gpu"
+    if args.dry_run:
+        raise SystemExit("--dry-run goes with --gpu")
+    return "smoke" if args.smoke else "quick" if args.quick else "full"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    name = suite_name(args)
+    if name == "gpu-dryrun":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported: the kernel runs on CPU
+    import torch
+
+    from benchmarks import attention, end_to_end, models, overhead, report
+    from benchmarks.common import machine_info, machine_tag, write_results
+    from benchmarks.suites import SUITES
+
+    suite = SUITES[name]
+    if suite.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device (use --gpu --dry-run to exercise the code path on the CPU)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
+    device = torch.device(suite.device)
+    sections = set(args.only.split(","))
+    info = machine_info(device)
+    argv_used = sys.argv[1:] if argv is None else argv
+    results: dict[str, Any] = {
+        "suite": name,
+        "command": "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in argv_used),
+        "machine": info,
+        "note": args.note,
+        "settings": {k: (v if isinstance(v, (int, float, str, bool, list, type(None))) else str(v))
+                     for k, v in vars(suite).items() if k not in ("attention_shapes", "overhead_shapes")},
+        "errors": [],
+    }  # fmt: skip
+    results["settings"]["attention_shapes"] = [vars(s) | {"dtype": str(s.dtype)} for s in suite.attention_shapes]
+    stem = f"{name}-{machine_tag(info)}"
+    if sections != {"attention", "overhead", "end_to_end"}:  # a partial run must not overwrite the whole one
+        stem += "-" + "+".join(sorted(sections))
+    started = time.perf_counter()
+
+    def save() -> None:
+        results["goals"] = report.evaluate_goals(results)
+        results["elapsed_s"] = round(time.perf_counter() - started, 1)
+        write_results(args.out, stem, results, report.markdown(results))
+
+    def section(key: str, fn) -> None:
+        if key not in sections:
+            return
+        log(f"[{key}] ({time.perf_counter() - started:.0f} s)")
+        try:
+            fn()
+        except Exception as exc:  # keep going: a failed section must not lose the others
+            results["errors"].append(f"{key}: {exc!r}"[:500])
+            log(traceback.format_exc())
+        save()
+
+    log(f"suite {name} on {info.get('gpu') or info['cpu']} ({info['cores']} cores, {info['torch_threads']} threads)")
+    with torch.no_grad():
+
+        def run_attention() -> None:
+            reps = max(3, suite.attention_reps)
+            results["copy_bandwidth"] = attention.copy_bandwidth(device, suite.copy_bytes, reps=reps)
+            log(f"  copy bandwidth {results['copy_bandwidth']['bandwidth_gbs']:.1f} GB/s")
+            results["attention"] = attention.run_attention(
+                suite.attention_shapes, suite.attention_lengths, suite.executors, device,
+                suite.attention_reps, suite.attention_inner, suite.flex_compile, log,
+            )  # fmt: skip
+
+        def run_overhead() -> None:
+            results["overhead"] = overhead.run_overhead(
+                suite.overhead_shapes, suite.overhead_lengths, device, suite.overhead_reps, suite.overhead_inner, log
+            )
+
+        def run_end_to_end() -> None:
+            model, tokenizer, what = models.build_model(suite, max(suite.e2e_lengths) + suite.e2e_steps + 16)
+            results["model"] = what
+            results["end_to_end"] = end_to_end.run_end_to_end(
+                model, models.build_contexts(suite, model, tokenizer), models.build_configs(suite, model, tokenizer),
+                suite.e2e_steps, suite.e2e_reps, device, log,
+            )  # fmt: skip
+
+        section("attention", run_attention)
+        section("overhead", run_overhead)
+        section("end_to_end", run_end_to_end)
+    save()
+    report.print_tables(results, log=print if not args.quiet else (lambda *a: None))
+    log(f"wrote {Path(args.out) / stem}.json and .md in {time.perf_counter() - started:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     from qada.eval.analysis import (
         DecisionLog,
+        analysis_markdown,
         head_local_frequency,
         head_types,
         log_error_table,
@@ -61,18 +62,9 @@ def run(args: argparse.Namespace) -> int:
     meta = {"task": args.task, "length": args.length, "samples": len(samples), "moments": args.moments,
             "tau": args.tau, "records": int(len(arrays["t_bulk"]))}
     (out / "table2_log_error.json").write_text(json.dumps({**meta, "rows": table}, indent=2))
-    md = [f"Produced by `qada analyze --task {args.task} --length {args.length} --samples {args.samples} "
-          f"--moments {args.moments} --tau {args.tau}` ({meta['records']} layer-step-head records).", "",
-          "| selection | n | mean abs(log A_bulk - lognormal estimate) | mean abs(log A_bulk - log A_local) |",
-          "|---|---:|---:|---:|"]
-    md += [f"| {r['selection']} | {r['n']} | {r['abs_log_error_lognormal']:.3f} | "
-           f"{r['abs_log_gap_bulk_vs_local']:.3f} |"
-           for r in table]
-    md += ["", "| head types at tau " + str(args.tau) + " | consistently local | varying | often long-context |",
-           "|---|---:|---:|---:|"]
-    md += [f"| {name} | {t['consistently_local']:.2f} | {t['varying']:.2f} | {t['often_long_context']:.2f} |"
-           for name, t in types.items()]
-    (out / "table2_log_error.md").write_text("\n".join(md) + "\n")
+    command = (f"qada analyze --task {args.task} --length {args.length} --samples {args.samples} "
+               f"--moments {args.moments} --tau {args.tau}")
+    (out / "table2_log_error.md").write_text(analysis_markdown(command, meta["records"], table, types, args.tau))
     (out / "sparsity_vs_tau.json").write_text(json.dumps({**meta, **curves}, indent=2))
     (out / "per_token_sparsity.json").write_text(json.dumps({**meta, **steps}, indent=2))
     (out / "head_maps.json").write_text(json.dumps(

@@ -19,6 +19,7 @@ from qada.models.observers import DecisionEvent, Observer
 
 __all__ = [
     "DecisionLog",
+    "analysis_markdown",
     "gaussian_control_log_bulk",
     "head_local_frequency",
     "head_types",
@@ -152,3 +153,17 @@ def log_error_table(arrays: dict[str, np.ndarray], seed: int = 0, max_control: i
                  "abs_log_error_lognormal": float(np.mean(np.abs(control - arrays["estimate"][:n]))),
                  "abs_log_gap_bulk_vs_local": float(np.mean(np.abs(control - arrays["log_local"][:n])))})
     return rows
+
+
+def analysis_markdown(command: str, records: int, table: list[dict], types: dict[str, dict], tau: float) -> str:
+    """The Table-2 rows and the head types as markdown, headed by the command that produced them."""
+    md = [f"Produced by `{command}` ({records} layer-step-head records).", "",
+          "| selection | n | mean abs(log A_bulk - lognormal estimate) | mean abs(log A_bulk - log A_local) |",
+          "|---|---:|---:|---:|"]
+    md += [f"| {r['selection']} | {r['n']} | {r['abs_log_error_lognormal']:.3f} | "
+           f"{r['abs_log_gap_bulk_vs_local']:.3f} |" for r in table]
+    md += ["", f"| head types at tau {tau} | consistently local | varying | often long-context |",
+           "|---|---:|---:|---:|"]
+    md += [f"| {name} | {t['consistently_local']:.2f} | {t['varying']:.2f} | {t['often_long_context']:.2f} |"
+           for name, t in types.items()]
+    return "\n".join(md) + "\n"

@@ -21,8 +21,10 @@ class SDPAExecutor(AttentionExecutor):
     """Window attention for every head (``W = min(T, T_local)`` gathered keys, cheap), full attention only
     for the (row, KV group) pairs with a dense head.
 
-    Full attention runs once over the whole batch (``enable_gqa=True``, no copy of K/V) when every group reads
-    its bulk; otherwise each read (row, group) attends over views of its own K/V (no copy of the cache).
+    The ``G`` query heads of a KV group attend as ``G`` query rows of its single KV head (no repeat of K/V, and
+    faster than ``enable_gqa`` on the CPU). Full attention runs once over the whole batch when every group reads
+    its bulk; otherwise each read (row, group) attends over views of its own K/V (no copy of the cache). On the
+    CPU the window is skipped when no head is local.
     Choosing the groups needs them on the host: one sync per call (``nonzero``) when ``T > T_local``; the
     reported sparsities stay on the device.
     """
@@ -41,46 +43,42 @@ class SDPAExecutor(AttentionExecutor):
         b, H, _, d = query.shape
         H_kv, T = key.shape[1], key.shape[2]
         G = H // H_kv
-        index, valid = window_indices(T, window.t_local, window.t_sink, start, device=query.device)  # [b, W]
-        if start is None:
-            index, valid = index.expand(b, -1), valid.expand(b, -1)
-        W = index.shape[1]
-        gather = index[:, None, :, None].expand(b, H_kv, W, d)
-        out = F.scaled_dot_product_attention(
-            query,
-            torch.gather(key, 2, gather),
-            torch.gather(value, 2, gather),
-            attn_mask=valid[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        if T <= window.t_local:  # the window is the whole cache: nothing else to read
-            return out, None
-        real = None if start is None else torch.arange(T, device=query.device)[None, :] >= start[:, None]
+        # GQA without a repeat of K/V: the G query heads of a group attend as G query rows of its one KV head.
+        rows = query.view(b, H_kv, G, d)
+        real = None if start is None else (torch.arange(T, device=query.device)[None, :] >= start[:, None])
+        cpu = query.device.type == "cpu"  # data-dependent shortcuts only where a host sync costs nothing
+        out = None
+        if not cpu or bool(local.any()):
+            index, valid = window_indices(T, window.t_local, window.t_sink, start, device=query.device)  # [b, W]
+            if start is None:
+                index, valid = index.expand(b, -1), valid.expand(b, -1)
+            gather = index[:, None, :, None].expand(b, H_kv, index.shape[1], d)
+            out = F.scaled_dot_product_attention(
+                rows, torch.gather(key, 2, gather), torch.gather(value, 2, gather),
+                attn_mask=valid[:, None, None, :], scale=scale,
+            ).view(b, H, 1, d)
+            if T <= window.t_local:  # the window is the whole cache: nothing else to read
+                return out, None
         pairs = read.nonzero()  # [n, 2] (row, KV head): host sync
         n = pairs.shape[0]
         if n == 0:
             return out, None
         if n == b * H_kv:
             full = F.scaled_dot_product_attention(
-                query,
-                key,
-                value,
-                attn_mask=None if real is None else real[:, None, None, :],
-                scale=scale,
-                enable_gqa=True,
-            )
+                rows, key, value, attn_mask=None if real is None else real[:, None, None, :], scale=scale
+            ).view(b, H, 1, d)
         else:
             # Each read (row, KV group) attends over views of its own K/V: no copy of the cache.
-            full = out.clone()
+            full = out.clone().view(b, H_kv, G, d)
             for row, group in pairs.tolist():
-                heads = slice(group * G, (group + 1) * G)
-                full[row : row + 1, heads] = F.scaled_dot_product_attention(
-                    query[row : row + 1, heads],
+                full[row, group] = F.scaled_dot_product_attention(
+                    rows[row : row + 1, group : group + 1],
                     key[row : row + 1, group : group + 1],
                     value[row : row + 1, group : group + 1],
                     attn_mask=None if real is None else real[row : row + 1, None, None, :],
                     scale=scale,
-                    enable_gqa=True,
-                )
+                )[0, 0]
+            full = full.view(b, H, 1, d)
+        if out is None:
+            return full, None
         return torch.where(local[:, :, None, None], out, full), None

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from qada.artifacts import (
     ArtifactError,
@@ -18,20 +17,11 @@ from qada.artifacts import (
     save_artifact,
     save_head_mask,
 )
+from tests.tiny_models import tiny_config  # noqa: E402
 
 
-def config(**overrides) -> LlamaConfig:
-    params = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    params.update(overrides)
-    return LlamaConfig(**params)
+def config(**overrides):
+    return tiny_config("llama", vocab_size=97, max_position_embeddings=256, **overrides)
 
 
 FP = model_fingerprint(config())

@@ -10,7 +10,6 @@ import sys
 import types
 
 import pytest
-import torch
 
 from qada.artifacts import read_artifact_info
 from qada.cli import main
@@ -24,19 +23,9 @@ class WordTokenizer:
 
 @pytest.fixture
 def tiny_loader(monkeypatch):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_models import tiny_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_model("llama", vocab_size=97, max_position_embeddings=256, sharpen=False)
     calls = []
 
     def load_model(path=None):

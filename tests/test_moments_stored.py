@@ -164,19 +164,9 @@ def test_reference_and_bucketed_round_trip(tmp_path, reference):
 
 
 def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_models import tiny_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_model("llama", vocab_size=97, max_position_embeddings=256, sharpen=False)
 
 
 def test_collect_reference_keys_chunked_equals_single_forward():

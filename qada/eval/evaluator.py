@@ -143,7 +143,7 @@ class Evaluator:
             prefill_seconds = time.perf_counter() - start
             budget = answer_budget(sample, self.tokenizer)
             for config in configs:
-                run = None if config.family == "dense" and not self.record_oracle else self._run(config)
+                run = None if config.family == "dense" else self._run(config)  # dense: the model as it is
                 if run is not None:
                     run.reset_stats()
                 start = time.perf_counter()

@@ -76,6 +76,15 @@ def test_no_state_leaks_between_configurations_and_resume_skips_finished_work(mo
     assert results["oracle"]["oracle_agreement"] == 1.0, "the oracle agrees with itself"
     assert 0.0 <= results["qada"]["oracle_agreement"] <= 1.0
 
+    # an interrupted sweep is reported from its per-sample rows with the same means
+    from qada.eval.report import records_from_rows
+
+    rebuilt = {r["label"]: r for r in records_from_rows(tmp_path)}
+    for label in ("dense", "qada", "oracle"):
+        assert rebuilt[label]["n"] == len(samples)
+        assert rebuilt[label]["score"] == pytest.approx(results[label]["score"])
+        assert rebuilt[label]["sparsity"] == pytest.approx(results[label]["sparsity"], abs=1e-6)
+
     calls = []
     import qada.eval.evaluator as module
 

@@ -25,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="results folder (resumable)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no decoding: tables and plot from the finished per-sample results in --out")
     parser.set_defaults(run=run)
 
 
@@ -35,6 +37,17 @@ def run(args: argparse.Namespace) -> int:
     from qada.eval.sweep import run_sweep
     from qada.models import load_model
 
+    if args.report_only:
+        from qada.eval.report import records_from_rows
+
+        records = records_from_rows(args.out)
+        if not records:
+            raise FileNotFoundError(f"no results-rank*.jsonl under {args.out}")
+        print(format_table(records))
+        json_path, csv_path = write_results(records, args.out)
+        plot = plot_score_vs_sparsity(records, Path(args.out) / "score_vs_sparsity.png")
+        print(f"wrote {json_path}, {csv_path}, {plot}")
+        return 0
     model, tokenizer = load_model(args.model)
     tasks = [t for t in args.tasks.split(",") if t]
     lengths = [int(x) for x in args.lengths.split(",") if x]

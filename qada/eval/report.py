@@ -9,7 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "markdown_table", "plot_score_vs_sparsity", "result_record", "write_results"]
+__all__ = [
+    "format_table",
+    "markdown_table",
+    "plot_score_vs_sparsity",
+    "records_from_rows",
+    "result_record",
+    "write_results",
+]
 
 
 def result_record(entry: dict, task: str, length: int | None, n: int, model: Any, seed: int, extra: dict | None = None):
@@ -119,3 +126,32 @@ def plot_score_vs_sparsity(records: Sequence[dict], path: str | Path, title: str
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def records_from_rows(folder: str | Path) -> list[dict]:
+    """Per-configuration records rebuilt from the per-sample ``results-rank*.jsonl`` under ``folder`` (recursively).
+
+    The same means the evaluator computes (score, sparsity and kv_sparsity averaged over samples), for reporting
+    a sweep that was interrupted; ``n`` is the number of samples each configuration finished.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for path in sorted(Path(folder).rglob("results-rank*.jsonl")):
+        # a sweep's folders are named <task>-<target length>; a sample's own length may fall a little short
+        task_name, _, target = path.parent.name.rpartition("-")
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                length = int(target) if target.isdigit() and task_name == row["task"] else row["length"]
+                groups.setdefault((row["task"], length, row["config"]), []).append(row)
+    records = []
+    for (task, length, label), rows in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1] or 0)):
+        measured = [r for r in rows if r["sparsity"] is not None]
+        family = "dense" if label == "dense" else label.rsplit(" ", 1)[0]
+        records.append({
+            "task": task, "length": length, "n": len(rows), "label": label, "family": family,
+            "score": sum(r["score"] for r in rows) / len(rows),
+            "sparsity": sum(r["sparsity"] for r in measured) / len(measured) if measured else float("nan"),
+            "kv_sparsity": sum(r["kv_sparsity"] for r in measured) / len(measured) if measured else float("nan"),
+            "decode_seconds": sum(r["seconds"] for r in rows),
+        })
+    return records

@@ -141,7 +141,7 @@ def records_from_rows(folder: str | Path) -> list[dict]:
         for line in path.read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
-                length = int(target) if target.isdigit() and task_name == row["task"] else row["length"]
+                length = int(target) if target.isdigit() and task_name == row["task"] else None
                 groups.setdefault((row["task"], length, row["config"]), []).append(row)
     records = []
     for (task, length, label), rows in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1] or 0)):

@@ -9,6 +9,17 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def make_fabric(accelerator: str, devices: int):
+    """A launched Lightning Fabric: one process, or ``devices`` DDP processes (this command is re-run per rank)."""
+    from lightning.fabric import Fabric
+
+    if devices < 1:
+        raise ValueError(f"expected --devices >= 1 but got {devices}")
+    fabric = Fabric(accelerator=accelerator, devices=devices, strategy="ddp" if devices > 1 else "auto")
+    fabric.launch()
+    return fabric
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("sweep", help="sweep criteria x thresholds over tasks and lengths; results + plots")
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2", help="comma-separated task names")
@@ -25,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="results folder (resumable)")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="processes (Lightning Fabric DDP: gloo on CPU, NCCL on GPUs); samples are sharded")
+    parser.add_argument("--accelerator", default="cpu", help="cpu, gpu/cuda or auto (default cpu)")
     parser.add_argument("--report-only", action="store_true",
                         help="no decoding: tables and plot from the finished per-sample results in --out")
     parser.set_defaults(run=run)
@@ -48,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         plot = plot_score_vs_sparsity(records, Path(args.out) / "score_vs_sparsity.png")
         print(f"wrote {json_path}, {csv_path}, {plot}")
         return 0
-    model, tokenizer = load_model(args.model)
+    fabric = make_fabric(args.accelerator, args.devices)
+    model, tokenizer = load_model(args.model, device=fabric.device)
     tasks = [t for t in args.tasks.split(",") if t]
     lengths = [int(x) for x in args.lengths.split(",") if x]
     records = run_sweep(
@@ -56,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
         moment_sources=tuple(m for m in args.moments.split(",") if m),
         static=tuple(s for s in args.static.split(",") if s), calibration_samples=args.calibration_samples,
         record_oracle=args.record_oracle, seed=args.seed,
-        template=args.template,
+        template=args.template, fabric=fabric, progress=fabric.global_rank == 0,
     )
+    if fabric.global_rank != 0:
+        return 0
     print(format_table(records))
     json_path, csv_path = write_results(records, args.out)
     plot = plot_score_vs_sparsity(records, Path(args.out) / "score_vs_sparsity.png")

@@ -99,6 +99,14 @@ def test_no_state_leaks_between_configurations_and_resume_skips_finished_work(mo
         assert resumed[label]["score"] == results[label]["score"]
         assert resumed[label]["sparsity"] == pytest.approx(results[label]["sparsity"])
 
+    # a run killed in the middle of writing a line: that pair is recomputed, the rest is kept
+    path = tmp_path / "results-rank0.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    with pytest.warns(UserWarning, match="truncated last line"):
+        done = Evaluator(model, tokenizer, configs(), tmp_path, progress=False).finished()
+    assert len(done) == len(lines) - 1
+
 
 def test_paper_grids_and_sweep_configs():
     taus = paper_taus()

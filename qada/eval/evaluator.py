@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -84,10 +85,18 @@ class Evaluator:
         """Every (sample key, config label) already written by any rank."""
         done = {}
         for path in sorted(self.out_dir.glob("results-rank*.jsonl")):
-            for line in path.read_text().splitlines():
-                if line.strip():
+            lines = path.read_text().splitlines()
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
                     row = json.loads(line)
-                    done[(row["sample"], row["config"])] = row
+                except json.JSONDecodeError:
+                    if number == len(lines):  # a write cut short by an interruption: that pair runs again
+                        warnings.warn(f"{path}: ignoring a truncated last line", stacklevel=2)
+                        continue
+                    raise ValueError(f"{path}:{number} is not a JSON line; the results file is corrupted") from None
+                done[(row["sample"], row["config"])] = row
         return done
 
     def _record(self, row: dict) -> None:

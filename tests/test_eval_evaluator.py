@@ -123,3 +123,17 @@ def test_paper_grids_and_sweep_configs():
 def test_duplicate_labels_are_refused(model, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="unique configuration labels"):
         Evaluator(model, tokenizer, [configs()[0], configs()[0]], tmp_path)
+
+
+def test_worst_case_drop_takes_the_worst_task():
+    from qada.eval.report import worst_case_drop
+
+    def record(task, label, family, score, sparsity):
+        return {"task": task, "length": 2048, "label": label, "family": family, "score": score, "sparsity": sparsity}
+
+    records = [
+        record("a", "dense", "dense", 100, 0.0), record("b", "dense", "dense", 80, 0.0),
+        record("a", "qada tau=0.6", "qada", 90, 0.8), record("b", "qada tau=0.6", "qada", 40, 0.6),
+    ]
+    [row] = worst_case_drop(records)
+    assert row["worst_drop"] == 40 and row["worst_task"] == "b@2048" and row["mean_sparsity"] == pytest.approx(0.7)

@@ -14,6 +14,7 @@ __all__ = [
     "markdown_table",
     "plot_score_vs_sparsity",
     "records_from_rows",
+    "worst_case_drop",
     "result_record",
     "write_results",
 ]
@@ -83,7 +84,8 @@ def write_results(
     out.mkdir(parents=True, exist_ok=True)
     command = command or "qada " + " ".join(sys.argv[1:])
     (out / f"{name}.md").write_text(f"Produced by `{command}` (qada, {time.strftime('%Y-%m-%d')}).\n\n"
-                                    + markdown_table(records) + "\n")
+                                    + markdown_table(records) + "\n\nWorst case over tasks (paper §4):\n\n"
+                                    + worst_case_markdown(worst_case_drop(records)) + "\n")
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(list(records), indent=2))
     csv_path = out / f"{name}.csv"
@@ -155,3 +157,33 @@ def records_from_rows(folder: str | Path) -> list[dict]:
             "decode_seconds": sum(r["seconds"] for r in rows),
         })
     return records
+
+
+def worst_case_drop(records: Sequence[dict]) -> list[dict]:
+    """Per configuration: its mean sparsity and the largest score drop versus dense over all (task, length).
+
+    The paper's worst-case view (§4): a criterion is only as good as its worst task.
+    """
+    dense = {(r["task"], r["length"]): r["score"] for r in records if r["family"] == "dense"}
+    rows: dict[str, dict] = {}
+    for r in records:
+        key = (r["task"], r["length"])
+        if r["family"] == "dense" or key not in dense:
+            continue
+        entry = rows.setdefault(r["label"], {"label": r["label"], "family": r["family"], "drops": [], "sparsity": []})
+        entry["drops"].append((dense[key] - r["score"], f"{r['task']}@{r['length']}"))
+        entry["sparsity"].append(r["sparsity"])
+    out = []
+    for entry in rows.values():
+        drop, where = max(entry["drops"])
+        out.append({"label": entry["label"], "family": entry["family"], "worst_drop": drop, "worst_task": where,
+                    "mean_sparsity": sum(entry["sparsity"]) / len(entry["sparsity"]), "cells": len(entry["drops"])})
+    return sorted(out, key=lambda e: (e["family"], e["mean_sparsity"]))
+
+
+def worst_case_markdown(rows: Sequence[dict]) -> str:
+    lines = ["| configuration | mean sparsity | worst drop vs dense | where | (task, length) cells |",
+             "|---|---:|---:|---|---:|"]
+    lines += [f"| {r['label']} | {r['mean_sparsity']:.3f} | {r['worst_drop']:.1f} | {r['worst_task']} | {r['cells']} |"
+              for r in rows]
+    return "\n".join(lines)

@@ -199,3 +199,30 @@ def test_moments_self_synchronise_and_errors():
     eager.reset()
     with pytest.raises(RuntimeError, match="before prefill"):
         eager.append(0, keys, None, window)
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_block_updates_are_exact_at_block_ends_and_at_most_k_minus_1_steps_old(k):
+    torch.manual_seed(1)
+    window = Window(16, 4)
+    T0, steps, d = 30, 23, 8
+    keys = torch.randn(2, 2, T0 + steps, d) + 3.0
+    start = torch.tensor([0, 20])  # the second row has no bulk at first (10 real tokens)
+    blocked, reference = CurrentMoments(update_every=k), CurrentMoments()
+    for source in (blocked, reference):
+        source.prefill(0, keys[:, :, :T0], start, window)
+    last_block_end = T0
+    for T in range(T0 + 1, T0 + steps + 1):
+        blocked.append(0, keys[:, :, :T], start, window)
+        reference.append(0, keys[:, :, :T], start, window)
+        if (T - T0) % k == 0:
+            last_block_end = T
+            torch.testing.assert_close(blocked.moments(0, keys[:, :, :T], start, window),
+                                       reference.moments(0, keys[:, :, :T], start, window))
+        assert T - last_block_end < k
+        fresh = CurrentMoments()
+        fresh.prefill(0, keys[:, :, :last_block_end], start, window)
+        torch.testing.assert_close(blocked.moments(0, keys[:, :, :T], start, window),
+                                   fresh.moments(0, keys[:, :, :last_block_end], start, window))
+    with pytest.raises(ValueError, match="update_every to be an int >= 1"):
+        CurrentMoments(update_every=0)

@@ -27,14 +27,20 @@ class CurrentMoments(MomentSource):
 
     Args:
         freeze: keep the moments of the prefill (the paper's setting for short answers) instead of streaming.
+        update_every: merge the keys that entered the bulk every ``k`` steps as one block (Chan's rule), exact
+            at the end of each block; decisions inside a block use moments at most ``k - 1`` steps old. ``1``
+            (default) is the per-step reference.
     """
 
     freeze: bool = False
+    update_every: int = 1
     per_row_state = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.freeze, bool):
             raise ValueError(f"expected freeze to be a bool but got {self.freeze!r}")
+        if isinstance(self.update_every, bool) or not isinstance(self.update_every, int) or self.update_every < 1:
+            raise ValueError(f"expected update_every to be an int >= 1 but got {self.update_every!r}")
         self._states: dict[int, MomentState] = {}
         self._lengths: dict[int, int] = {}
         self._cached: dict[int, BulkMoments] = {}
@@ -64,8 +70,8 @@ class CurrentMoments(MomentSource):
         old, new = self._lengths[layer], keys.shape[2]
         if new < old:
             raise ValueError(f"expected the cache of layer {layer} to grow from {old} but got length {new}")
-        if new == old:
-            return
+        if new == old or (not self.freeze and new - old < self.update_every):
+            return  # nothing new, or a block still filling up (update_every > 1)
         self._lengths[layer] = new
         if self.freeze:
             return
@@ -80,10 +86,15 @@ class CurrentMoments(MomentSource):
             weight = (after > before).to(torch.float64)[:, None]
             self._states[layer] = add_key(state, entering, weight)
         else:
-            first = starts + window.t_sink + before  # first index entering, per row
-            position = torch.arange(new, device=keys.device)[None, :]
+            # Keys entering a row's bulk lie in [start + T_sink + before, start + T_sink + after); every such
+            # index is >= old - T_recent (a row without a bulk before has start >= old - T_local), so only that
+            # slice of the cache is read: O((new - old) d^2), not O(T d^2).
+            lo = max(0, old - window.t_recent)
+            hi = max(lo, new - window.t_recent)
+            first = starts + window.t_sink + before
+            position = torch.arange(lo, hi, device=keys.device)[None, :]
             mask = (position >= first[:, None]) & (position < (starts + window.t_sink + after)[:, None])
-            self._states[layer] = merge_moments(state, block_moments(keys, mask[:, None, :]))
+            self._states[layer] = merge_moments(state, block_moments(keys[:, :, lo:hi], mask[:, None, :]))
         self._cached.pop(layer, None)
 
     def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> BulkMoments:

@@ -137,3 +137,20 @@ def test_worst_case_drop_takes_the_worst_task():
     ]
     [row] = worst_case_drop(records)
     assert row["worst_drop"] == 40 and row["worst_task"] == "b@2048" and row["mean_sparsity"] == pytest.approx(0.7)
+
+
+def test_moment_source_specs_for_ablations():
+    from qada.cli.sweep import split_moment_sources
+    from qada.eval.configs import moment_label, parse_moment_source
+
+    assert split_moment_sources("stored,current") == ("stored", "current")
+    assert split_moment_sources("current;stored:prompt=text,offset=2048") == (
+        "current", "stored:prompt=text,offset=2048")
+    config = parse_moment_source("stored:prompt=single_word,offset=2048,include_sinks=true")
+    assert config == {"name": "stored", "prompt": "single_word", "offset": 2048, "include_sinks": True}
+    assert parse_moment_source(moment_label(config)) == config
+    [cfg] = sweep_configs([0.6], ("stored:prompt=text",), include_oracle=False, include_dense=False)
+    assert cfg.moments == {"name": "stored", "prompt": "text"} and cfg.label == "qada/stored:prompt=text tau=0.6"
+    cfg.build()  # the registry accepts it
+    with pytest.raises(ValueError, match="key=value"):
+        parse_moment_source("stored:text")

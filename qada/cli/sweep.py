@@ -9,6 +9,12 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def split_moment_sources(text: str) -> tuple[str, ...]:
+    """``"a,b"`` or ``"a;b:k=v,k2=v2"`` -> the moment-source specs (``;`` separates when parameters use commas)."""
+    parts = text.split(";") if ";" in text or ":" in text else text.split(",")
+    return tuple(p.strip() for p in parts if p.strip())
+
+
 def make_fabric(accelerator: str, devices: int):
     """A launched Lightning Fabric: one process, or ``devices`` DDP processes (this command is re-run per rank)."""
     from lightning.fabric import Fabric
@@ -27,7 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--taus", type=_floats, default=None, help="comma-separated taus (default: the paper's grid)")
     parser.add_argument("--alphas", type=_floats, default=None, help="comma-separated alphas (default 0.05..0.95)")
-    parser.add_argument("--moments", default="stored,current", help="QAdA moment sources, one curve each")
+    parser.add_argument("--moments", default="stored,current",
+                        help="QAdA moment sources, one curve each: 'stored,current', or with parameters separated "
+                             "by ';' (e.g. 'current;stored:prompt=single_word;stored:prompt=text,offset=2048')")
     parser.add_argument("--static", default="static_oracle,static_ruler", help="static families ('' for none)")
     parser.add_argument("--calibration-samples", type=int, default=None,
                         help="samples per other task for static_ruler calibration (default: --samples)")
@@ -68,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     records = run_sweep(
         model, tokenizer, tasks, lengths, args.samples, args.out, taus=args.taus, alphas=args.alphas,
-        moment_sources=tuple(m for m in args.moments.split(",") if m),
+        moment_sources=split_moment_sources(args.moments),
         static=tuple(s for s in args.static.split(",") if s), calibration_samples=args.calibration_samples,
         record_oracle=args.record_oracle, seed=args.seed,
         template=args.template, fabric=fabric, progress=fabric.global_rank == 0,

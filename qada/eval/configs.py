@@ -10,7 +10,30 @@ import numpy as np
 from qada.models.apply import build_run
 from qada.models.run import QAdARun
 
-__all__ = ["EvalConfig", "paper_alphas", "paper_taus", "sweep_configs"]
+__all__ = ["EvalConfig", "moment_label", "paper_alphas", "paper_taus", "parse_moment_source", "sweep_configs"]
+
+
+def parse_moment_source(text: str) -> dict[str, Any]:
+    """``"stored:prompt=text,offset=2048"`` -> ``{"name": "stored", "prompt": "text", "offset": 2048}``.
+
+    Values are read as YAML scalars (numbers, booleans, strings); a bare name has no parameters.
+    """
+    import yaml
+
+    name, _, rest = text.partition(":")
+    config: dict[str, Any] = {"name": name.strip()}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"expected key=value in moment source {text!r} but got {item!r}")
+        config[key.strip()] = yaml.safe_load(value)
+    return config
+
+
+def moment_label(config: dict[str, Any]) -> str:
+    """The inverse of :func:`parse_moment_source`, for labels."""
+    params = ",".join(f"{k}={v}" for k, v in config.items() if k != "name")
+    return config["name"] + (f":{params}" if params else "")
 
 
 def paper_taus() -> list[float]:
@@ -80,8 +103,10 @@ def sweep_configs(
         configs += [EvalConfig(f"oracle tau={t}", {"name": "oracle", "tau": t}, None, executor, window, "oracle")
                     for t in taus]
     for source in moment_sources:
-        configs += [EvalConfig(f"qada/{source} tau={t}", {"name": "qada", "tau": t}, source, executor, window,
-                               f"qada/{source}") for t in taus]
+        config = parse_moment_source(source) if isinstance(source, str) else dict(source)
+        name = source if isinstance(source, str) else moment_label(config)
+        configs += [EvalConfig(f"qada/{name} tau={t}", {"name": "qada", "tau": t}, config, executor, window,
+                               f"qada/{name}") for t in taus]
     for family, frequency in (static_masks or {}).items():
         for alpha in paper_alphas() if alphas is None else alphas:
             mask = calibrate_static_mask(frequency, alpha)

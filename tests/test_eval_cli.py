@@ -52,3 +52,18 @@ def test_demo_quick_runs_on_the_embedded_model(tmp_path, capsys):
     records = json.loads((tmp_path / "results.json").read_text())
     assert {r["task"] for r in records} == {"niah_single_1", "niah_single_2"}
     assert (tmp_path / "score_vs_sparsity.png").stat().st_size > 0
+
+
+def test_generate_prints_text_and_a_sparsity_summary(tiny_model_dir, tmp_path, capsys):
+    path, _ = tiny_model_dir
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The pass key is 12345. " * 40 + "What is the pass key? The pass key is")
+    assert main(["generate", "--prompt-file", str(prompt), "--model", str(path), "--criterion", "qada", "--tau",
+                 "0.3", "--moments", "current", "--t-local", "64", "--t-sink", "4", "--max-new-tokens", "4",
+                 "--per-layer"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "sparsity:" in out and "kv_sparsity:" in out and "fail-safe fallbacks: 0" in out
+    assert "layer  sparsity  kv_sparsity" in out
+    assert main(["generate", "--prompt-file", str(prompt), "--model", str(path), "--criterion", "dense",
+                 "--max-new-tokens", "2"]) == 0
+    assert "unmodified model" in capsys.readouterr().out

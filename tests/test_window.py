@@ -50,3 +50,16 @@ def test_window_rejects_bad_sizes():
         local_index_set(-1)
     with pytest.raises(ValueError, match="t_sink <= t_local"):
         local_index_set(10, 8, 9)
+
+
+@pytest.mark.parametrize("T", [5, 64, 65, 200])
+def test_gather_window_slices_equal_the_indexed_gather(T):
+    from qada.functional import gather_window
+
+    x = torch.randn(2, 3, T, 4)
+    sliced, valid = gather_window(x, 64, 8)
+    index, expected_valid = window_indices(T, 64, 8, torch.zeros(2, dtype=torch.long))
+    gathered = torch.gather(x, 2, index[:, None, :, None].expand(2, 3, index.shape[1], 4))
+    assert torch.equal(sliced, gathered) and torch.equal(valid, expected_valid)
+    padded, padded_valid = gather_window(x, 64, 8, torch.tensor([0, 3]))
+    assert torch.equal(padded[0], gathered[0]) and padded_valid.shape == (2, min(T, 64))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from qada.attention.base import AttentionExecutor, register_executor
-from qada.functional import window_indices
+from qada.functional import gather_window
 from qada.window import Window
 
 __all__ = ["SDPAExecutor"]
@@ -49,13 +49,11 @@ class SDPAExecutor(AttentionExecutor):
         cpu = query.device.type == "cpu"  # data-dependent shortcuts only where a host sync costs nothing
         out = None
         if not cpu or bool(local.any()):
-            index, valid = window_indices(T, window.t_local, window.t_sink, start, device=query.device)  # [b, W]
-            if start is None:
-                index, valid = index.expand(b, -1), valid.expand(b, -1)
-            gather = index[:, None, :, None].expand(b, H_kv, index.shape[1], d)
+            window_keys, valid = gather_window(key, window.t_local, window.t_sink, start)  # [b, H_kv, W, d]
+            window_values, _ = gather_window(value, window.t_local, window.t_sink, start)
             out = F.scaled_dot_product_attention(
-                rows, torch.gather(key, 2, gather), torch.gather(value, 2, gather),
-                attn_mask=valid[:, None, None, :], scale=scale,
+                rows, window_keys, window_values, attn_mask=None if start is None else valid[:, None, None, :],
+                scale=scale,
             ).view(b, H, 1, d)
             if T <= window.t_local:  # the window is the whole cache: nothing else to read
                 return out, None

@@ -12,11 +12,11 @@ from qada.functional import (
     bulk_count,
     bulk_mask,
     full_scores,
+    gather_window,
     log_bulk_mass,
     log_local_mass,
     lognormal_score_moments,
     window_indices,
-    window_scores,
 )
 from qada.functional._checks import check_float, check_ndim, group_size
 from qada.functional.lognormal import lognormal_log_bulk_from_moments
@@ -108,15 +108,19 @@ class StepContext:
         return window_indices(self.length, self.window.t_local, self.window.t_sink, self._starts)
 
     @cached_property
+    def window_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys [b, H_kv, W, d], valid [b, W])`` of the local window (see :func:`qada.functional.gather_window`)."""
+        return gather_window(self.keys, self.window.t_local, self.window.t_sink, self.start)
+
+    @cached_property
     def local_scores(self) -> torch.Tensor:
         """``[b, H, W]`` float32 scores of the local window."""
-        index, _ = self.window_index
-        return window_scores(self.query, self.keys, index, self.scale)
+        return full_scores(self.query, self.window_keys[0], self.scale)
 
     @cached_property
     def log_local(self) -> torch.Tensor:
         """``[b, H]`` ``log A_local``."""
-        return log_local_mass(self.local_scores, self.window_index[1])
+        return log_local_mass(self.local_scores, self.window_keys[1])
 
     # --- exact bulk (oracle) -----------------------------------------------------------------------------
     @cached_property

@@ -6,9 +6,9 @@ from qada.functional.lognormal import (
     lognormal_log_bulk_mass,
     lognormal_score_moments,
 )
-from qada.functional.masses import full_scores, log_bulk_mass, log_local_mass, window_scores
+from qada.functional.masses import full_scores, log_bulk_mass, log_local_mass
 from qada.functional.static import calibrate_static_mask, static_local_count
-from qada.functional.window import bulk_count, bulk_mask, local_index_set, window_indices
+from qada.functional.window import bulk_count, bulk_mask, gather_window, local_index_set, window_indices
 
 __all__ = [
     "bulk_count",
@@ -16,6 +16,7 @@ __all__ = [
     "calibrate_static_mask",
     "check_threshold",
     "finite_threshold_decision",
+    "gather_window",
     "full_scores",
     "local_index_set",
     "log_bulk_mass",
@@ -27,5 +28,4 @@ __all__ = [
     "lognormal_score_moments",
     "static_local_count",
     "window_indices",
-    "window_scores",
 ]

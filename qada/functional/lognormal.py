@@ -41,9 +41,8 @@ def lognormal_score_moments(
     G = group_size(H, H_kv)
     dtype = accumulation_dtype(query, mean, cov)
     q = query.to(dtype).view(b, H_kv, G, d)
-    mu_s = scale * torch.einsum("bkgd,bkd->bkg", q, mean.to(dtype))
-    q_cov = torch.einsum("bkgd,bkde->bkge", q, cov.to(dtype))
-    var_s = scale * scale * (q_cov * q).sum(-1)
+    mu_s = scale * (q @ mean.to(dtype)[..., None])[..., 0]  # [b, H_kv, G]
+    var_s = scale * scale * ((q @ cov.to(dtype)) * q).sum(-1)  # q Sigma q^T per query head
     return mu_s.reshape(b, H), var_s.reshape(b, H)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from qada.functional._checks import accumulation_dtype, check_float, check_ndim, group_size
 
-__all__ = ["full_scores", "log_bulk_mass", "log_local_mass", "window_scores"]
+__all__ = ["full_scores", "log_bulk_mass", "log_local_mass"]
 
 
 def _grouped_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -34,16 +34,9 @@ def _grouped_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> to
 
 
 def full_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """All scores ``[b, H, T]`` of one decode query against the whole cache (the oracle needs them)."""
+    """Scores ``[b, H, N]`` of one decode query against ``keys [b, H_kv, N, d]``: the whole cache (the oracle)
+    or the gathered local window (:func:`qada.functional.gather_window`), without repeating the keys."""
     return _grouped_scores(query, keys, scale)
-
-
-def window_scores(query: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, scale: float) -> torch.Tensor:
-    """Scores ``[b, H, W]`` against the keys at ``index [b, W]`` only (the local window): O(W d), not O(T d)."""
-    check_ndim("index", index, 2, "[batch, window]")
-    b, H_kv, _, d = keys.shape
-    gathered = torch.gather(keys, 2, index[:, None, :, None].expand(b, H_kv, index.shape[1], d))
-    return _grouped_scores(query, gathered, scale)
 
 
 def _masked_logsumexp(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from qada.window import Window
 
-__all__ = ["bulk_count", "bulk_mask", "local_index_set", "window_indices"]
+__all__ = ["bulk_count", "bulk_mask", "gather_window", "local_index_set", "window_indices"]
 
 
 def _starts(T: int, start: torch.Tensor | None, device: torch.device | str | None) -> torch.Tensor:
@@ -97,3 +97,23 @@ def bulk_count(
     window = Window(t_local, t_sink)
     starts = _starts(T, start, device)
     return (T - starts - window.t_local).clamp(min=0)
+
+
+def gather_window(
+    x: torch.Tensor, t_local: int = 128, t_sink: int = 16, start: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local window of ``x [b, H_kv, T, d]`` (keys or values): ``(x_w [b, H_kv, W, d], valid [b, W])``.
+
+    Without padding (``start=None``) the window is two slices, sinks and recent tokens, copied with one ``cat``
+    (much cheaper than a ``gather`` on the CPU); with padding it is gathered at :func:`window_indices`.
+    """
+    b, H_kv, T, d = x.shape
+    if start is None:
+        window = Window(t_local, t_sink)
+        W = min(T, window.t_local)
+        valid = torch.ones(b, W, dtype=torch.bool, device=x.device)
+        if T <= window.t_local:
+            return x, valid
+        return torch.cat([x[:, :, : window.t_sink], x[:, :, T - window.t_recent :]], dim=2), valid
+    index, valid = window_indices(T, t_local, t_sink, start, device=x.device)
+    return torch.gather(x, 2, index[:, None, :, None].expand(b, H_kv, index.shape[1], d)), valid

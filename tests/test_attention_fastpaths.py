@@ -176,3 +176,18 @@ def test_flex_compiled_reuses_block_mask_without_recompiling():
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             check_against_reference(flex, case)
     assert len(flex._states) == 1
+
+
+@pytest.mark.slow
+def test_compiled_flex_on_cpu_with_the_embedded_model_shape():
+    """Regression: inductor's CPU flex template did not compile a block mask without 'full' blocks (torch 2.13)."""
+    from qada.attention import EXECUTORS
+    from qada.attention.flex import flex_compile_support
+
+    if flex_compile_support(torch.device("cpu")) is not None:
+        pytest.skip("flex_attention cannot be compiled here")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 64, generator=g) for h, n in ((9, 1), (3, 1000), (3, 1000)))
+    flex, reference = EXECUTORS.build("flex", compile=True), EXECUTORS.build("reference")
+    for local in (torch.zeros(1, 9, dtype=torch.bool), torch.tensor([[True] * 6 + [False] * 3])):
+        torch.testing.assert_close(flex(q, k, v, local).output, reference(q, k, v, local).output, atol=1e-5, rtol=1e-5)

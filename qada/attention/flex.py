@@ -147,6 +147,10 @@ class FlexExecutor(AttentionExecutor):
             block_mask = BlockMask.from_kv_blocks(
                 torch.zeros(b, H, 1, dtype=torch.int32, device=device),
                 torch.zeros(b, H, 1, num_blocks, dtype=torch.int32, device=device),
+                # An explicit empty set of "full" blocks: inductor's CPU flex template (torch 2.13) fails to
+                # compile a block mask without one (it references full_kv_num_blocks unconditionally).
+                full_kv_num_blocks=torch.zeros(b, H, 1, dtype=torch.int32, device=device),
+                full_kv_indices=torch.zeros(b, H, 1, num_blocks, dtype=torch.int32, device=device),
                 BLOCK_SIZE=(128, self.block_size),
                 mask_mod=_mask_mod(start, length, dense, window.t_sink, window.t_recent),
                 seq_lengths=(1, T_pad),

@@ -16,7 +16,6 @@ from qada.functional import (
     log_bulk_mass,
     log_local_mass,
     lognormal_score_moments,
-    window_indices,
 )
 from qada.functional._checks import check_float, check_ndim, group_size
 from qada.functional.lognormal import lognormal_log_bulk_from_moments
@@ -102,11 +101,6 @@ class StepContext:
         return self.t_bulk > 0
 
     # --- local window ------------------------------------------------------------------------------------
-    @cached_property
-    def window_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(index [b, W], valid [b, W])`` of the local window (see :func:`qada.functional.window_indices`)."""
-        return window_indices(self.length, self.window.t_local, self.window.t_sink, self._starts)
-
     @cached_property
     def window_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys [b, H_kv, W, d], valid [b, W])`` of the local window (see :func:`qada.functional.gather_window`)."""

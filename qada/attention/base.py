@@ -18,7 +18,7 @@ import torch
 
 from qada.attention.group_policy import apply_group_policy, check_group_policy, head_sparsity, kv_sparsity
 from qada.functional import bulk_count
-from qada.functional._checks import check_float, check_ndim, group_size
+from qada.functional.checks import check_float, check_ndim, group_size
 from qada.registry import Component, Registry
 from qada.window import Window
 

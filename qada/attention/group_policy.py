@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qada.functional._checks import group_size
+from qada.functional.checks import group_size
 
 __all__ = ["GROUP_POLICIES", "apply_group_policy", "check_group_policy", "head_sparsity", "kv_sparsity"]
 

@@ -8,7 +8,7 @@ import torch
 
 from qada.attention.base import AttentionExecutor, register_executor
 from qada.functional import bulk_mask, full_scores
-from qada.functional._checks import accumulation_dtype
+from qada.functional.checks import accumulation_dtype
 from qada.window import Window
 
 __all__ = ["ReferenceExecutor"]

@@ -17,7 +17,7 @@ from qada.functional import (
     log_local_mass,
     lognormal_score_moments,
 )
-from qada.functional._checks import check_float, check_ndim, group_size
+from qada.functional.checks import check_float, check_ndim, group_size
 from qada.functional.lognormal import lognormal_log_bulk_from_moments
 from qada.moments.types import BulkMoments
 from qada.window import Window

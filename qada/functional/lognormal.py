@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from qada.functional._checks import accumulation_dtype, check_float, check_ndim, group_size
+from qada.functional.checks import accumulation_dtype, check_float, check_ndim, group_size
 
 __all__ = ["lognormal_log_bulk_from_moments", "lognormal_log_bulk_mass", "lognormal_score_moments"]
 

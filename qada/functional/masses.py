@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from qada.functional._checks import accumulation_dtype, check_float, check_ndim, group_size
+from qada.functional.checks import accumulation_dtype, check_float, check_ndim, group_size
 
 __all__ = ["full_scores", "log_bulk_mass", "log_local_mass"]
 

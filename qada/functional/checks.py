@@ -1,0 +1,62 @@
+"""Shape and dtype checks shared by the math, the step, criteria and executors (clear errors, never silent broadcasting)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "accumulation_dtype",
+    "check_float",
+    "check_head_mask",
+    "check_head_scores",
+    "check_ndim",
+    "group_size",
+]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32: half inputs are never accumulated in half precision."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_float(name: str, tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected {name} to be a torch.Tensor but got {type(tensor).__name__}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"expected {name} to have a floating dtype {FLOAT_DTYPES} but got {tensor.dtype}")
+
+
+def check_ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
+    if tensor.ndim != ndim:
+        raise ValueError(f"expected {name} of shape {layout} but got shape {tuple(tensor.shape)}")
+
+
+def group_size(num_heads: int, num_kv_heads: int) -> int:
+    """Query heads per KV head (GQA); raises when ``H`` is not a multiple of ``H_kv``."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"expected the number of query heads ({num_heads}) to be a multiple of the number of KV heads "
+            f"({num_kv_heads})"
+        )
+    return num_heads // num_kv_heads
+
+
+def check_head_mask(name: str, mask: object, batch: int, heads: int, device: torch.device | None = None) -> None:
+    """Raise unless ``mask`` is a bool tensor ``[batch, heads]`` (on ``device`` when given)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (batch, heads):
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"expected {name} to be a bool tensor of shape [{batch}, {heads}] but got {got}")
+    if device is not None and mask.device != device:
+        raise ValueError(f"expected {name} on {device} but got it on {mask.device}")
+
+
+def check_head_scores(name: str, scores: object, batch: int, heads: int) -> None:
+    """Raise unless ``scores`` is a floating tensor ``[batch, heads]`` (one value per row and query head)."""
+    if not isinstance(scores, torch.Tensor) or not scores.dtype.is_floating_point:
+        got = scores.dtype if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"expected {name} to be a floating tensor of shape [{batch}, {heads}] but got {got}")
+    if tuple(scores.shape) != (batch, heads):
+        raise ValueError(f"expected {name} of shape [{batch}, {heads}] but got {tuple(scores.shape)}")

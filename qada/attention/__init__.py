@@ -4,7 +4,14 @@ Importing this package registers the built-in executors in :data:`EXECUTORS` (ch
 compilation; those happen on an executor's first call).
 """
 
-from qada.attention.base import EXECUTORS, AttentionExecutor, ExecutorOutput, register_executor
+from qada.attention.base import (
+    EXECUTORS,
+    AttentionExecutor,
+    ExecutorOutput,
+    GroupDecision,
+    decode_attention,
+    register_executor,
+)
 from qada.attention.flex import FlexExecutor
 from qada.attention.group_policy import GROUP_POLICIES, apply_group_policy, check_group_policy
 from qada.attention.reference import ReferenceExecutor
@@ -17,11 +24,13 @@ __all__ = [
     "AttentionExecutor",
     "ExecutorOutput",
     "FlexExecutor",
+    "GroupDecision",
     "ReferenceExecutor",
     "SDPAExecutor",
     "TritonExecutor",
     "apply_group_policy",
     "check_group_policy",
     "check_triton_runtime",
+    "decode_attention",
     "register_executor",
 ]

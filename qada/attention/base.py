@@ -1,10 +1,11 @@
 """The :class:`AttentionExecutor` interface and the executor registry.
 
-An executor computes one decode step of attention given the per-head decision. Input: ``query [b, H, 1, d]``,
-``key, value [b, H_kv, T, d]`` (GQA: ``H = G * H_kv``, query heads ``g*G .. g*G+G-1`` share KV head ``g``),
-``local [b, H]`` bool (True = attend over the local window only), the window, the scale and ``start [b]``
-(each row's first real token, left padding) or ``None``. Output ``[b, H, 1, d]`` in the input dtype, together
-with what the executor actually did (:class:`ExecutorOutput`).
+An executor computes one decode step of attention given the per-head decision. It receives the layer's
+:class:`~qada.step.DecodeStep` (``query [b, H, d]``, ``keys, values [b, H_kv, T, d]`` with GQA ``H = G * H_kv``
+— query heads ``g*G .. g*G+G-1`` share KV head ``g`` —, the window, the scale, ``start [b]`` for left padding,
+and the local window already gathered for the criterion) and ``local [b, H]`` bool (True = attend over the
+local window only). It returns ``[b, H, 1, d]`` in the query dtype together with what it actually did
+(:class:`ExecutorOutput`). :func:`decode_attention` is the same on plain tensors.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from typing import NamedTuple
 import torch
 
 from qada.attention.group_policy import apply_group_policy, check_group_policy, head_sparsity, kv_sparsity
-from qada.functional import bulk_count
-from qada.functional.checks import check_float, check_ndim, group_size
+from qada.functional.checks import check_float, check_head_mask, check_ndim, group_size
 from qada.registry import Component, Registry
+from qada.step import DecodeStep
 from qada.window import Window
 
-__all__ = ["EXECUTORS", "AttentionExecutor", "ExecutorOutput", "register_executor"]
+__all__ = ["EXECUTORS", "AttentionExecutor", "ExecutorOutput", "GroupDecision", "decode_attention",
+           "register_executor"]
 
 
 class ExecutorOutput(NamedTuple):
@@ -45,12 +47,24 @@ class ExecutorOutput(NamedTuple):
     bulk_blocks: torch.Tensor | None = None
 
 
+class GroupDecision(NamedTuple):
+    """What an executor must compute, after the group policy.
+
+    Attributes:
+        local: ``[b, H]`` bool effective local mask (True for every head of a row without a bulk).
+        read: ``[b, H_kv]`` bool, the KV heads whose bulk must be read (exactly those with a dense head).
+    """
+
+    local: torch.Tensor
+    read: torch.Tensor
+
+
 @dataclass
 class AttentionExecutor(Component, abc.ABC):
     """Computes decided attention; subclasses are dataclasses registered with :func:`register_executor`.
 
-    ``__call__`` validates the inputs, applies the group policy, computes the reported sparsities and calls
-    :meth:`attend`, the one method a subclass implements. Nothing in this plumbing syncs with the host.
+    ``__call__(step, local)`` checks the decision, applies the group policy, computes the reported sparsities
+    and calls :meth:`attend`, the one method a subclass implements. Nothing in this plumbing syncs with the host.
 
     Args:
         group_policy: ``"exact"`` (a local head stays local even when its KV group's bulk is read, the
@@ -63,55 +77,57 @@ class AttentionExecutor(Component, abc.ABC):
         check_group_policy(self.group_policy)
 
     @abc.abstractmethod
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        local: torch.Tensor,
-        read: torch.Tensor,
-        window: Window,
-        scale: float,
-        start: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return ``(output [b, H, 1, d] in the query dtype, bulk_blocks or None)``.
+    def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return ``(output [b, H, 1, d] in the query dtype, bulk_blocks or None)`` for ``step``.
 
-        ``local [b, H]`` is the effective mask (after the group policy, True for every head of a row without
-        a bulk), ``read [b, H_kv]`` says which KV heads must read their bulk (exactly those with a dense
-        head), ``start`` is ``None`` (no padding) or a long tensor ``[b]`` on the query's device.
+        ``step.values`` is set; ``step.start`` is ``None`` (no padding) or a long tensor ``[b]`` on the query's
+        device; ``step.window_keys`` / ``step.window_values`` give the gathered local window (cached: the
+        criterion may already have gathered the keys).
         """
 
-    def __call__(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        local: torch.Tensor,
-        window: Window | tuple[int, int] | None = None,
-        scale: float | None = None,
-        start: torch.Tensor | None = None,
-    ) -> ExecutorOutput:
-        """One decode step.
-
-        Args:
-            query: ``[b, H, 1, d]``.
-            key, value: ``[b, H_kv, T, d]``, same dtype and device as ``query``.
-            local: ``[b, H]`` bool, True = the head attends over the local window only.
-            window: a :class:`~qada.window.Window` or ``(t_local, t_sink)``; default ``Window()`` (128, 16).
-            scale: score scale, default ``1 / sqrt(d)``.
-            start: ``[b]`` integer index of each row's first real token (left padding; tokens
-                ``[start_r, T)`` are real, ``0 <= start_r < T``, not checked to avoid a host sync), or ``None``.
-        """
-        window = Window() if window is None else window if isinstance(window, Window) else Window(*window)
-        scale = _check_inputs(query, key, value, local, scale, start)
-        if start is not None:
-            start = start.to(device=query.device, dtype=torch.long)
-        T = key.shape[2]
-        has_bulk = bulk_count(T, window.t_local, window.t_sink, start, device=query.device) > 0
-        has_bulk = has_bulk.expand(query.shape[0])
-        local, read = apply_group_policy(local, has_bulk, key.shape[1], self.group_policy)
-        output, bulk_blocks = self.attend(query, key, value, local, read, window, scale, start)
+    def __call__(self, step: DecodeStep, local: torch.Tensor) -> ExecutorOutput:
+        """One decode step: ``local [b, H]`` bool from the criterion -> :class:`ExecutorOutput`."""
+        check_step_for_attention(step)
+        check_head_mask("local", local, step.batch_size, step.num_heads, step.device)
+        local, read = apply_group_policy(local, step.has_bulk, step.num_kv_heads, self.group_policy)
+        output, bulk_blocks = self.attend(step, GroupDecision(local, read))
         return ExecutorOutput(output, local, head_sparsity(local), kv_sparsity(read), bulk_blocks)
+
+
+def check_step_for_attention(step: DecodeStep) -> None:
+    """Raise unless ``step`` carries values of the query's dtype and device (what every executor needs)."""
+    if step.values is None:
+        raise ValueError("expected a decode step with values (DecodeStep(..., values=...)) for attention")
+    q, k, v = step.query, step.keys, step.values
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"expected query, key and value of one dtype but got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"expected query, key and value on one device but got {q.device}, {k.device}, {v.device}")
+
+
+def decode_attention(
+    executor: AttentionExecutor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    local: torch.Tensor,
+    window: Window | tuple[int, int] | None = None,
+    scale: float | None = None,
+    start: torch.Tensor | None = None,
+) -> ExecutorOutput:
+    """One decode step of ``executor`` on plain tensors (tests, benchmarks, use outside a model).
+
+    Args:
+        query: ``[b, H, 1, d]``.
+        key, value: ``[b, H_kv, T, d]``, same dtype and device as ``query``.
+        local: ``[b, H]`` bool, True = the head attends over the local window only.
+        window: a :class:`~qada.window.Window` or ``(t_local, t_sink)``; default ``Window()`` (128, 16).
+        scale: score scale, default ``1 / sqrt(d)``.
+        start: ``[b]`` integer index of each row's first real token (left padding; tokens
+            ``[start_r, T)`` are real, ``0 <= start_r < T``, not checked to avoid a host sync), or ``None``.
+    """
+    scale = _check_inputs(query, key, value, local, scale, start)
+    return executor(DecodeStep.from_attention(query, key, value, window, scale, start), local)
 
 
 def _check_inputs(

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from qada.attention.base import AttentionExecutor, register_executor
+from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
+from qada.step import DecodeStep
 from qada.window import Window
 
 __all__ = ["FlexExecutor", "flex_compile_support"]
@@ -158,33 +159,26 @@ class FlexExecutor(AttentionExecutor):
             state = self._states[key] = _BucketState(start, length, dense, block_mask)
         return state
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        local: torch.Tensor,
-        read: torch.Tensor,
-        window: Window,
-        scale: float,
-        start: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, None]:
+        local = decision.local
         b, H = local.shape
-        T = key.shape[2]
+        T, window = step.length, step.window
         T_pad = self.bucket_length(T)
-        starts = start if start is not None else torch.zeros(b, dtype=torch.long, device=query.device)
-        state = self._state(query.device, b, H, T_pad, window)
+        starts = step.starts
+        state = self._state(step.device, b, H, T_pad, window)
         state.start.copy_(starts)
         state.length.fill_(T)
         state.dense.copy_(~local)
         kv_num, kv_indices = _kv_blocks(starts, T, ~local, window, T_pad // self.block_size, self.block_size)
         state.block_mask.kv_num_blocks.copy_(kv_num)
         state.block_mask.kv_indices.copy_(kv_indices)
+        key, value = step.keys, step.values
         if T_pad != T:
             key = F.pad(key, (0, 0, 0, T_pad - T))
             value = F.pad(value, (0, 0, 0, T_pad - T))
-        attention = self._attention_fn(query.device)
+        attention = self._attention_fn(step.device)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out = attention(query, key, value, block_mask=state.block_mask, scale=scale, enable_gqa=True)
+            out = attention(step.query[:, :, None], key, value, block_mask=state.block_mask, scale=step.scale,
+                            enable_gqa=True)
         return out, None

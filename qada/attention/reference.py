@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 
-from qada.attention.base import AttentionExecutor, register_executor
-from qada.functional import bulk_mask, full_scores
+from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
 from qada.functional.checks import accumulation_dtype
-from qada.window import Window
+from qada.step import DecodeStep
 
 __all__ = ["ReferenceExecutor"]
 
@@ -22,26 +22,21 @@ class ReferenceExecutor(AttentionExecutor):
     Computes every score ``[b, H, T]`` in float32 (float64 for float64 inputs): O(T) per head, never cheap.
     """
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        local: torch.Tensor,
-        read: torch.Tensor,
-        window: Window,
-        scale: float,
-        start: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, None]:
-        b, H, _, d = query.shape
-        H_kv, T = key.shape[1], key.shape[2]
-        starts = start if start is not None else torch.zeros(b, dtype=torch.long, device=query.device)
-        real = torch.arange(T, device=query.device)[None, :] >= starts[:, None]  # [b, T]
-        in_window = real & ~bulk_mask(T, window.t_local, window.t_sink, starts)  # [b, T]
-        allowed = torch.where(local[:, :, None], in_window[:, None, :], real[:, None, :])  # [b, H, T]
-        scores = full_scores(query[:, :, 0], key, scale)  # [b, H, T]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(b, H_kv, H // H_kv, T)
-        dtype = accumulation_dtype(query, value)
-        out = torch.einsum("bkgt,bktd->bkgd", probs.to(dtype), value.to(dtype))
-        return out.reshape(b, H, 1, d).to(query.dtype), None
+    def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, None]:
+        b, H, d = step.query.shape
+        G, T = step.group_size, step.length
+        allowed = torch.where(
+            decision.local[:, :, None], (~step.bulk_mask & _real(step))[:, None, :], _real(step)[:, None, :]
+        )  # [b, H, T]
+        scores = step.scores.masked_fill(~allowed, float("-inf"))  # [b, H, T]
+        probs = rearrange(torch.softmax(scores, dim=-1), "b (k g) t -> b k g t", g=G)
+        dtype = accumulation_dtype(step.query, step.values)
+        out = torch.einsum("bkgt,bktd->bkgd", probs.to(dtype), step.values.to(dtype))
+        return rearrange(out, "b k g d -> b (k g) 1 d").to(step.query.dtype), None
+
+
+def _real(step: DecodeStep) -> torch.Tensor:
+    """``[b, T]`` bool: real (not padding) tokens."""
+    if step.real is None:
+        return torch.ones(step.batch_size, step.length, dtype=torch.bool, device=step.device)
+    return step.real

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
-from qada.attention.base import AttentionExecutor, register_executor
-from qada.functional import gather_window
-from qada.window import Window
+from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
+from qada.step import DecodeStep
 
 __all__ = ["SDPAExecutor"]
 
@@ -29,33 +29,23 @@ class SDPAExecutor(AttentionExecutor):
     reported sparsities stay on the device.
     """
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        local: torch.Tensor,
-        read: torch.Tensor,
-        window: Window,
-        scale: float,
-        start: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, None]:
-        b, H, _, d = query.shape
-        H_kv, T = key.shape[1], key.shape[2]
-        G = H // H_kv
+    def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, None]:
+        local, read = decision
+        b, H, d = step.query.shape
+        H_kv, T = step.num_kv_heads, step.length
+        key, value, scale, start = step.keys, step.values, step.scale, step.start
         # GQA without a repeat of K/V: the G query heads of a group attend as G query rows of its one KV head.
-        rows = query.view(b, H_kv, G, d)
-        real = None if start is None else (torch.arange(T, device=query.device)[None, :] >= start[:, None])
-        cpu = query.device.type == "cpu"  # data-dependent shortcuts only where a host sync costs nothing
+        rows = rearrange(step.query, "b (k g) d -> b k g d", k=H_kv)
+        real = step.real
+        cpu = step.device.type == "cpu"  # data-dependent shortcuts only where a host sync costs nothing
         out = None
         if not cpu or bool(local.any()):
-            window_keys, valid = gather_window(key, window.t_local, window.t_sink, start)  # [b, H_kv, W, d]
-            window_values, _ = gather_window(value, window.t_local, window.t_sink, start)
+            valid = step.window_valid
             out = F.scaled_dot_product_attention(
-                rows, window_keys, window_values, attn_mask=None if start is None else valid[:, None, None, :],
-                scale=scale,
+                rows, step.window_keys, step.window_values,
+                attn_mask=None if start is None else valid[:, None, None, :], scale=scale,
             ).view(b, H, 1, d)
-            if T <= window.t_local:  # the window is the whole cache: nothing else to read
+            if T <= step.window.t_local:  # the window is the whole cache: nothing else to read
                 return out, None
         pairs = read.nonzero()  # [n, 2] (row, KV head): host sync
         n = pairs.shape[0]
@@ -67,7 +57,7 @@ class SDPAExecutor(AttentionExecutor):
             ).view(b, H, 1, d)
         else:
             # Each read (row, KV group) attends over views of its own K/V: no copy of the cache.
-            full = out.clone().view(b, H_kv, G, d)
+            full = out.clone().view(b, H_kv, H // H_kv, d)
             for row, group in pairs.tolist():
                 full[row, group] = F.scaled_dot_product_attention(
                     rows[row : row + 1, group : group + 1],

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qada.attention.base import AttentionExecutor, register_executor
-from qada.window import Window
+from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
+from qada.step import DecodeStep
 
 __all__ = ["TritonExecutor", "check_triton_runtime"]
 
@@ -85,17 +85,9 @@ class TritonExecutor(AttentionExecutor):
             return self.num_splits
         return max(1, min(_cdiv(2 * _num_sms(device), pairs), _cdiv(T, self.block_size) // 4))
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        local: torch.Tensor,
-        read: torch.Tensor,
-        window: Window,
-        scale: float,
-        start: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, torch.Tensor]:
+        query, key, value = step.query[:, :, None], step.keys, step.values
+        local, window, scale, start = decision.local, step.window, step.scale, step.start
         check_triton_runtime(query.device)
         if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"expected float16, bfloat16 or float32 inputs for 'triton' but got {query.dtype}")

@@ -4,18 +4,22 @@ Importing this package registers the built-in criteria in :data:`CRITERIA`.
 """
 
 from qada.criteria.base import CRITERIA, HeadCriterion, register_criterion
+from qada.criteria.budget import BudgetCriterion, top_k_mask
 from qada.criteria.baselines import DenseCriterion, LocalCriterion
 from qada.criteria.calibration import StaticCalibrator
 from qada.criteria.compose import AllOf, AnyOf, LayerOverride, Not
-from qada.criteria.context import StepContext
 from qada.criteria.oracle import OracleCriterion
 from qada.criteria.qada import QAdACriterion
 from qada.criteria.static import StaticCriterion
+from qada.criteria.threshold import ThresholdCriterion
+from qada.step import DecodeStep, StepContext
 
 __all__ = [
     "CRITERIA",
     "AllOf",
     "AnyOf",
+    "BudgetCriterion",
+    "DecodeStep",
     "DenseCriterion",
     "HeadCriterion",
     "LayerOverride",
@@ -26,5 +30,7 @@ __all__ = [
     "StaticCalibrator",
     "StaticCriterion",
     "StepContext",
+    "ThresholdCriterion",
     "register_criterion",
+    "top_k_mask",
 ]

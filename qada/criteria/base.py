@@ -7,8 +7,9 @@ from typing import ClassVar
 
 import torch
 
-from qada.criteria.context import StepContext
+from qada.functional.checks import check_head_mask
 from qada.registry import Component, Registry
+from qada.step import DecodeStep
 
 __all__ = ["CRITERIA", "HeadCriterion", "register_criterion"]
 
@@ -16,29 +17,44 @@ __all__ = ["CRITERIA", "HeadCriterion", "register_criterion"]
 class HeadCriterion(Component, abc.ABC):
     """Decides, per row and query head, whether a decode step may use the local window.
 
-    Subclasses are dataclasses (their fields are their configuration) that implement :meth:`decide`.
-    Capability flags tell the wrapper what to provide lazily:
+    Subclasses are dataclasses (their fields are their configuration) that implement :meth:`decide`; most
+    derive from a middle class instead, which does the plumbing once:
+    :class:`~qada.criteria.ThresholdCriterion` (give a per-head log bulk mass, the base applies ``tau``) or
+    :class:`~qada.criteria.BudgetCriterion` (give a per-head score, the base keeps a fraction of heads local).
 
-    * ``needs_full_scores``: the criterion reads ``ctx.log_bulk`` (all ``T`` scores, e.g. the oracle);
-    * ``needs_moments``: the criterion reads ``ctx.log_bulk_estimate`` (bulk key moments, e.g. QAdA).
+    Declared needs (class attributes, read by the wrapper and the command line before any work):
+
+    * ``needs_moments``: reads ``step.log_bulk_estimate`` (bulk key moments, e.g. QAdA): a moment source is
+      prepared for it (a stored reference prompt is built or loaded).
+    * ``needs_full_scores``: reads ``step.log_bulk`` (all ``T`` scores, e.g. the oracle): an O(T) analysis tool.
+    * ``needs_calibration``: its configuration comes from a calibration run or artifact (e.g. a static mask).
     """
 
     needs_full_scores: ClassVar[bool] = False
     needs_moments: ClassVar[bool] = False
+    needs_calibration: ClassVar[bool] = False
 
     @abc.abstractmethod
-    def decide(self, ctx: StepContext) -> torch.Tensor:
+    def decide(self, step: DecodeStep) -> torch.Tensor:
         """Return ``[b, H]`` bool, True = local."""
 
-    def __call__(self, ctx: StepContext) -> torch.Tensor:
-        local = self.decide(ctx)
-        expected = (ctx.batch_size, ctx.num_heads)
-        if not isinstance(local, torch.Tensor) or local.dtype != torch.bool or tuple(local.shape) != expected:
+    @classmethod
+    def needs(cls) -> dict[str, bool]:
+        """What the criterion needs, by name (for listings and the command line)."""
+        return {"moments": cls.needs_moments, "full_scores": cls.needs_full_scores,
+                "calibration": cls.needs_calibration}
+
+    def __call__(self, step: DecodeStep) -> torch.Tensor:
+        local = self.decide(step)
+        try:
+            check_head_mask("local", local, step.batch_size, step.num_heads)
+        except ValueError:
+            expected = [step.batch_size, step.num_heads]
             got = f"{local.dtype} {tuple(local.shape)}" if isinstance(local, torch.Tensor) else type(local).__name__
             raise ValueError(
                 f"criterion {self.registry_name or type(self).__name__!r} must return a bool tensor of shape "
-                f"{list(expected)} but returned {got}"
-            )
+                f"{expected} but returned {got}"
+            ) from None
         return local
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from qada.criteria.base import HeadCriterion, register_criterion
-from qada.criteria.context import StepContext
+from qada.step import DecodeStep
 
 __all__ = ["DenseCriterion", "LocalCriterion"]
 
@@ -17,8 +17,8 @@ __all__ = ["DenseCriterion", "LocalCriterion"]
 class DenseCriterion(HeadCriterion):
     """Every head attends to the full context."""
 
-    def decide(self, ctx: StepContext) -> torch.Tensor:
-        return torch.zeros(ctx.batch_size, ctx.num_heads, dtype=torch.bool, device=ctx.query.device)
+    def decide(self, step: DecodeStep) -> torch.Tensor:
+        return torch.zeros(step.batch_size, step.num_heads, dtype=torch.bool, device=step.device)
 
 
 @register_criterion("local")
@@ -26,5 +26,5 @@ class DenseCriterion(HeadCriterion):
 class LocalCriterion(HeadCriterion):
     """Every head attends to the local window only (sinks + recent tokens)."""
 
-    def decide(self, ctx: StepContext) -> torch.Tensor:
-        return torch.ones(ctx.batch_size, ctx.num_heads, dtype=torch.bool, device=ctx.query.device)
+    def decide(self, step: DecodeStep) -> torch.Tensor:
+        return torch.ones(step.batch_size, step.num_heads, dtype=torch.bool, device=step.device)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from qada.criteria.base import CRITERIA, HeadCriterion, register_criterion
-from qada.criteria.context import StepContext
+from qada.step import DecodeStep
 
 __all__ = ["AllOf", "AnyOf", "LayerOverride", "Not"]
 
@@ -34,6 +34,10 @@ class _Composite(HeadCriterion):
     def needs_moments(self) -> bool:  # type: ignore[override]
         return any(child.needs_moments for child in self.children())
 
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return any(child.needs_calibration for child in self.children())
+
 
 @register_criterion("any_of")
 @dataclass
@@ -48,10 +52,10 @@ class AnyOf(_Composite):
     def children(self) -> list[HeadCriterion]:
         return self.criteria
 
-    def decide(self, ctx: StepContext) -> torch.Tensor:
-        local = self.criteria[0](ctx)
+    def decide(self, step: DecodeStep) -> torch.Tensor:
+        local = self.criteria[0](step)
         for child in self.criteria[1:]:
-            local = local | child(ctx)
+            local = local | child(step)
         return local
 
 
@@ -68,10 +72,10 @@ class AllOf(_Composite):
     def children(self) -> list[HeadCriterion]:
         return self.criteria
 
-    def decide(self, ctx: StepContext) -> torch.Tensor:
-        local = self.criteria[0](ctx)
+    def decide(self, step: DecodeStep) -> torch.Tensor:
+        local = self.criteria[0](step)
         for child in self.criteria[1:]:
-            local = local & child(ctx)
+            local = local & child(step)
         return local
 
 
@@ -88,8 +92,8 @@ class Not(_Composite):
     def children(self) -> list[HeadCriterion]:
         return [self.criterion]
 
-    def decide(self, ctx: StepContext) -> torch.Tensor:
-        return ~self.criterion(ctx)
+    def decide(self, step: DecodeStep) -> torch.Tensor:
+        return ~self.criterion(step)
 
 
 @register_criterion("layer_override")
@@ -123,5 +127,5 @@ class LayerOverride(_Composite):
     def children(self) -> list[HeadCriterion]:
         return [self.base, *self.overrides.values()]
 
-    def decide(self, ctx: StepContext) -> torch.Tensor:
-        return self.overrides.get(ctx.layer, self.base)(ctx)
+    def decide(self, step: DecodeStep) -> torch.Tensor:
+        return self.overrides.get(step.layer, self.base)(step)

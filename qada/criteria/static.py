@@ -2,28 +2,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from qada.criteria.base import HeadCriterion, register_criterion
-from qada.criteria.context import StepContext
+from qada.criteria.base import register_criterion
+from qada.criteria.budget import BudgetCriterion
 from qada.functional import calibrate_static_mask
+from qada.step import DecodeStep
 
 __all__ = ["StaticCriterion"]
 
 
 @register_criterion("static")
 @dataclass
-class StaticCriterion(HeadCriterion):
+class StaticCriterion(BudgetCriterion):
     """Heads marked True in ``mask[layer]`` are local at every step, the others dense.
 
+    A budget criterion whose score does not depend on the query: each layer keeps exactly its mask's local
+    heads (the budget of layer ``l`` is the number of True entries of ``mask[l]``).
+
     Args:
-        mask: ``[L, H]`` bool tensor or nested lists of bools (True = local).
+        mask: ``[L, H]`` bool tensor or nested lists of bools (True = local), e.g. from
+            :meth:`from_frequency` (calibrated oracle frequencies, paper App. A).
     """
 
     mask: Any
+    sparsity: float = field(default=0.0, init=False)  # derived from the mask, not a parameter
+    needs_calibration = True
 
     def __post_init__(self) -> None:
         mask = torch.as_tensor(self.mask)
@@ -34,6 +41,8 @@ class StaticCriterion(HeadCriterion):
                 raise ValueError("expected a static mask of booleans (or 0/1) but got other values")
             mask = mask.bool()
         self.mask = mask
+        self.sparsity = float(mask.float().mean()) if mask.numel() else 0.0
+        self._counts = mask.sum(-1).tolist()  # local heads per layer, on the host once
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
@@ -41,18 +50,18 @@ class StaticCriterion(HeadCriterion):
         """Calibrate from ``[L, H]`` oracle local frequencies: the ``round(alpha L H)`` most local heads."""
         return cls(calibrate_static_mask(local_frequency, alpha))
 
-    @property
-    def sparsity(self) -> float:
-        """Fraction of heads that are local."""
-        return float(self.mask.float().mean())
-
-    def decide(self, ctx: StepContext) -> torch.Tensor:
+    def _check_layer(self, step: DecodeStep) -> None:
         L, H = self.mask.shape
-        if not 0 <= ctx.layer < L or ctx.num_heads != H:
+        if not 0 <= step.layer < L or step.num_heads != H:
             raise ValueError(
-                f"static mask of shape [{L}, {H}] does not fit layer {ctx.layer} with {ctx.num_heads} heads"
+                f"static mask of shape [{L}, {H}] does not fit layer {step.layer} with {step.num_heads} heads"
             )
-        device = ctx.query.device
-        if device not in self._on_device:
-            self._on_device[device] = self.mask.to(device)
-        return self._on_device[device][ctx.layer].expand(ctx.batch_size, H)
+
+    def score(self, step: DecodeStep) -> torch.Tensor:
+        self._check_layer(step)
+        if step.device not in self._on_device:
+            self._on_device[step.device] = self.mask.to(step.device, torch.float32)
+        return self._on_device[step.device][step.layer].expand(step.batch_size, -1)
+
+    def local_count(self, step: DecodeStep) -> int:
+        return self._counts[step.layer]

@@ -2,13 +2,18 @@
 
 from qada.models.apply import apply, attach, build_run, enable, prepare_run, register_attention
 from qada.models.loading import load_default_model, load_model
-from qada.models.observers import DecisionEvent, DecisionRecorder, Observer
-from qada.models.run import QAdARun, StaleStateError, UnsupportedModelError
+from qada.models.guards import CacheGuard, StaleStateError, UnsupportedModelError
+from qada.models.observers import DecisionEvent, DecisionRecorder, Observer, ObserverFanout
+from qada.models.run import QAdARun
+from qada.models.statistics import DecodeStatistics
 
 __all__ = [
+    "CacheGuard",
+    "DecodeStatistics",
     "DecisionEvent",
     "DecisionRecorder",
     "Observer",
+    "ObserverFanout",
     "QAdARun",
     "StaleStateError",
     "UnsupportedModelError",

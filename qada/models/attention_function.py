@@ -11,7 +11,8 @@ import weakref
 
 import torch
 
-from qada.models.run import QAdARun, UnsupportedModelError, row_starts
+from qada.models.guards import UnsupportedModelError
+from qada.models.run import QAdARun
 
 __all__ = ["ATTENTION_NAME", "active_runs", "qada_attention_forward"]
 
@@ -55,7 +56,7 @@ def qada_attention_forward(
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    start = row_starts(attention_mask, T)
+    start = run.starts(attention_mask, T)
     if query.shape[2] > 1:  # prefill (or a resumed chunk): dense, as in the paper
         output, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

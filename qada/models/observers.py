@@ -7,11 +7,15 @@ for the same query, so sparsity, oracle agreement and the lognormal log-error co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["DecisionEvent", "DecisionRecorder", "Observer"]
+from qada.step import DecodeStep
+
+__all__ = ["DecisionEvent", "DecisionRecorder", "Observer", "ObserverFanout"]
 
 
 @dataclass
@@ -85,3 +89,48 @@ class DecisionRecorder(Observer):
 
     def clear(self) -> None:
         self.events.clear()
+
+
+class ObserverFanout:
+    """Sends every prefill and decision to a list of observers; builds events only when there is an observer."""
+
+    def __init__(self, observers: Sequence[Observer] = ()) -> None:
+        self.observers = list(observers)
+
+    def __bool__(self) -> bool:
+        return bool(self.observers)
+
+    @property
+    def wants_oracle(self) -> bool:
+        return any(o.wants_oracle for o in self.observers)
+
+    def prefill(self, layer: int, length: int) -> None:
+        for observer in self.observers:
+            observer.on_prefill(layer, length)
+
+    def decision(self, step: DecodeStep, local: torch.Tensor, result: Any) -> None:
+        """``local`` from the criterion, ``result`` an :class:`~qada.attention.ExecutorOutput` of ``step``."""
+        if not self.observers:
+            return
+        wants_oracle = self.wants_oracle
+        estimate = score_mean = score_var = None
+        if wants_oracle and step.has_moments:
+            estimate = step.log_bulk_estimate
+            score_mean, score_var = step.score_moments
+        event = DecisionEvent(
+            layer=step.layer,
+            step=step.step,
+            length=step.length,
+            t_bulk=step.t_bulk,
+            local=local,
+            effective_local=result.local,
+            sparsity=result.sparsity,
+            kv_sparsity=result.kv_sparsity,
+            log_local=step.log_local if wants_oracle else None,
+            log_bulk=step.log_bulk if wants_oracle else None,
+            log_bulk_estimate=estimate,
+            score_mean=score_mean,
+            score_var=score_var,
+        )
+        for observer in self.observers:
+            observer.on_decision(event)

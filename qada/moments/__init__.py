@@ -10,7 +10,7 @@ from qada.moments.current import CurrentMoments
 from qada.moments.math import MomentState
 from qada.moments.reference import BucketedMomentsData, ReferenceKeys, collect_reference_keys
 from qada.moments.stored import StoredMoments, reference_bulk_end
-from qada.moments.types import BulkMoments
+from qada.step import BulkMoments
 
 __all__ = [
     "MOMENT_SOURCES",

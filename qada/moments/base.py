@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from qada.moments.types import BulkMoments
+from qada.step import BulkMoments
 from qada.registry import Component, Registry
 from qada.window import Window
 

@@ -12,7 +12,7 @@ from qada.artifacts import ArtifactError, model_fingerprint
 from qada.moments.base import register_moment_source
 from qada.moments.reference import BucketedMomentsData, compute_bucketed_moments
 from qada.moments.stored import ReferenceMomentSource
-from qada.moments.types import BulkMoments
+from qada.step import BulkMoments
 from qada.window import Window
 
 __all__ = ["BucketedMoments"]

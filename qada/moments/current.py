@@ -9,7 +9,7 @@ import torch
 from qada.functional import bulk_count, bulk_mask
 from qada.moments.base import MomentSource, register_moment_source
 from qada.moments.math import MomentState, add_key, block_moments, merge_moments, to_bulk_moments
-from qada.moments.types import BulkMoments
+from qada.step import BulkMoments
 from qada.window import Window
 
 __all__ = ["CurrentMoments"]

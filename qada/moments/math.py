@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from qada.moments.types import BulkMoments
+from qada.step import BulkMoments
 
 __all__ = [
     "MomentState",

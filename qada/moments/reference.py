@@ -3,11 +3,18 @@
 The keys come from the model's own cache (``DynamicCache.layers[i].keys``, ``[1, H_kv, T, d]``), so they are
 exactly what decoding would see. The prompt runs in chunks with the cache, which bounds memory and lets a
 progress bar move; chunked and unchunked runs give the same keys.
+
+This module holds the model-running I/O of the ``stored`` and ``bucketed`` sources:
+:func:`load_or_build_reference` builds the reference prompt, runs the model and caches the keys under
+:func:`reference_cache_file`; the sources themselves only call it from ``prepare``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,15 +23,22 @@ from typing import Any
 import torch
 
 from qada.artifacts import ArtifactError, load_artifact, model_fingerprint, save_artifact
+from qada.cache import cache_dir as resolve_cache_dir
 from qada.moments.math import MomentState, block_moments
 
 __all__ = [
+    "MAX_REFERENCE_LENGTH",
     "BucketedMomentsData",
     "ReferenceKeys",
     "bucket_ends",
     "collect_reference_keys",
     "compute_bucketed_moments",
+    "load_or_build_reference",
+    "reference_cache_file",
+    "reference_length",
 ]
+
+MAX_REFERENCE_LENGTH = 32768
 
 
 @dataclass
@@ -124,6 +138,80 @@ def collect_reference_keys(
     if keys.shape[2] != N:
         raise RuntimeError(f"expected the cache to hold {N} keys but it holds {keys.shape[2]}")
     return ReferenceKeys(keys, model_fingerprint(model.config, model), dict(info or {}, length=N))
+
+
+# --- the cached reference of a model -----------------------------------------------------------------------
+
+
+def reference_length(model: Any, length: int | None = None) -> int:
+    """``length``, or the model's maximum positions (``config.max_position_embeddings``) capped at 32768."""
+    if length is not None:
+        return length
+    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return min(int(max_positions or MAX_REFERENCE_LENGTH), MAX_REFERENCE_LENGTH)
+
+
+def reference_cache_file(
+    kind: str,
+    fingerprint: dict[str, Any],
+    prompt: str,
+    length: int,
+    seed: int,
+    cache_dir: str | os.PathLike | None = None,
+    extra: str = "",
+) -> Path:
+    """Where an artifact derived from a model's reference prompt is cached.
+
+    ``<cache>/<kind>-<model_type>-<hash of the fingerprint>-<prompt>-n<length>-s<seed><extra>.safetensors``
+    under :func:`qada.cache.cache_dir` (``cache_dir``, ``$QADA_CACHE_DIR`` or ``~/.cache/qada``).
+    """
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    model = fingerprint.get("model_type")
+    name = f"{kind}-{model}-{key}-{prompt}-n{length}-s{seed}{extra}.safetensors"
+    return resolve_cache_dir(cache_dir) / name
+
+
+def load_or_build_reference(
+    model: Any,
+    tokenizer: Any,
+    prompt: str = "random_words",
+    length: int | None = None,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+    chunk_size: int | None = 1024,
+) -> ReferenceKeys:
+    """Reference keys of ``model``: loaded from the cache, or built and cached.
+
+    Builds the ``prompt`` reference (:func:`qada.moments.prompts.build_reference_prompt`) of
+    :func:`reference_length` tokens with ``tokenizer``, runs it through the model in chunks of ``chunk_size``
+    (:func:`collect_reference_keys`, with a progress bar) and saves the keys in float16 to
+    :func:`reference_cache_file` (kind ``reference``). A cached file for the same model fingerprint, prompt,
+    length and seed is loaded instead; one that fails its checks is rebuilt with a warning.
+
+    Raises:
+        ValueError: nothing is cached and ``tokenizer`` is None.
+    """
+    from qada.moments.prompts import build_reference_prompt
+
+    fingerprint = model_fingerprint(model.config, model)
+    length = reference_length(model, length)
+    file = reference_cache_file("reference", fingerprint, prompt, length, seed, cache_dir)
+    if file.exists():
+        try:
+            return ReferenceKeys.load(file, fingerprint)
+        except ArtifactError as error:
+            warnings.warn(f"rebuilding the cached reference: {error}", stacklevel=2)
+    if tokenizer is None:
+        raise ValueError(
+            f"expected a tokenizer to build the {prompt!r} reference prompt (or an artifact path) but got None"
+        )
+    ids = build_reference_prompt(prompt, tokenizer, length, seed)
+    info = {"prompt": prompt, "seed": seed}
+    reference = collect_reference_keys(model, ids, chunk_size, progress=True, dtype=torch.float32, info=info)
+    # Cached in float16 (half the disk); use what was cached so fresh and cached runs agree.
+    reference.keys = reference.keys.to(torch.float16)
+    reference.save(file)
+    return reference
 
 
 # --- bucketed moments --------------------------------------------------------------------------------------

@@ -7,8 +7,6 @@ For a row of real length ``n`` the moments come from the reference bulk ``[first
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -17,17 +15,19 @@ from typing import Any
 
 import torch
 
-from qada.artifacts import ArtifactError, model_fingerprint
-from qada.cache import cache_dir
+from qada.artifacts import model_fingerprint
 from qada.moments.base import MomentSource, register_moment_source
 from qada.moments.math import shifted_sums, state_from_shifted_sums, to_bulk_moments
-from qada.moments.reference import ReferenceKeys, collect_reference_keys
-from qada.moments.types import BulkMoments
+from qada.moments.reference import (
+    ReferenceKeys,
+    load_or_build_reference,
+    reference_cache_file,
+    reference_length,
+)
+from qada.step import BulkMoments
 from qada.window import Window
 
 __all__ = ["ReferenceMomentSource", "StoredMoments", "reference_bulk_end"]
-
-MAX_REFERENCE_LENGTH = 32768
 
 
 def reference_bulk_end(
@@ -129,41 +129,19 @@ class ReferenceMomentSource(MomentSource):
         return end.clamp(max=available)
 
     def resolved_length(self, model: Any) -> int:
-        """``length``, or the model's maximum positions capped at 32768."""
-        if self.length is not None:
-            return self.length
-        max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        return min(int(max_positions or MAX_REFERENCE_LENGTH), MAX_REFERENCE_LENGTH)
+        """``length``, or the model's maximum positions capped at 32768
+        (:func:`~qada.moments.reference.reference_length`)."""
+        return reference_length(model, self.length)
 
     def _cache_file(self, kind: str, fingerprint: dict[str, Any], length: int, extra: str = "") -> Path:
-        key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-        model = fingerprint.get("model_type")
-        name = f"{kind}-{model}-{key}-{self.prompt}-n{length}-s{self.seed}{extra}.safetensors"
-        return cache_dir(self.cache_dir) / name
+        return reference_cache_file(kind, fingerprint, self.prompt, length, self.seed, self.cache_dir, extra)
 
     def reference_keys_for(self, model: Any, tokenizer: Any) -> ReferenceKeys:
-        """Reference keys for ``model``: loaded from the cache, or built (prompt, forward) and cached."""
-        from qada.moments.prompts import build_reference_prompt
-
-        fingerprint = model_fingerprint(model.config, model)
-        length = self.resolved_length(model)
-        file = self._cache_file("reference", fingerprint, length)
-        if file.exists():
-            try:
-                return ReferenceKeys.load(file, fingerprint)
-            except ArtifactError as error:
-                warnings.warn(f"rebuilding the cached reference: {error}", stacklevel=2)
-        if tokenizer is None:
-            raise ValueError(
-                f"expected a tokenizer to build the {self.prompt!r} reference prompt (or an artifact path) but got None"
-            )
-        ids = build_reference_prompt(self.prompt, tokenizer, length, self.seed)
-        info = {"prompt": self.prompt, "seed": self.seed}
-        reference = collect_reference_keys(model, ids, self.chunk_size, progress=True, dtype=torch.float32, info=info)
-        # Cached in float16 (half the disk); use what was cached so fresh and cached runs agree.
-        reference.keys = reference.keys.to(torch.float16)
-        reference.save(file)
-        return reference
+        """Reference keys for ``model``: loaded from the cache, or built (prompt, forward) and cached
+        (:func:`~qada.moments.reference.load_or_build_reference` with this source's parameters)."""
+        return load_or_build_reference(
+            model, tokenizer, self.prompt, self.length, self.seed, self.cache_dir, self.chunk_size
+        )
 
 
 @register_moment_source("stored")

@@ -1,16 +1,5 @@
-"""Containers for bulk key moments."""
+"""Containers for bulk key moments (defined with the decode step, :mod:`qada.step`, which consumes them)."""
 
-from __future__ import annotations
-
-from typing import NamedTuple
-
-import torch
+from qada.step import BulkMoments
 
 __all__ = ["BulkMoments"]
-
-
-class BulkMoments(NamedTuple):
-    """Mean ``[b, H_kv, d]`` and population covariance ``[b, H_kv, d, d]`` of the bulk keys, per KV head."""
-
-    mean: torch.Tensor
-    cov: torch.Tensor

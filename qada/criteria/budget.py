@@ -1,0 +1,68 @@
+""":class:`BudgetCriterion`: per row and step, a target number of heads is local, chosen by a per-head score.
+
+A subclass gives a score per head (higher = more reason to be local); the base keeps the ``k`` best heads of
+each row local, ``k = floor(sparsity * H + 1/2)`` unless a subclass gives its own count per layer
+(:meth:`BudgetCriterion.local_count`). Heads with a non-finite score are never local (fail-safe, counted).
+Equal sparsity makes budgeted criteria directly comparable with each other and with static masks.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+
+import torch
+
+from qada.criteria.base import HeadCriterion
+from qada.functional import check_threshold
+from qada.functional.checks import check_head_scores
+from qada.step import DecodeStep
+
+__all__ = ["BudgetCriterion", "top_k_mask"]
+
+
+def top_k_mask(score: torch.Tensor, k: int) -> torch.Tensor:
+    """``[b, H]`` bool: True on the ``k`` highest scores of each row (ties: the lower head index first)."""
+    b, H = score.shape
+    if k <= 0:
+        return torch.zeros(b, H, dtype=torch.bool, device=score.device)
+    if k >= H:
+        return torch.ones(b, H, dtype=torch.bool, device=score.device)
+    # a stable descending sort keeps equal scores in head order, so ties are deterministic
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.zeros(b, H, dtype=torch.bool, device=score.device).scatter_(1, order, True)
+
+
+@dataclass
+class BudgetCriterion(HeadCriterion):
+    """Keeps a fraction ``sparsity`` of the query heads of each row local, those with the highest :meth:`score`.
+
+    Args:
+        sparsity: target fraction of local heads per row and step, in ``[0, 1]``.
+    """
+
+    sparsity: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_threshold("sparsity", self.sparsity)
+
+    @abc.abstractmethod
+    def score(self, step: DecodeStep) -> torch.Tensor:
+        """``[b, H]`` floating score per head: higher = more reason to be local; NaN/inf = never local."""
+
+    def local_count(self, step: DecodeStep) -> int:
+        """How many heads of each row are local at this step: ``floor(sparsity * H + 1/2)`` by default."""
+        return int(math.floor(self.sparsity * step.num_heads + 0.5))
+
+    def decide(self, step: DecodeStep) -> torch.Tensor:
+        score = self.score(step)
+        try:
+            check_head_scores("score", score, step.batch_size, step.num_heads)
+        except ValueError as error:
+            raise ValueError(f"criterion {self.registry_name or type(self).__name__!r}: {error}") from None
+        finite = torch.isfinite(score)
+        ranked = torch.where(finite, score, torch.full_like(score, float("-inf")))
+        local = top_k_mask(ranked, self.local_count(step))
+        step.note_fail_safe(local & ~finite)
+        return local & finite

@@ -1,0 +1,268 @@
+"""The decode step of one layer: what a criterion decides on and what an executor attends with.
+
+One :class:`DecodeStep` is built per layer and decode step by the wrapper (or by hand, on tensors). Everything
+derived is computed on first access and cached, so the criterion, the executor and the observers of a step
+share it: the local window is gathered once, ``T_bulk`` and ``has_bulk`` are computed once, the full scores
+only if someone asks for the exact bulk mass (the oracle), the moments only if someone asks for the lognormal
+estimate (QAdA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
+
+import torch
+
+from qada.functional import (
+    bulk_count,
+    bulk_mask,
+    full_scores,
+    gather_window,
+    log_bulk_mass,
+    log_local_mass,
+    lognormal_log_bulk_from_moments,
+    lognormal_score_moments,
+)
+from qada.functional.checks import check_float, check_ndim, group_size
+from qada.window import Window
+
+__all__ = ["BulkMoments", "DecodeStep", "StepContext"]
+
+
+class BulkMoments(NamedTuple):
+    """Mean ``[b, H_kv, d]`` and population covariance ``[b, H_kv, d, d]`` of the bulk keys, per KV head."""
+
+    mean: torch.Tensor
+    cov: torch.Tensor
+
+
+@dataclass(eq=False)
+class DecodeStep:
+    """One decode query per row and head against the cache of one layer.
+
+    Attributes:
+        query: ``[b, H, d]`` RoPE-rotated decode queries (one per row and query head).
+        keys: ``[b, H_kv, T, d]`` the layer's cache, the current token included (``H = G * H_kv``).
+        scale: attention scaling (the module's own, normally ``1/sqrt(d)``), a finite float > 0.
+        window: the local window sizes.
+        layer: layer index.
+        step: decode step since the prefill (for observers).
+        start: ``[b]`` integer index of each row's first real token (left padding), ``None`` for no padding.
+        moments: bulk key moments, or a zero-argument callable returning them (called at most once).
+        values: ``[b, H_kv, T, d]`` the cached values (executors need them; criteria do not).
+
+    Derived, cached on first access: ``t_bulk``, ``has_bulk`` ``[b]``; ``window_keys`` / ``window_values``
+    ``[b, H_kv, W, d]`` with ``window_valid [b, W]``; ``local_scores [b, H, W]``; ``log_local [b, H]``;
+    ``scores [b, H, T]``, ``bulk_mask [b, T]``, ``log_bulk [b, H]`` (exact, O(T)); ``bulk_moments``,
+    ``score_moments`` and ``log_bulk_estimate [b, H]`` (paper eqs. 5-7, O(d²)).
+    """
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    scale: float
+    window: Window = field(default_factory=Window)
+    layer: int = 0
+    step: int = 0
+    start: torch.Tensor | None = None
+    moments: BulkMoments | Callable[[], BulkMoments] | None = None
+    values: torch.Tensor | None = None
+    fail_safe: torch.Tensor | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        check_float("query", self.query)
+        check_float("keys", self.keys)
+        check_ndim("query", self.query, 3, "[batch, heads, head_dim]")
+        check_ndim("keys", self.keys, 4, "[batch, kv_heads, length, head_dim]")
+        b, H, d = self.query.shape
+        if self.keys.shape[0] != b or self.keys.shape[3] != d:
+            raise ValueError(f"expected keys of shape [{b}, kv_heads, length, {d}] but got {tuple(self.keys.shape)}")
+        group_size(H, self.keys.shape[1])
+        if not isinstance(self.window, Window):
+            raise TypeError(f"expected window to be a qada.Window but got {type(self.window).__name__}")
+        scale = self.scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"expected scale to be a finite float > 0 but got {scale!r}")
+        if self.values is not None:
+            check_float("values", self.values)
+            if self.values.shape != self.keys.shape:
+                raise ValueError(
+                    f"expected values of shape {tuple(self.keys.shape)} like keys but got {tuple(self.values.shape)}"
+                )
+        if self.start is not None:
+            if not isinstance(self.start, torch.Tensor) or self.start.dtype.is_floating_point or (
+                self.start.dtype == torch.bool
+            ):
+                got = self.start.dtype if isinstance(self.start, torch.Tensor) else type(self.start).__name__
+                raise ValueError(f"expected start to be an integer tensor of shape [{b}] but got {got}")
+            if self.start.shape != (b,):
+                raise ValueError(f"expected start of shape [{b}] but got {tuple(self.start.shape)}")
+            self.start = self.start.to(device=self.query.device, dtype=torch.long)
+
+    @classmethod
+    def from_attention(
+        cls,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        window: Window | tuple[int, int] | None = None,
+        scale: float | None = None,
+        start: torch.Tensor | None = None,
+        **fields,
+    ) -> DecodeStep:
+        """A step from attention-layout tensors: ``query [b, H, 1, d]``, ``key, value [b, H_kv, T, d]``.
+
+        ``window`` defaults to ``Window()`` (or a ``(t_local, t_sink)`` pair), ``scale`` to ``1/sqrt(d)``.
+        """
+        check_float("query", query)
+        check_ndim("query", query, 4, "[batch, heads, 1, head_dim]")
+        if query.shape[2] != 1:
+            raise ValueError(
+                f"expected query of shape [batch, heads, 1, head_dim] (one decode step) but got {tuple(query.shape)}"
+            )
+        check_float("key", key)
+        check_ndim("key", key, 4, "[batch, kv_heads, length, head_dim]")
+        if key.shape[2] < 1:
+            raise ValueError(f"expected a cache with at least one key but got key of shape {tuple(key.shape)}")
+        window = Window() if window is None else window if isinstance(window, Window) else Window(*window)
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        return cls(query[:, :, 0], key, scale, window, start=start, values=value, **fields)
+
+    # --- sizes -------------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head ``G``."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def length(self) -> int:
+        """Cache length ``T`` (padding included)."""
+        return self.keys.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @cached_property
+    def starts(self) -> torch.Tensor:
+        """``[b]`` long: each row's first real token (zeros without padding)."""
+        if self.start is None:
+            return torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        return self.start
+
+    @cached_property
+    def t_bulk(self) -> torch.Tensor:
+        """``[b]`` bulk size of each row."""
+        return bulk_count(self.length, self.window.t_local, self.window.t_sink, self.starts)
+
+    @cached_property
+    def has_bulk(self) -> torch.Tensor:
+        """``[b]`` bool, False where the row has at most ``T_local`` real tokens."""
+        return self.t_bulk > 0
+
+    @cached_property
+    def real(self) -> torch.Tensor | None:
+        """``[b, T]`` bool, True on real (not padding) tokens; ``None`` without padding."""
+        if self.start is None:
+            return None
+        return torch.arange(self.length, device=self.device)[None, :] >= self.start[:, None]
+
+    # --- local window (gathered once per step) -----------------------------------------------------------
+    @cached_property
+    def _window_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return gather_window(self.keys, self.window.t_local, self.window.t_sink, self.start)
+
+    @property
+    def window_keys(self) -> torch.Tensor:
+        """``[b, H_kv, W, d]`` keys of the local window, ``W = min(T, T_local)``."""
+        return self._window_keys[0]
+
+    @property
+    def window_valid(self) -> torch.Tensor:
+        """``[b, W]`` bool: the window slots holding a real token of the row's local set."""
+        return self._window_keys[1]
+
+    @cached_property
+    def window_values(self) -> torch.Tensor:
+        """``[b, H_kv, W, d]`` values of the local window (needs ``values``)."""
+        if self.values is None:
+            raise RuntimeError("this step has no values: build it with values=... (executors need them)")
+        return gather_window(self.values, self.window.t_local, self.window.t_sink, self.start)[0]
+
+    @cached_property
+    def local_scores(self) -> torch.Tensor:
+        """``[b, H, W]`` float32 scores of the local window."""
+        return full_scores(self.query, self.window_keys, self.scale)
+
+    @cached_property
+    def log_local(self) -> torch.Tensor:
+        """``[b, H]`` ``log A_local``."""
+        return log_local_mass(self.local_scores, self.window_valid)
+
+    # --- exact bulk (oracle) -----------------------------------------------------------------------------
+    @cached_property
+    def scores(self) -> torch.Tensor:
+        """``[b, H, T]`` float32 scores over the whole cache (O(T d)): only the oracle asks for them."""
+        return full_scores(self.query, self.keys, self.scale)
+
+    @cached_property
+    def bulk_mask(self) -> torch.Tensor:
+        """``[b, T]`` bool, True on each row's bulk."""
+        return bulk_mask(self.length, self.window.t_local, self.window.t_sink, self.starts)
+
+    @cached_property
+    def log_bulk(self) -> torch.Tensor:
+        """``[b, H]`` exact ``log A_bulk`` (``-inf`` without a bulk)."""
+        return log_bulk_mass(self.scores, self.bulk_mask)
+
+    # --- lognormal estimate (QAdA) -----------------------------------------------------------------------
+    @property
+    def has_moments(self) -> bool:
+        return self.moments is not None
+
+    @cached_property
+    def bulk_moments(self) -> BulkMoments:
+        if self.moments is None:
+            raise RuntimeError("this step has no moment source: a criterion that needs moments needs one")
+        return self.moments() if callable(self.moments) else self.moments
+
+    @cached_property
+    def score_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mu_s, sigma_s^2)``, each ``[b, H]``: mean and variance of the bulk scores (paper eqs. 5-6)."""
+        mean, cov = self.bulk_moments
+        return lognormal_score_moments(self.query, mean, cov, self.scale)
+
+    @cached_property
+    def log_bulk_estimate(self) -> torch.Tensor:
+        """``[b, H]`` lognormal estimate ``log T_bulk + mu_s + sigma_s^2/2`` (paper eq. 7)."""
+        mu_s, var_s = self.score_moments
+        return lognormal_log_bulk_from_moments(mu_s, var_s, self.t_bulk)
+
+    # --- bookkeeping -------------------------------------------------------------------------------------
+    def note_fail_safe(self, forced_dense: torch.Tensor) -> None:
+        """Count heads forced dense because a value was NaN/inf (kept on the device, no sync)."""
+        count = forced_dense.sum()
+        self.fail_safe = count if self.fail_safe is None else self.fail_safe + count
+
+
+StepContext = DecodeStep
+"""The name criteria used before the step object was shared with executors; the same class."""

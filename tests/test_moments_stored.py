@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qada.artifacts import ArtifactError
+from qada.artifacts import ArtifactError, model_fingerprint
 from qada.moments import (
     MOMENT_SOURCES,
     BucketedMoments,
@@ -19,7 +21,13 @@ from qada.moments import (
     collect_reference_keys,
     reference_bulk_end,
 )
-from qada.moments.reference import bucket_ends, compute_bucketed_moments
+from qada.moments.reference import (
+    bucket_ends,
+    compute_bucketed_moments,
+    load_or_build_reference,
+    reference_cache_file,
+    reference_length,
+)
 from qada.window import Window
 
 WINDOW = Window(16, 4)
@@ -212,6 +220,23 @@ def test_prepare_builds_caches_and_reloads(tmp_path, monkeypatch):
         StoredMoments(path=str(files[0])).prepare(other, None)
     with pytest.raises(ValueError, match="tokenizer"):
         StoredMoments(length=100).prepare(model, None)
+
+
+def test_load_or_build_reference_shares_the_sources_cache(tmp_path):
+    model = tiny_llama()
+    reference = load_or_build_reference(model, WordTokenizer(), length=120, seed=1, cache_dir=tmp_path, chunk_size=50)
+    fingerprint = model_fingerprint(model.config, model)
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    file = tmp_path / f"reference-llama-{key}-random_words-n120-s1.safetensors"  # the name caches already use
+    assert reference_cache_file("reference", fingerprint, "random_words", 120, 1, tmp_path) == file
+    assert list(tmp_path.iterdir()) == [file]
+    assert reference.keys.dtype == torch.float16 and reference.keys.shape == (2, 2, 120, 16)
+    assert reference.info["prompt"] == "random_words" and reference.info["seed"] == 1
+    source = StoredMoments(length=120, seed=1, cache_dir=str(tmp_path))
+    source.prepare(model, None)  # loads the same file
+    assert torch.equal(source.reference.keys, reference.keys)
+    assert source.resolved_length(model) == reference_length(model, 120) == 120
+    assert StoredMoments().resolved_length(model) == min(model.config.max_position_embeddings, 32768)
 
 
 @settings(max_examples=30, deadline=None)

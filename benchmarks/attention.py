@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import measure
-from qada.attention import EXECUTORS
+from qada.attention import EXECUTORS, decode_attention
 from qada.window import Window
 
 __all__ = ["Shape", "copy_bandwidth", "group_local_mask", "run_attention"]
@@ -106,14 +106,14 @@ def run_attention(
                 for name, executor in built.items():
 
                     def call(executor=executor, local=local, q=q, k=k, v=v, scale=scale):
-                        return executor(q, k, v, local, window, scale)
+                        return decode_attention(executor, q, k, v, local, window, scale)
 
                     try:
                         with warnings.catch_warnings():
                             warnings.simplefilter("ignore")
                             out = call()
                             if expected is None:
-                                expected = EXECUTORS.build("reference")(q, k, v, local, window, scale).output.float()
+                                expected = decode_attention(EXECUTORS.build("reference"), q, k, v, local, window, scale).output.float()
                             error = (out.output.float() - expected).abs().max().item()
                             timing = measure(call, device, reps=reps, warmup=2, inner=inner)
                     except Exception as exc:  # one executor failing must not lose the others' numbers

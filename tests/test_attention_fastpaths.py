@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qada.attention  # noqa: F401  (registers every executor)
-from qada.attention import EXECUTORS, ExecutorOutput
+from qada.attention import EXECUTORS, ExecutorOutput, decode_attention
 from qada.window import Window
 
 WINDOW = Window(16, 4)
@@ -43,8 +43,10 @@ def make_case(b, H, H_kv, T, d, starts, mask, dtype, seed=0):
 
 def check_against_reference(executor, case, window=WINDOW) -> ExecutorOutput:
     q, k, v, local, start = case
-    ref = EXECUTORS.build("reference", group_policy=executor.group_policy)(q, k, v, local, window, start=start)
-    got = executor(q, k, v, local, window, start=start)
+    ref = decode_attention(
+        EXECUTORS.build("reference", group_policy=executor.group_policy), q, k, v, local, window, start=start
+    )
+    got = decode_attention(executor, q, k, v, local, window, start=start)
     assert got.output.shape == q.shape and got.output.dtype == q.dtype
     atol, rtol = TOLERANCE[q.dtype]
     torch.testing.assert_close(got.output.float(), ref.output.float(), atol=atol, rtol=rtol)
@@ -119,8 +121,8 @@ def test_sdpa_skips_full_attention_for_local_groups():
     poisoned_k, poisoned_v = k.clone(), v.clone()
     poisoned_k[:, 0, 20:40] = float("nan")  # inside both rows' bulk: [4, 48) and [14, 48)
     poisoned_v[:, 0, 20:40] = float("nan")
-    got = EXECUTORS.build("sdpa")(q, poisoned_k, poisoned_v, local, WINDOW, start=start)
-    ref = EXECUTORS.build("reference")(q, k, v, local, WINDOW, start=start)
+    got = decode_attention(EXECUTORS.build("sdpa"), q, poisoned_k, poisoned_v, local, WINDOW, start=start)
+    ref = decode_attention(EXECUTORS.build("reference"), q, k, v, local, WINDOW, start=start)
     torch.testing.assert_close(got.output, ref.output, atol=2e-5, rtol=2e-5)
 
 
@@ -154,7 +156,7 @@ def test_flex_without_compiler_warns_or_raises(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     case = make_case(1, 2, 1, 40, 8, None, "mixed", torch.float32)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-        EXECUTORS.build("flex", compile=True)(*case[:4], WINDOW)
+        decode_attention(EXECUTORS.build("flex", compile=True), *case[:4], WINDOW)
     with pytest.warns(UserWarning, match="uncompiled"):
         check_against_reference(EXECUTORS.build("flex"), case)
 
@@ -190,4 +192,9 @@ def test_compiled_flex_on_cpu_with_the_embedded_model_shape():
     q, k, v = (torch.randn(1, h, n, 64, generator=g) for h, n in ((9, 1), (3, 1000), (3, 1000)))
     flex, reference = EXECUTORS.build("flex", compile=True), EXECUTORS.build("reference")
     for local in (torch.zeros(1, 9, dtype=torch.bool), torch.tensor([[True] * 6 + [False] * 3])):
-        torch.testing.assert_close(flex(q, k, v, local).output, reference(q, k, v, local).output, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            decode_attention(flex, q, k, v, local).output,
+            decode_attention(reference, q, k, v, local).output,
+            atol=1e-5,
+            rtol=1e-5,
+        )

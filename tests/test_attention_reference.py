@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qada.attention  # noqa: F401  (registers every executor)
-from qada.attention import EXECUTORS, ReferenceExecutor, apply_group_policy
+from qada.attention import EXECUTORS, ReferenceExecutor, apply_group_policy, decode_attention
 from qada.functional import local_index_set
 from qada.window import Window
 
@@ -34,7 +34,7 @@ def test_reference_matches_hand_computation_unpadded(T):
     window = Window(8, 3)
     q, k, v = _case(1, 4, 2, T, 6, seed=T)
     local = torch.tensor([[True, False, False, True]])
-    out = ReferenceExecutor()(q, k, v, local, window).output
+    out = decode_attention(ReferenceExecutor(), q, k, v, local, window).output
     index = local_index_set(T, window.t_local, window.t_sink)
     for h in range(4):
         kv = h // 2
@@ -51,7 +51,7 @@ def test_reference_matches_hand_computation_left_padded():
     start = torch.tensor([0, 3, 13, 16])  # 20, 17, 7 (> T_local) and 4 (< T_local) real tokens
     q, k, v = _case(4, 2, 1, T, 5, seed=1)
     local = torch.tensor([[True, False], [True, False], [False, True], [True, False]])
-    res = ReferenceExecutor()(q, k, v, local, window, start=start)
+    res = decode_attention(ReferenceExecutor(), q, k, v, local, window, start=start)
     for r in range(4):
         s = int(start[r])
         for h in range(2):
@@ -67,7 +67,7 @@ def test_reference_matches_hand_computation_left_padded():
 def test_output_dtype_and_scale():
     q, k, v = _case(1, 2, 2, 12, 4)
     local = torch.tensor([[False, True]])
-    res = ReferenceExecutor()(q.half(), k.half(), v.half(), local, (4, 1), scale=0.3)
+    res = decode_attention(ReferenceExecutor(), q.half(), k.half(), v.half(), local, (4, 1), scale=0.3)
     assert res.output.dtype == torch.float16 and res.output.shape == (1, 2, 1, 4)
     s = (k[0, 0].double() @ q[0, 0, 0].double()) * 0.3
     expected = torch.softmax(s, 0) @ v[0, 0].double()
@@ -92,7 +92,9 @@ def test_group_policy_counts_by_hand():
 def test_reported_sparsity_by_hand(policy):
     q, k, v = _case(2, 4, 2, 40, 4)
     local = torch.tensor([[True, True, True, False], [False, False, True, True]])
-    res = ReferenceExecutor(group_policy=policy)(q, k, v, local, Window(8, 2), start=torch.tensor([0, 5]))
+    res = decode_attention(
+        ReferenceExecutor(group_policy=policy), q, k, v, local, Window(8, 2), start=torch.tensor([0, 5])
+    )
     # groups: row 0 -> (local, mixed), row 1 -> (dense, local); bulk read for 2 of 4 (row, KV head) pairs
     assert res.kv_sparsity.item() == pytest.approx(0.5)
     expected_local = 5 if policy == "exact" else 4
@@ -104,9 +106,9 @@ def test_promote_gives_full_attention_to_promoted_heads():
     q, k, v = _case(1, 4, 2, 50, 8, seed=3)
     local = torch.tensor([[True, False, True, True]])  # head 0 shares KV head 0 with dense head 1
     window = Window(8, 2)
-    promoted = ReferenceExecutor(group_policy="promote")(q, k, v, local, window)
-    exact = ReferenceExecutor(group_policy="exact")(q, k, v, local, window)
-    dense = ReferenceExecutor()(q, k, v, torch.zeros_like(local), window)
+    promoted = decode_attention(ReferenceExecutor(group_policy="promote"), q, k, v, local, window)
+    exact = decode_attention(ReferenceExecutor(group_policy="exact"), q, k, v, local, window)
+    dense = decode_attention(ReferenceExecutor(), q, k, v, torch.zeros_like(local), window)
     torch.testing.assert_close(promoted.output[0, :2], dense.output[0, :2])
     torch.testing.assert_close(promoted.output[0, 2:], exact.output[0, 2:])
     assert not torch.allclose(exact.output[0, 0], dense.output[0, 0], atol=1e-3)
@@ -138,7 +140,7 @@ def test_invalid_inputs_raise(kwargs, match):
     }
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        ReferenceExecutor()(**args)
+        decode_attention(ReferenceExecutor(), **args)
 
 
 def test_import_is_cheap():

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed")
 
 import qada.attention  # noqa: E402, F401  (registers every executor)
-from qada.attention import EXECUTORS, check_triton_runtime  # noqa: E402
+from qada.attention import EXECUTORS, check_triton_runtime, decode_attention  # noqa: E402
 from qada.functional import local_index_set  # noqa: E402
 from qada.window import Window  # noqa: E402
 
@@ -60,8 +60,10 @@ def hand_bulk_blocks(T, block, starts, local, H_kv, window):
 
 def check(executor, case, window=WINDOW):
     q, k, v, local, start = case
-    ref = EXECUTORS.build("reference", group_policy=executor.group_policy)(q, k, v, local, window, start=start)
-    got = executor(q, k, v, local, window, start=start)
+    ref = decode_attention(
+        EXECUTORS.build("reference", group_policy=executor.group_policy), q, k, v, local, window, start=start
+    )
+    got = decode_attention(executor, q, k, v, local, window, start=start)
     assert got.output.shape == q.shape and got.output.dtype == q.dtype
     assert torch.isfinite(got.output).all()
     atol, rtol = TOLERANCE[q.dtype]
@@ -110,13 +112,13 @@ def test_triton_skips_the_bulk_of_local_groups():
     local[:, :2] = True  # KV head 0 is all local: its blocks 1 and 2 (tokens 64..191) hold only bulk tokens
     poisoned = k.clone()
     poisoned[:, 0, 64:192] = float("nan")
-    res = EXECUTORS.build("triton", num_splits=2)(q, poisoned, v, local, WINDOW, start=start)
-    ref = EXECUTORS.build("reference")(q, k, v, local, WINDOW, start=start)
+    res = decode_attention(EXECUTORS.build("triton", num_splits=2), q, poisoned, v, local, WINDOW, start=start)
+    ref = decode_attention(EXECUTORS.build("reference"), q, k, v, local, WINDOW, start=start)
     torch.testing.assert_close(res.output, ref.output, atol=2e-5, rtol=2e-5)
     assert res.bulk_blocks.item() == 2 and res.kv_sparsity.item() == 0.5
     poisoned = k.clone()
     poisoned[:, 1, 64:192] = float("nan")
-    res = EXECUTORS.build("triton", num_splits=2)(q, poisoned, v, local, WINDOW, start=start)
+    res = decode_attention(EXECUTORS.build("triton", num_splits=2), q, poisoned, v, local, WINDOW, start=start)
     assert res.output[0, 2:].isnan().all() and not res.output[0, :2].isnan().any()
 
 
@@ -127,7 +129,7 @@ def test_triton_without_gpu_or_interpreter_is_an_error(monkeypatch):
     case = make_case(1, 2, 1, 40, 16, None, "mixed", torch.float32)
     cpu_case = [t.cpu() for t in case[:4]]
     with pytest.raises(RuntimeError, match="choose another executor"):
-        EXECUTORS.build("triton")(*cpu_case, WINDOW)
+        decode_attention(EXECUTORS.build("triton"), *cpu_case, WINDOW)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     check_triton_runtime(torch.device("cpu"))  # the interpreter makes CPU tensors acceptable
 
@@ -135,7 +137,7 @@ def test_triton_without_gpu_or_interpreter_is_an_error(monkeypatch):
 def test_triton_rejects_float64_and_bad_parameters():
     case = make_case(1, 2, 1, 40, 16, None, "mixed", torch.float64)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
-        EXECUTORS.build("triton")(*case[:4], WINDOW)
+        decode_attention(EXECUTORS.build("triton"), *case[:4], WINDOW)
     with pytest.raises(ValueError, match="expected block_size to be a power of two"):
         EXECUTORS.build("triton", block_size=48)
     with pytest.raises(ValueError, match="expected num_splits to be a positive int"):

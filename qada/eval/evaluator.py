@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from qada.eval._extra import require_eval_extra
 from qada.eval.configs import EvalConfig
 from qada.eval.decode import decode_greedy, prefill
 from qada.eval.metrics import ConfigMetrics, OracleAgreement, agreement_summary
@@ -60,7 +61,7 @@ class Evaluator:
         record_oracle: bool = False,
         progress: bool = True,
     ) -> None:
-        from lightning.fabric import Fabric
+        Fabric = require_eval_extra("lightning.fabric").Fabric
 
         labels = [c.label for c in configs]
         if len(set(labels)) != len(labels):

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import torch
-from torchmetrics import MeanMetric, Metric, MetricCollection
-from torchmetrics.classification import BinaryStatScores
+
+from qada.eval._extra import eval_extra_error
+
+try:
+    from torchmetrics import MeanMetric, Metric, MetricCollection
+    from torchmetrics.classification import BinaryStatScores
+except ModuleNotFoundError as error:
+    raise eval_extra_error(error, "torchmetrics") from error
 
 from qada.functional import finite_threshold_decision
 from qada.models.observers import DecisionEvent, Observer

@@ -7,16 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
+from qada.eval._extra import pyplot as _pyplot
+
 __all__ = ["plot_curves", "plot_head_maps"]
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_head_maps(maps: Mapping[str, np.ndarray], path: str | Path, title: str = "") -> Path:

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from qada.eval._extra import pyplot
+
 __all__ = [
     "format_table",
     "markdown_table",
@@ -100,11 +102,7 @@ def write_results(
 
 def plot_score_vs_sparsity(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
     """Score vs sparsity, one curve per configuration family and one panel per (task, length) (paper Fig. 4/5)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = sorted({(r["task"], r["length"]) for r in records}, key=lambda p: (p[0], p[1] or 0))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
     for ax, (task, length) in zip(axes[0], panels, strict=True):

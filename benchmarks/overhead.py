@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from benchmarks.attention import Shape
 from benchmarks.common import measure
-from qada.criteria import QAdACriterion, StepContext
+from qada.criteria import DecodeStep, QAdACriterion
 from qada.moments import CurrentMoments, StoredMoments
 from qada.moments.reference import ReferenceKeys
-from qada.moments.types import BulkMoments
+from qada.step import BulkMoments
 from qada.window import Window
 
 __all__ = ["run_overhead"]
@@ -66,8 +66,8 @@ def _one(shape: Shape, T: int, device, reps: int, inner: int, window: Window) ->
     criterion = QAdACriterion(tau=0.6)
 
     def decide():
-        ctx = StepContext(q[:, :, 0], k_T, scale, window, moments=moments)
-        return criterion(ctx)
+        step = DecodeStep(q[:, :, 0], k_T, scale, window, moments=moments)
+        return criterion(step)
 
     criterion_t = measure(decide, device, reps=reps, warmup=2, inner=inner)
 

@@ -30,7 +30,7 @@ from qada.functional import (
 from qada.functional.checks import check_float, check_ndim, group_size
 from qada.window import Window
 
-__all__ = ["BulkMoments", "DecodeStep", "StepContext"]
+__all__ = ["BulkMoments", "DecodeStep", "StepContext", "check_attention_inputs"]
 
 
 class BulkMoments(NamedTuple):
@@ -113,20 +113,13 @@ class DecodeStep:
         start: torch.Tensor | None = None,
         **fields,
     ) -> DecodeStep:
-        """A step from attention-layout tensors: ``query [b, H, 1, d]``, ``key, value [b, H_kv, T, d]``.
+        """A step from attention-layout tensors, checked: ``query [b, H, 1, d]``, ``key, value [b, H_kv, T, d]``
+        of one dtype and device.
 
-        ``window`` defaults to ``Window()`` (or a ``(t_local, t_sink)`` pair), ``scale`` to ``1/sqrt(d)``.
+        ``window`` defaults to ``Window()`` (or a ``(t_local, t_sink)`` pair), ``scale`` to ``1/sqrt(d)``;
+        ``start [b]`` is each row's first real token (``0 <= start_r < T``, not checked: no host sync).
         """
-        check_float("query", query)
-        check_ndim("query", query, 4, "[batch, heads, 1, head_dim]")
-        if query.shape[2] != 1:
-            raise ValueError(
-                f"expected query of shape [batch, heads, 1, head_dim] (one decode step) but got {tuple(query.shape)}"
-            )
-        check_float("key", key)
-        check_ndim("key", key, 4, "[batch, kv_heads, length, head_dim]")
-        if key.shape[2] < 1:
-            raise ValueError(f"expected a cache with at least one key but got key of shape {tuple(key.shape)}")
+        check_attention_inputs(query, key, value)
         window = Window() if window is None else window if isinstance(window, Window) else Window(*window)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         return cls(query[:, :, 0], key, scale, window, start=start, values=value, **fields)
@@ -266,3 +259,32 @@ class DecodeStep:
 
 StepContext = DecodeStep
 """The name criteria used before the step object was shared with executors; the same class."""
+
+
+def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Raise unless ``query [b, H, 1, d]`` and ``key, value [b, H_kv, T >= 1, d]`` fit (shapes, GQA, dtype, device)."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        check_float(name, tensor)
+    check_ndim("query", query, 4, "[batch, heads, 1, head_dim]")
+    check_ndim("key", key, 4, "[batch, kv_heads, length, head_dim]")
+    b, H, q_len, d = query.shape
+    if q_len != 1:
+        raise ValueError(
+            f"expected query of shape [batch, heads, 1, head_dim] (one decode step) but got {tuple(query.shape)}"
+        )
+    if key.shape[0] != b or key.shape[3] != d or key.shape[2] < 1:
+        raise ValueError(
+            f"expected key of shape [{b}, kv_heads, length >= 1, {d}] to match query {tuple(query.shape)} "
+            f"but got {tuple(key.shape)}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(f"expected value of shape {tuple(key.shape)} like key but got {tuple(value.shape)}")
+    group_size(H, key.shape[1])
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(
+            f"expected query, key and value of one dtype but got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(
+            f"expected query, key and value on one device but got {query.device}, {key.device}, {value.device}"
+        )

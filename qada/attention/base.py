@@ -11,17 +11,15 @@ local window only). It returns ``[b, H, 1, d]`` in the query dtype together with
 from __future__ import annotations
 
 import abc
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from qada.attention.group_policy import apply_group_policy, check_group_policy, head_sparsity, kv_sparsity
-from qada.functional.checks import check_float, check_head_mask, check_ndim, group_size
+from qada.functional.checks import check_head_mask
 from qada.registry import Component, Registry
-from qada.step import DecodeStep
-from qada.window import Window
+from qada.step import DecodeStep, check_attention_inputs
 
 __all__ = ["EXECUTORS", "AttentionExecutor", "ExecutorOutput", "GroupDecision", "decode_attention",
            "register_executor"]
@@ -98,87 +96,18 @@ def check_step_for_attention(step: DecodeStep) -> None:
     """Raise unless ``step`` carries values of the query's dtype and device (what every executor needs)."""
     if step.values is None:
         raise ValueError("expected a decode step with values (DecodeStep(..., values=...)) for attention")
-    q, k, v = step.query, step.keys, step.values
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"expected query, key and value of one dtype but got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"expected query, key and value on one device but got {q.device}, {k.device}, {v.device}")
+    check_attention_inputs(step.query[:, :, None], step.keys, step.values)
 
 
-def decode_attention(
-    executor: AttentionExecutor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    local: torch.Tensor,
-    window: Window | tuple[int, int] | None = None,
-    scale: float | None = None,
-    start: torch.Tensor | None = None,
-) -> ExecutorOutput:
+def decode_attention(executor: AttentionExecutor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     local: torch.Tensor, *args, **kwargs) -> ExecutorOutput:
     """One decode step of ``executor`` on plain tensors (tests, benchmarks, use outside a model).
 
-    Args:
-        query: ``[b, H, 1, d]``.
-        key, value: ``[b, H_kv, T, d]``, same dtype and device as ``query``.
-        local: ``[b, H]`` bool, True = the head attends over the local window only.
-        window: a :class:`~qada.window.Window` or ``(t_local, t_sink)``; default ``Window()`` (128, 16).
-        scale: score scale, default ``1 / sqrt(d)``.
-        start: ``[b]`` integer index of each row's first real token (left padding; tokens
-            ``[start_r, T)`` are real, ``0 <= start_r < T``, not checked to avoid a host sync), or ``None``.
+    ``query [b, H, 1, d]``, ``key, value [b, H_kv, T, d]`` and the optional ``window``, ``scale``, ``start``
+    as in :meth:`qada.step.DecodeStep.from_attention`; ``local [b, H]`` bool, True = the head attends over
+    the local window only.
     """
-    scale = _check_inputs(query, key, value, local, scale, start)
-    return executor(DecodeStep.from_attention(query, key, value, window, scale, start), local)
-
-
-def _check_inputs(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    local: torch.Tensor,
-    scale: float | None,
-    start: torch.Tensor | None,
-) -> float:
-    """Validate shapes, dtypes and devices; return the scale (default ``1 / sqrt(d)``)."""
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        check_float(name, tensor)
-    check_ndim("query", query, 4, "[batch, heads, 1, head_dim]")
-    check_ndim("key", key, 4, "[batch, kv_heads, length, head_dim]")
-    b, H, q_len, d = query.shape
-    if q_len != 1:
-        raise ValueError(
-            f"expected query of shape [batch, heads, 1, head_dim] (one decode step) but got {tuple(query.shape)}"
-        )
-    if key.shape[0] != b or key.shape[3] != d or key.shape[2] < 1:
-        raise ValueError(
-            f"expected key of shape [{b}, kv_heads, length >= 1, {d}] to match query {tuple(query.shape)} "
-            f"but got {tuple(key.shape)}"
-        )
-    if value.shape != key.shape:
-        raise ValueError(f"expected value of shape {tuple(key.shape)} like key but got {tuple(value.shape)}")
-    group_size(H, key.shape[1])
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise ValueError(
-            f"expected query, key and value of one dtype but got {query.dtype}, {key.dtype}, {value.dtype}"
-        )
-    if not isinstance(local, torch.Tensor) or local.dtype != torch.bool or tuple(local.shape) != (b, H):
-        got = f"{local.dtype} {tuple(local.shape)}" if isinstance(local, torch.Tensor) else type(local).__name__
-        raise ValueError(f"expected local to be a bool tensor of shape [{b}, {H}] but got {got}")
-    if key.device != query.device or value.device != query.device or local.device != query.device:
-        raise ValueError(
-            f"expected query, key, value and local on one device but got {query.device}, {key.device}, "
-            f"{value.device}, {local.device}"
-        )
-    if start is not None:
-        if not isinstance(start, torch.Tensor) or start.dtype.is_floating_point or start.dtype == torch.bool:
-            got = start.dtype if isinstance(start, torch.Tensor) else type(start).__name__
-            raise ValueError(f"expected start to be an integer tensor of shape [{b}] but got {got}")
-        if tuple(start.shape) != (b,):
-            raise ValueError(f"expected start of shape [{b}] but got {tuple(start.shape)}")
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"expected scale to be a finite float > 0 but got {scale!r}")
-    return float(scale)
+    return executor(DecodeStep.from_attention(query, key, value, *args, **kwargs), local)
 
 
 EXECUTORS: Registry[AttentionExecutor] = Registry("executor", AttentionExecutor)

@@ -38,11 +38,10 @@ class HeadCriterion(Component, abc.ABC):
     def decide(self, step: DecodeStep) -> torch.Tensor:
         """Return ``[b, H]`` bool, True = local."""
 
-    @classmethod
-    def needs(cls) -> dict[str, bool]:
-        """What the criterion needs, by name (for listings and the command line)."""
-        return {"moments": cls.needs_moments, "full_scores": cls.needs_full_scores,
-                "calibration": cls.needs_calibration}
+    def needs(self) -> dict[str, bool]:
+        """What this criterion needs, by name (composites: what any child needs)."""
+        return {"moments": self.needs_moments, "full_scores": self.needs_full_scores,
+                "calibration": self.needs_calibration}
 
     def __call__(self, step: DecodeStep) -> torch.Tensor:
         local = self.decide(step)

@@ -39,44 +39,47 @@ class _Composite(HeadCriterion):
         return any(child.needs_calibration for child in self.children())
 
 
-@register_criterion("any_of")
 @dataclass
-class AnyOf(_Composite):
-    """Local when any child criterion says local."""
+class _Combination(_Composite):
+    """A list of child criteria whose decisions are folded with one boolean operator."""
 
     criteria: list
 
     def __post_init__(self) -> None:
-        self.criteria = _build_all(self.criteria, "any_of")
+        self.criteria = _build_all(self.criteria, self.registry_name)
 
     def children(self) -> list[HeadCriterion]:
         return self.criteria
 
+    @staticmethod
+    def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def decide(self, step: DecodeStep) -> torch.Tensor:
         local = self.criteria[0](step)
         for child in self.criteria[1:]:
-            local = local | child(step)
+            local = self.combine(local, child(step))
         return local
+
+
+@register_criterion("any_of")
+@dataclass
+class AnyOf(_Combination):
+    """Local when any child criterion says local."""
+
+    @staticmethod
+    def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a | b
 
 
 @register_criterion("all_of")
 @dataclass
-class AllOf(_Composite):
+class AllOf(_Combination):
     """Local only when every child criterion says local."""
 
-    criteria: list
-
-    def __post_init__(self) -> None:
-        self.criteria = _build_all(self.criteria, "all_of")
-
-    def children(self) -> list[HeadCriterion]:
-        return self.criteria
-
-    def decide(self, step: DecodeStep) -> torch.Tensor:
-        local = self.criteria[0](step)
-        for child in self.criteria[1:]:
-            local = local & child(step)
-        return local
+    @staticmethod
+    def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a & b
 
 
 @register_criterion("not")

@@ -41,10 +41,19 @@ class MomentSource(Component, abc.ABC):
 
     * ``needs_model``: :meth:`prepare` must run the model once (stored reference prompts) before decoding.
     * ``per_row_state``: the state follows the rows of the cache (the wrapper refuses reordered rows).
+    * ``layer_state``: the names of what the source keeps per layer between steps (empty: a stateless lookup),
+      so that a wrapper knows what a new prefill or a cache copy must reset.
     """
 
     needs_model: ClassVar[bool] = False
     per_row_state: ClassVar[bool] = False
+    layer_state: ClassVar[tuple[str, ...]] = ()
+
+    def needs(self) -> dict[str, bool]:
+        """What this source needs before decoding, by name (``model``: a run of the model in :meth:`prepare`;
+        ``reference_prompt``: a reference prompt built from the tokenizer, unless an artifact is given)."""
+        return {"model": self.needs_model,
+                "reference_prompt": self.needs_model and getattr(self, "path", None) is None}
 
     def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:  # noqa: B027
         """Build or load what the source needs for ``model`` (reference keys); a no-op by default.

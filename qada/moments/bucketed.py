@@ -33,6 +33,7 @@ class BucketedMoments(ReferenceMomentSource):
     """
 
     bucket_size: int = 512
+    layer_state = ()  # a stateless lookup: the bucket depends on the length only
 
     def __post_init__(self) -> None:
         super().__post_init__()

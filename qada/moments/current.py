@@ -35,6 +35,7 @@ class CurrentMoments(MomentSource):
     freeze: bool = False
     update_every: int = 1
     per_row_state = True
+    layer_state = ("float64 count, mean and co-moment of each row's bulk keys", "the cache length they cover")
 
     def __post_init__(self) -> None:
         if not isinstance(self.freeze, bool):

@@ -4,20 +4,35 @@ A component is a dataclass whose fields are its configuration. ``registry.regist
 ``registry.build("name", **params)``, ``registry.build({"name": ..., **params})`` or
 ``registry.build(instance)`` returns an instance, and ``instance.to_config()`` gives back a dict that builds an
 equal component. Unknown names and parameters raise errors that list what is valid.
+
+Components can also come from outside the tree. An installed distribution declares an entry point in the
+registry's group (``qada.criteria``, ``qada.executors``, ``qada.moment_sources``), e.g. in its
+``pyproject.toml``::
+
+    [project.entry-points."qada.criteria"]
+    topk = "qada_topk"            # a module whose import registers with @register_criterion
+    # or: topk = "qada_topk:TopK"  # a class, registered under the entry point's name
+
+Entry points are discovered once per process, on the first lookup (``names``, ``get``, ``in``,
+``parameters``, ``build``), never at import. A module that is not installed can be imported by name instead:
+:func:`import_modules`, the ``imports:`` key of a config (:func:`load_config`) or ``qada --import MODULE``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.metadata
 import os
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 import yaml
 
-__all__ = ["Component", "Registry", "load_config"]
+__all__ = ["Component", "PluginError", "Registry", "import_modules", "load_config"]
 
 
 class Component:
@@ -66,14 +81,83 @@ def _to_plain(value: Any) -> Any:
 
 C = TypeVar("C", bound=Component)
 
+#: Entry point group per registry kind; other kinds get ``qada.<kind>s`` (spaces as underscores).
+ENTRY_POINT_GROUPS = {
+    "criterion": "qada.criteria",
+    "executor": "qada.executors",
+    "moment source": "qada.moment_sources",
+}
+
+
+class PluginError(RuntimeError):
+    """An entry point of an installed plugin could not be loaded or registered."""
+
+
+def _distribution_name(entry_point: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(entry_point, "dist", None)
+    name = getattr(dist, "name", None) if dist is not None else None
+    return str(name) if name else "an unknown distribution"
+
 
 class Registry(Generic[C]):
-    """Named component classes of one kind (e.g. ``"criterion"``)."""
+    """Named component classes of one kind (e.g. ``"criterion"``).
 
-    def __init__(self, kind: str, base: type[C]) -> None:
+    Args:
+        kind: what the components are, for messages (``"criterion"``).
+        base: the class every component must subclass.
+        entry_point_group: the entry point group searched for plugins (default: ``qada.criteria``,
+            ``qada.executors`` or ``qada.moment_sources`` for those kinds, ``qada.<kind>s`` otherwise).
+    """
+
+    def __init__(self, kind: str, base: type[C], entry_point_group: str | None = None) -> None:
         self.kind = kind
         self.base = base
+        self.entry_point_group = entry_point_group or ENTRY_POINT_GROUPS.get(
+            kind, f"qada.{kind.replace(' ', '_')}s"
+        )
         self._classes: dict[str, type[C]] = {}
+        self._discovered = False
+
+    def discover(self) -> None:
+        """Load the plugins of :attr:`entry_point_group` (once per process; later calls do nothing).
+
+        An entry point names a module (importing it registers its components) or a component class (registered
+        under the entry point's name unless it registered itself). A plugin that fails raises
+        :class:`PluginError` naming the entry point and its distribution; discovery then runs again on the
+        next lookup.
+        """
+        if self._discovered:
+            return
+        self._discovered = True  # set first: a plugin that looks up this registry while loading must not recurse
+        try:
+            for entry_point in importlib.metadata.entry_points(group=self.entry_point_group):
+                self._load_entry_point(entry_point)
+        except BaseException:
+            self._discovered = False
+            raise
+
+    def _load_entry_point(self, entry_point: importlib.metadata.EntryPoint) -> None:
+        where = (f"entry point {entry_point.name} = {entry_point.value!r} (group {self.entry_point_group!r}) of "
+                 f"{_distribution_name(entry_point)}")
+        try:
+            loaded = entry_point.load()
+        except Exception as error:
+            raise PluginError(
+                f"could not load the {self.kind} plugin {where}: {type(error).__name__}: {error}"
+            ) from error
+        if isinstance(loaded, type):
+            if not issubclass(loaded, self.base):
+                raise PluginError(f"{where} gave {loaded!r}, which is not a subclass of {self.base.__name__}")
+            if loaded in self._classes.values():
+                return
+            try:
+                self.register(entry_point.name)(loaded)
+            except (TypeError, ValueError) as error:
+                raise PluginError(f"could not register the {self.kind} plugin {where}: {error}") from error
+        elif not isinstance(loaded, types.ModuleType):
+            raise PluginError(
+                f"{where} gave a {type(loaded).__name__}; expected a module or a subclass of {self.base.__name__}"
+            )
 
     def register(self, name: str, override: bool = False) -> Callable[[type[C]], type[C]]:
         """Class decorator adding a component under ``name``; re-registering a name needs ``override=True``."""
@@ -95,12 +179,15 @@ class Registry(Generic[C]):
         return decorator
 
     def names(self) -> list[str]:
+        self.discover()
         return sorted(self._classes)
 
     def __contains__(self, name: object) -> bool:
+        self.discover()
         return name in self._classes
 
     def get(self, name: str) -> type[C]:
+        self.discover()
         try:
             return self._classes[name]
         except KeyError:
@@ -108,7 +195,7 @@ class Registry(Generic[C]):
 
     def parameters(self, name: str) -> list[tuple[str, str, Any]]:
         """``(parameter, type, default)`` for every init field of the component (default ``...`` if required)."""
-        cls = self.get(name)
+        cls = self.get(name)  # discovers
         rows = []
         for field in dataclasses.fields(cls):
             if not field.init:
@@ -125,6 +212,7 @@ class Registry(Generic[C]):
 
     def build(self, spec: C | str | Mapping[str, Any], **params: Any) -> C:
         """An instance from an instance (returned as is), a name plus ``params``, or a config dict."""
+        self.discover()
         if isinstance(spec, self.base):
             if params:
                 raise ValueError(f"parameters {sorted(params)} given together with a built {self.kind}")
@@ -143,12 +231,38 @@ class Registry(Generic[C]):
         )
 
 
+def import_modules(names: Iterable[str]) -> None:
+    """Import each module in ``names`` (their imports register components: ``--import`` and ``imports:``)."""
+    if isinstance(names, str):
+        names = [names]
+    for name in names:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"expected a module name to import but got {name!r}")
+        try:
+            importlib.import_module(name.strip())
+        except ImportError as error:
+            raise ValueError(f"could not import module {name!r} given by --import/imports: {error}") from error
+
+
 def load_config(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
-    """A config dict from a mapping, a YAML file path, or a YAML string."""
+    """A config dict from a mapping, a YAML (or JSON) file path, or a YAML string.
+
+    An optional top-level ``imports:`` key (a module name or a list of them) is processed here: the modules are
+    imported (see :func:`import_modules`) and the config comes back without that key.
+    """
     if isinstance(source, Mapping):
-        return dict(source)
-    text = Path(source).read_text() if Path(str(source)).suffix in {".yaml", ".yml"} else str(source)
-    loaded = yaml.safe_load(text)
+        loaded: Any = source
+    else:
+        is_file = Path(str(source)).suffix in {".yaml", ".yml", ".json"}
+        loaded = yaml.safe_load(Path(source).read_text() if is_file else str(source))
     if not isinstance(loaded, Mapping):
         raise ValueError(f"expected a YAML mapping but got {type(loaded).__name__}")
-    return dict(loaded)
+    config = dict(loaded)
+    imports = config.pop("imports", None)
+    if imports is not None:
+        if isinstance(imports, str):
+            imports = [imports]
+        if not isinstance(imports, (list, tuple)):
+            raise ValueError(f"expected 'imports' to be a module name or a list of them but got {imports!r}")
+        import_modules(imports)
+    return config

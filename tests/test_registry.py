@@ -71,3 +71,68 @@ def test_yaml_config(tmp_path):
     assert CRITERIA.build(load_config("{name: oracle, tau: 0.2}")).tau == 0.2
     with pytest.raises(ValueError, match="YAML mapping"):
         load_config("- a\n- b\n")
+
+
+def test_import_modules_imports_and_names_a_missing_module(tmp_path, monkeypatch):
+    from qada.registry import import_modules
+
+    (tmp_path / "qada_test_import_me.py").write_text("IMPORTED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import_modules(["qada_test_import_me"])
+    import sys
+
+    assert sys.modules["qada_test_import_me"].IMPORTED
+    sys.modules.pop("qada_test_import_me")
+    with pytest.raises(ValueError, match=r"could not import module 'no_such_qada_module' given by --import/imports: "):
+        import_modules(["json", "no_such_qada_module"])
+
+
+def test_load_config_imports_then_drops_the_key(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "qada_test_config_module.py").write_text(
+        "from dataclasses import dataclass\n"
+        "import torch\n"
+        "from qada.criteria import HeadCriterion, register_criterion\n"
+        "@register_criterion('test_from_config_import')\n"
+        "@dataclass\n"
+        "class FromConfig(HeadCriterion):\n"
+        "    def decide(self, ctx):\n"
+        "        return torch.ones(ctx.batch_size, ctx.num_heads, dtype=torch.bool)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tmp_path / "run.yaml"
+    config.write_text("imports: qada_test_config_module\ncriterion: test_from_config_import\n")
+    try:
+        loaded = load_config(config)
+        assert loaded == {"criterion": "test_from_config_import"}
+        assert CRITERIA.build(loaded["criterion"]).registry_name == "test_from_config_import"
+        assert load_config({"imports": ["json"], "criterion": "qada"}) == {"criterion": "qada"}
+        assert load_config('{"imports": [], "executor": "sdpa"}') == {"executor": "sdpa"}
+        with pytest.raises(ValueError, match="expected 'imports' to be a module name or a list"):
+            load_config("imports: {a: 1}")
+        with pytest.raises(ValueError, match="could not import module 'no_such_qada_module'"):
+            load_config("imports: [no_such_qada_module]\ncriterion: qada")
+    finally:
+        CRITERIA._classes.pop("test_from_config_import", None)
+        sys.modules.pop("qada_test_config_module", None)
+
+
+def test_apply_config_with_imports(tmp_path, monkeypatch):
+    """``qada.apply(config=...)`` goes through load_config, so ``imports:`` works from Python too."""
+    import sys
+
+    from qada.models.apply import build_run
+
+    (tmp_path / "qada_test_apply_module.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from qada.criteria import LocalCriterion, register_criterion\n"
+        "register_criterion('test_from_apply_import')(dataclass(type('FromApply', (LocalCriterion,), {})))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        run = build_run(config="imports: [qada_test_apply_module]\ncriterion: test_from_apply_import\nmoments: none\n")
+        assert run.criterion.registry_name == "test_from_apply_import"
+    finally:
+        CRITERIA._classes.pop("test_from_apply_import", None)
+        sys.modules.pop("qada_test_apply_module", None)

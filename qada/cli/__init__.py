@@ -1,8 +1,13 @@
-"""The ``qada`` command line: one module per subcommand, each with ``add_parser`` and ``run``."""
+"""The ``qada`` command line: one module per subcommand, each with ``add_parser`` and ``run``.
+
+Every subcommand takes ``--import MODULE`` (repeatable, from :data:`qada.cli.common.IMPORTS`): the modules are
+imported before the command runs, so the components they register can be named on the command line.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -38,7 +43,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.run(args) or 0)
+        from qada.registry import import_modules
+
+        import_modules(getattr(args, "imports", None) or [])
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
+        return code
+    except BrokenPipeError:  # `qada criteria | head`: the reader left, so stop quietly
+        _silence_stdout()
+        return 0
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
         print(f"qada {args.command}: error: {error}", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (e.g. captured in tests)
+        pass

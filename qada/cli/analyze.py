@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from qada.cli.common import IMPORTS
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("analyze", help="log-error table (Table 2), head maps (Fig. 7), sparsity curves (Fig. 6)")
+    parser = sub.add_parser(
+        "analyze", parents=[IMPORTS], help="log-error table (Table 2), head maps (Fig. 7), sparsity curves (Fig. 6)"
+    )
     parser.add_argument("--task", default="niah_single_2", help="task to record on (context_free: paper §5)")
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--samples", type=int, default=3)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from qada.cli.common import IMPORTS
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("calibrate", help="calibrate a static head mask (paper App. A) and save it")
+    parser = sub.add_parser(
+        "calibrate", parents=[IMPORTS], help="calibrate a static head mask (paper App. A) and save it"
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--tasks", help="comma-separated task names to calibrate on")
     source.add_argument("--data", help="a RULER-format jsonl to calibrate on")

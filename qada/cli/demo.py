@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 
+from qada.cli.common import IMPORTS
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("demo", help="a small real sweep on the embedded model: table + plot (~3 min on 2 cores)")
+    parser = sub.add_parser(
+        "demo", parents=[IMPORTS], help="a small real sweep on the embedded model: table + plot (~3 min on 2 cores)"
+    )
     parser.add_argument("--out", default="qada-demo", help="results folder (default ./qada-demo)")
     parser.add_argument("--samples", type=int, default=3, help="samples per task (default 3)")
     parser.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default 2048)")

@@ -5,17 +5,28 @@ from __future__ import annotations
 import argparse
 import time
 
+from qada.cli.common import IMPORTS
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("generate", help="generate text with QAdA (or another criterion) and report sparsity")
+    parser = sub.add_parser(
+        "generate", parents=[IMPORTS], help="generate text with QAdA (or another criterion) and report sparsity"
+    )
     parser.add_argument("--prompt-file", required=True, help="text file with the prompt (completion style)")
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
-    parser.add_argument("--criterion", default="qada", help="criterion name (see `qada criteria`); dense = unmodified")
-    parser.add_argument("--tau", type=float, default=None, help="threshold for oracle/qada (default 0.6)")
-    parser.add_argument("--moments", default="stored", help="moment source: stored, bucketed, current (default stored)")
-    parser.add_argument("--executor", default="sdpa", help="attention executor: sdpa, reference, flex, triton")
-    parser.add_argument("--t-local", type=int, default=128)
-    parser.add_argument("--t-sink", type=int, default=16)
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override")
+    parser.add_argument("--criterion", default=None,
+                        help="criterion name (see `qada criteria`), inline YAML/JSON mapping or .yaml/.json file "
+                             "(default qada); dense = unmodified model")
+    parser.add_argument("--tau", type=float, default=None, help="threshold for a criterion given by name (default 0.6)")
+    parser.add_argument("--moments", default=None,
+                        help="moment source: stored, bucketed, current, a mapping or a file (default stored); "
+                             "used if the criterion needs moments")
+    parser.add_argument("--executor", default=None, help="attention executor: sdpa, reference, flex, triton "
+                        "(or a mapping or file; default sdpa)")
+    parser.add_argument("--t-local", type=int, default=None, help="local window size (default 128)")
+    parser.add_argument("--t-sink", type=int, default=None, help="sink tokens in the window (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--seed", type=int, default=0)
@@ -28,24 +39,28 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from qada.cli.common import build_criterion, load_run_config, resolve_moments, resolve_spec, spec_label
+    from qada.criteria import DenseCriterion
     from qada.models import enable, load_model
     from qada.window import Window
 
     prompt = Path(args.prompt_file).read_text()
     if args.max_new_tokens < 1:
         raise ValueError(f"expected --max-new-tokens >= 1 but got {args.max_new_tokens}")
+    file_config = load_run_config(args.config)
+    _, criterion = build_criterion(resolve_spec(args.criterion, file_config, "criterion", "qada"), args.tau)
+    moments = resolve_moments(args.moments, file_config, criterion)
+    executor = resolve_spec(args.executor, file_config, "executor", "sdpa")
+    window_config = dict(file_config.get("window") or {})
+    window_config.update({k: v for k, v in (("t_local", args.t_local), ("t_sink", args.t_sink)) if v is not None})
+    window = Window(**window_config)
     model, tokenizer = load_model(args.model)
     torch.manual_seed(args.seed)
     inputs = tokenizer(prompt, return_tensors="pt")
-    criterion: dict = {"name": args.criterion}
-    if args.tau is not None:
-        criterion["tau"] = args.tau
     run = None
-    if args.criterion != "dense":
-        run = enable(
-            model, criterion=criterion, moments=args.moments, executor=args.executor,
-            window=Window(args.t_local, args.t_sink), tokenizer=tokenizer,
-        )
+    if not isinstance(criterion, DenseCriterion):  # dense: the unmodified model
+        run = enable(model, criterion=criterion, moments=moments if moments is not None else "none",
+                     executor=executor, window=window, tokenizer=tokenizer)
     try:
         start = time.perf_counter()
         with torch.no_grad():
@@ -66,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         print("criterion: dense (unmodified model)  sparsity: 0.000  kv_sparsity: 0.000")
         return 0
     summary = run.summary()
-    print(f"criterion: {run.criterion.to_config()}  moments: {args.moments}  executor: {args.executor}")
+    print(f"criterion: {run.criterion.to_config()}  moments: {spec_label(moments) if moments is not None else None}  "
+          f"executor: {spec_label(executor)}")
     print(f"sparsity: {summary['sparsity']:.3f}  kv_sparsity: {summary['kv_sparsity']:.3f}  "
           f"fail-safe fallbacks: {summary['fail_safe']}")
     if args.per_layer:

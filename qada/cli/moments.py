@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from qada.cli.common import IMPORTS
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("moments", help="build and inspect reference-moment artifacts")
+    parser = sub.add_parser("moments", parents=[IMPORTS], help="build and inspect reference-moment artifacts")
     actions = parser.add_subparsers(dest="moments_command", metavar="ACTION")
     parser.set_defaults(run=lambda args: parser.print_help() or 2)
 
     build = actions.add_parser(
-        "build",
+        "build", parents=[IMPORTS],
         help="run a reference prompt through a model and save its keys (or bucketed moments)",
         description="Run a reference prompt through the model in chunks (with the cache) and save its post-RoPE "
         "keys per layer and KV head as a safetensors artifact; with --buckets, save bucketed moments instead.",
@@ -28,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="dtype of saved keys")
     build.set_defaults(run=run_build)
 
-    info = actions.add_parser("info", help="print what an artifact file holds")
+    info = actions.add_parser("info", parents=[IMPORTS], help="print what an artifact file holds")
     info.add_argument("file", help="a qada .safetensors artifact")
     info.set_defaults(run=run_info)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from qada.cli.common import IMPORTS
+
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
@@ -27,7 +29,9 @@ def make_fabric(accelerator: str, devices: int):
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("sweep", help="sweep criteria x thresholds over tasks and lengths; results + plots")
+    parser = sub.add_parser(
+        "sweep", parents=[IMPORTS], help="sweep criteria x thresholds over tasks and lengths; results + plots"
+    )
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2", help="comma-separated task names")
     parser.add_argument("--lengths", default="2048", help="comma-separated prompt lengths in tokens")
     parser.add_argument("--samples", type=int, default=10)

@@ -1,0 +1,157 @@
+"""What several subcommands share: ``--import``, component specs (``--criterion``) and ``--config`` files."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CONFIG_KEYS",
+    "IMPORTS",
+    "build_criterion",
+    "component_name",
+    "load_run_config",
+    "parse_component_spec",
+    "resolve_moments",
+    "resolve_spec",
+    "spec_label",
+]
+
+#: The parent parser every subcommand gets: ``--import MODULE`` (repeatable), imported before the command runs.
+IMPORTS = argparse.ArgumentParser(add_help=False)
+IMPORTS.add_argument(
+    "--import", dest="imports", action="append", default=argparse.SUPPRESS, metavar="MODULE",
+    help="import MODULE first (it registers criteria, moment sources or executors); repeatable",
+)
+
+#: The keys of a ``--config`` file (``imports`` is handled by :func:`qada.registry.load_config`).
+CONFIG_KEYS = ("criterion", "moments", "executor", "window")
+
+_SPEC_FILE_SUFFIXES = {".yaml", ".yml", ".json"}
+_PLAIN_NAME = re.compile(r"[\w.\-]+")
+
+
+def parse_component_spec(text: str) -> str | dict[str, Any]:
+    """A component spec from the command line: a registered name, an inline YAML/JSON mapping, or a file.
+
+    ``"qada"`` -> ``"qada"``; ``"{name: any_of, criteria: [qada, local]}"`` (or the same in JSON) -> that dict;
+    ``"composed.yaml"`` (a ``.yaml``/``.yml``/``.json`` file holding such a mapping) -> the file's mapping.
+    """
+    import yaml
+
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"expected a component name, a YAML/JSON mapping or a file but got {text!r}")
+    text = text.strip()
+    is_file = Path(text).suffix.lower() in _SPEC_FILE_SUFFIXES and "\n" not in text and not text.startswith("{")
+    if is_file:
+        if not Path(text).is_file():
+            raise FileNotFoundError(f"component file {text!r} does not exist")
+        source, where = Path(text).read_text(), f"file {text!r}"
+    else:
+        source, where = text, repr(text)
+    try:
+        loaded = json.loads(source) if is_file and text.lower().endswith(".json") else yaml.safe_load(source)
+    except (yaml.YAMLError, json.JSONDecodeError) as error:
+        raise ValueError(f"could not parse the component spec {where}: {error}") from None
+    if isinstance(loaded, Mapping):
+        config = dict(loaded)
+        if "name" not in config:
+            raise ValueError(f"expected a mapping with a 'name' key in {where} but got keys {sorted(config)}")
+        return config
+    if is_file:
+        raise ValueError(f"expected a YAML/JSON mapping with a 'name' key in {where} but got {type(loaded).__name__}")
+    if isinstance(loaded, str) and _PLAIN_NAME.fullmatch(loaded):
+        return loaded
+    if _PLAIN_NAME.fullmatch(text):  # a name YAML reads as something else (e.g. "on", "1")
+        return text
+    raise ValueError(f"expected a component name, a YAML/JSON mapping (with 'name') or a .yaml/.yml/.json file "
+                     f"but got {text!r}")
+
+
+def component_name(spec: Any) -> str:
+    """The registry name of a spec (name, mapping or built instance)."""
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, Mapping):
+        return str(spec.get("name", "?"))
+    return getattr(spec, "registry_name", "") or type(spec).__name__
+
+
+def spec_label(spec: Any, sep: str = " ") -> str:
+    """A short label for a spec: ``qada``, ``qada tau=0.3``, or ``any_of#1a2b3c4d`` (a digest) for nested configs.
+
+    ``sep`` goes between the name and flat parameters (``stored:prompt=text,offset=2048`` with ``sep=":"``).
+    """
+    name = component_name(spec)
+    if not isinstance(spec, Mapping):
+        return name
+    params = {k: v for k, v in spec.items() if k != "name"}
+    if not params:
+        return name
+    if all(isinstance(v, (str, int, float, bool, type(None))) for v in params.values()):
+        joiner = " " if sep == " " else ","
+        return name + sep + joiner.join(f"{k}={v}" for k, v in params.items())
+    digest = hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{name}#{digest}"
+
+
+def load_run_config(path: str | None) -> dict[str, Any]:
+    """The ``--config`` file as a dict (its ``imports:`` imported); only :data:`CONFIG_KEYS` are accepted."""
+    if path is None:
+        return {}
+    from qada.registry import load_config
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"config file {path!r} does not exist")
+    if Path(path).suffix.lower() not in _SPEC_FILE_SUFFIXES:
+        raise ValueError(f"expected a .yaml, .yml or .json config file but got {path!r}")
+    config = load_config(path)
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in config file {path!r}; expected some of "
+                         f"{[*CONFIG_KEYS, 'imports']}")
+    return config
+
+
+def resolve_spec(flag: str | None, config: Mapping[str, Any], key: str, default: Any) -> Any:
+    """The spec for ``key``: the command-line flag if given (parsed), else the config file's, else ``default``."""
+    if flag is not None:
+        return parse_component_spec(flag)
+    return config.get(key, default)
+
+
+def resolve_moments(flag: str | None, config: Mapping[str, Any], criterion: Any) -> Any:
+    """The moment source spec if ``criterion`` declares ``needs_moments`` (default ``stored``), else ``None``."""
+    if not criterion.needs_moments:
+        return None
+    moments = resolve_spec(flag, config, "moments", "stored")
+    if moments is None or moments == "none":
+        raise ValueError(f"criterion {criterion.registry_name or type(criterion).__name__!r} needs a moment source "
+                         f"but the config gives moments: {moments}")
+    return moments
+
+
+def build_criterion(spec: Any, tau: float | None = None) -> tuple[dict[str, Any], Any]:
+    """``(config dict, built criterion)`` from a spec; ``tau`` is added to a plain name (``--tau``)."""
+    from qada.criteria import CRITERIA
+
+    if tau is not None:
+        if not isinstance(spec, str):
+            raise ValueError("--tau goes with a criterion name; put tau inside the criterion mapping instead")
+        spec = {"name": spec, "tau": tau}
+    config = {"name": spec} if isinstance(spec, str) else dict(spec)
+    try:
+        criterion = CRITERIA.build(config)
+    except TypeError as error:  # e.g. a required parameter is missing
+        name = config.get("name")
+        cls = CRITERIA.get(name) if isinstance(name, str) and name in CRITERIA else None
+        if cls is not None and getattr(cls, "needs_calibration", False) is True:
+            raise ValueError(f"criterion {name!r} is configured from a calibration (see `qada calibrate`): give its "
+                             f"parameters in a mapping ({error})") from None
+        raise
+    return config, criterion

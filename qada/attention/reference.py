@@ -23,13 +23,12 @@ class ReferenceExecutor(AttentionExecutor):
     """
 
     def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, None]:
-        b, H, d = step.query.shape
-        G, T = step.group_size, step.length
+        real = _real(step)  # [b, T]
         allowed = torch.where(
-            decision.local[:, :, None], (~step.bulk_mask & _real(step))[:, None, :], _real(step)[:, None, :]
+            decision.local[:, :, None], (~step.bulk_mask & real)[:, None, :], real[:, None, :]
         )  # [b, H, T]
         scores = step.scores.masked_fill(~allowed, float("-inf"))  # [b, H, T]
-        probs = rearrange(torch.softmax(scores, dim=-1), "b (k g) t -> b k g t", g=G)
+        probs = rearrange(torch.softmax(scores, dim=-1), "b (k g) t -> b k g t", g=step.group_size)
         dtype = accumulation_dtype(step.query, step.values)
         out = torch.einsum("bkgt,bktd->bkgd", probs.to(dtype), step.values.to(dtype))
         return rearrange(out, "b k g d -> b (k g) 1 d").to(step.query.dtype), None

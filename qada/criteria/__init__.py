@@ -4,8 +4,8 @@ Importing this package registers the built-in criteria in :data:`CRITERIA`.
 """
 
 from qada.criteria.base import CRITERIA, HeadCriterion, register_criterion
-from qada.criteria.budget import BudgetCriterion, top_k_mask
 from qada.criteria.baselines import DenseCriterion, LocalCriterion
+from qada.criteria.budget import BudgetCriterion, top_k_mask
 from qada.criteria.calibration import StaticCalibrator
 from qada.criteria.compose import AllOf, AnyOf, LayerOverride, Not
 from qada.criteria.oracle import OracleCriterion

@@ -1,4 +1,4 @@
-"""Shape and dtype checks shared by the math, the step, criteria and executors (clear errors, never silent broadcasting)."""
+"""Shape and dtype checks shared by the math, the step, criteria and executors (clear errors, no silent broadcast)."""
 
 from __future__ import annotations
 

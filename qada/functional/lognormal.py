@@ -13,6 +13,7 @@ Moments are per KV head and shared by the ``G`` query heads of a group (GQA).
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 
 from qada.functional.checks import accumulation_dtype, check_float, check_ndim, group_size
 
@@ -40,10 +41,10 @@ def lognormal_score_moments(
         )
     G = group_size(H, H_kv)
     dtype = accumulation_dtype(query, mean, cov)
-    q = query.to(dtype).view(b, H_kv, G, d)
+    q = rearrange(query.to(dtype), "b (k g) d -> b k g d", g=G)  # the G query heads of each KV head
     mu_s = scale * (q @ mean.to(dtype)[..., None])[..., 0]  # [b, H_kv, G]
     var_s = scale * scale * ((q @ cov.to(dtype)) * q).sum(-1)  # q Sigma q^T per query head
-    return mu_s.reshape(b, H), var_s.reshape(b, H)
+    return rearrange(mu_s, "b k g -> b (k g)"), rearrange(var_s, "b k g -> b (k g)")
 
 
 def lognormal_log_bulk_mass(

@@ -7,6 +7,7 @@ share KV head ``g``, the layout of transformers' ``repeat_kv``). Scores are ``s_
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 
 from qada.functional.checks import accumulation_dtype, check_float, check_ndim, group_size
 
@@ -28,9 +29,9 @@ def _grouped_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> to
     H_kv = keys.shape[1]
     G = group_size(H, H_kv)
     dtype = accumulation_dtype(query, keys)
-    q = query.to(dtype).view(b, H_kv, G, d)
+    q = rearrange(query.to(dtype), "b (k g) d -> b k g d", g=G)  # the G query heads of each KV head
     s = torch.einsum("bkgd,bknd->bkgn", q, keys.to(dtype)) * scale
-    return s.reshape(b, H, keys.shape[2])
+    return rearrange(s, "b k g n -> b (k g) n")
 
 
 def full_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:

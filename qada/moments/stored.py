@@ -154,6 +154,8 @@ class StoredMoments(ReferenceMomentSource):
     grows: one key per decode step, O(d²), whatever ``T``; a jump (new prefill) costs ``O(|jump| d²)``.
     """
 
+    layer_state = ("float64 shifted sums of each row's reference range", "the range's ends")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self._reference: ReferenceKeys | None = None

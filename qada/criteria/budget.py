@@ -2,7 +2,8 @@
 
 A subclass gives a score per head (higher = more reason to be local); the base keeps the ``k`` best heads of
 each row local, ``k = floor(sparsity * H + 1/2)`` unless a subclass gives its own count per layer
-(:meth:`BudgetCriterion.local_count`). Heads with a non-finite score are never local (fail-safe, counted).
+(:meth:`BudgetCriterion.local_count`). Heads with a non-finite score are never local (fail-safe, counted);
+the budget then goes to the best finite heads.
 Equal sparsity makes budgeted criteria directly comparable with each other and with static masks.
 """
 
@@ -63,6 +64,6 @@ class BudgetCriterion(HeadCriterion):
             raise ValueError(f"criterion {self.registry_name or type(self).__name__!r}: {error}") from None
         finite = torch.isfinite(score)
         ranked = torch.where(finite, score, torch.full_like(score, float("-inf")))
-        local = top_k_mask(ranked, self.local_count(step))
-        step.note_fail_safe(local & ~finite)
-        return local & finite
+        local = top_k_mask(ranked, self.local_count(step)) & finite
+        step.note_fail_safe(~finite)
+        return local

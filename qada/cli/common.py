@@ -26,7 +26,7 @@ __all__ = [
 IMPORTS = argparse.ArgumentParser(add_help=False)
 IMPORTS.add_argument(
     "--import", dest="imports", action="append", default=argparse.SUPPRESS, metavar="MODULE",
-    help="import MODULE first (it registers criteria, moment sources or executors); repeatable",
+    help="import MODULE first (e.g. one registering a criterion); repeatable",
 )
 
 #: The keys of a ``--config`` file (``imports`` is handled by :func:`qada.registry.load_config`).

@@ -47,7 +47,9 @@ def qada_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise UnsupportedModelError(f"{type(module).__name__} has no layer_idx: qada needs one per attention layer")
-    T = key.shape[2]
+    T = run.filled_length(layer, query.shape[2], attention_mask, key.shape[2])
+    if T < key.shape[2]:  # a preallocated cache (StaticCache): only its first T slots hold tokens
+        key, value = key[:, :, :T], value[:, :, :T]
     sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if sliding is not None and T > sliding:
         raise UnsupportedModelError(
@@ -58,9 +60,8 @@ def qada_attention_forward(
         scaling = query.shape[-1] ** -0.5
     start = run.starts(attention_mask, T)
     if query.shape[2] > 1:  # prefill (or a resumed chunk): dense, as in the paper
-        output, _ = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        mask = None if attention_mask is None else attention_mask[..., :T]
+        output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
         run.prefill(layer, key, start)
         return output, None
     output = run.decode(layer, query, key, value, scaling, start)

@@ -7,9 +7,11 @@ reordered between steps (beam search) while a moment source keeps per-row state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["CacheGuard", "StaleStateError", "UnsupportedModelError", "row_starts"]
+__all__ = ["CacheGuard", "StaleStateError", "UnsupportedModelError", "mask_filled_length", "row_starts"]
 
 
 class UnsupportedModelError(ValueError):
@@ -33,6 +35,17 @@ def row_starts(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor
     return allowed.to(torch.int8).argmax(-1)
 
 
+def mask_filled_length(attention_mask: torch.Tensor | None) -> int | None:
+    """One past the last key any row's last query may attend to, from a 4D mask ``[b, 1, q, T]`` (bool or
+    additive); ``None`` without a mask. A host sync: called once per prefill, not per decode step."""
+    if attention_mask is None or attention_mask.ndim != 4:
+        return None
+    last_query = attention_mask[:, 0, -1, :]
+    allowed = (last_query if last_query.dtype == torch.bool else last_query == 0).any(0)
+    index = allowed.nonzero()
+    return int(index[-1]) + 1 if index.numel() else None
+
+
 class CacheGuard:
     """Per-layer cache length and decode-step counter, and (optionally) a check that rows keep their order.
 
@@ -49,6 +62,34 @@ class CacheGuard:
         self._length: dict[int, int] = {}
         self._step: dict[int, int] = {}
         self._newest_key: dict[int, torch.Tensor] = {}
+        self._capacity: dict[int, int] = {}
+
+    def note_capacity(self, layer: int, capacity: int) -> None:
+        """``layer``'s cache is preallocated with ``capacity`` slots (its decode steps then need no sync)."""
+        self._capacity[layer] = capacity
+
+    def filled_length(self, layer: int, q_len: int, key_len: int, from_mask: Callable[[], int | None]) -> int:
+        """How many of the ``key_len`` cache slots hold tokens after this forward of ``q_len`` queries.
+
+        A growing cache (``DynamicCache``) returns exactly its tokens, so the answer is ``key_len``. A
+        preallocated one (``StaticCache``) returns its whole buffer: the answer is then the previous length plus
+        ``q_len``; at a new prefill, where the previous length is unknown, it comes from the attention mask
+        (``from_mask()``: one host sync per forward, shared by the layers). Decode steps of a preallocated cache
+        need no sync: its capacity is remembered.
+        """
+        previous = self._length.get(layer)
+        if q_len == 1 and previous is not None and self._capacity.get(layer) == key_len:
+            return previous + 1
+        if previous is not None and q_len == 1 and key_len == previous + 1:
+            return key_len
+        if q_len > 1 or previous is None:  # a prefill (or a resumed chunk): the mask says where the tokens end
+            filled = from_mask()
+            if filled is not None and q_len <= filled < key_len:
+                self._capacity[layer] = key_len
+                return filled
+            self._capacity.pop(layer, None)
+            return key_len
+        return key_len  # a growing cache that did not grow by one: decode() says what went wrong
 
     def prefill(self, layer: int, key: torch.Tensor) -> None:
         """``layer`` was prefilled: its cache is ``key [b, H_kv, T, d]``."""
@@ -57,7 +98,7 @@ class CacheGuard:
         self._remember_newest_key(layer, key)
 
     def decode(self, layer: int, key: torch.Tensor) -> int:
-        """Check one decode step of ``layer`` (cache ``key [b, H_kv, T, d]``); return its step index."""
+        """Check one decode step of ``layer`` (filled cache ``key [b, H_kv, T, d]``); return its step index."""
         T = key.shape[2]
         previous = self._length.get(layer)
         if previous is None:

@@ -17,7 +17,7 @@ import torch
 
 from qada.attention.base import AttentionExecutor
 from qada.criteria.base import HeadCriterion
-from qada.models.guards import CacheGuard, StaleStateError, UnsupportedModelError, row_starts
+from qada.models.guards import CacheGuard, StaleStateError, UnsupportedModelError, mask_filled_length, row_starts
 from qada.models.observers import Observer, ObserverFanout
 from qada.models.statistics import DecodeStatistics
 from qada.moments.base import MomentSource
@@ -52,7 +52,7 @@ class QAdARun:
         self.stats = DecodeStatistics()
         self.guard = CacheGuard(track_row_order=self.uses_moments and self.moments.per_row_state)
         self._remove: Any = None
-        self._last_mask: tuple[Any, tuple, torch.Tensor | None] | None = None
+        self._mask_cache: dict[str, tuple[Any, tuple, Any]] = {}
 
     @property
     def observers(self) -> list[Observer]:
@@ -73,14 +73,30 @@ class QAdARun:
         return self.stats.compute()
 
     def starts(self, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-        """Each row's first real token from the 4D mask, derived once per forward (the layers share the mask)."""
+        """Each row's first real token from the 4D mask ``[b, 1, q, >= length]`` (only its first ``length`` keys
+        count), derived once per forward: the layers share the mask."""
+        return self._per_mask("starts", attention_mask, length,
+                              lambda: row_starts(None if attention_mask is None else attention_mask[..., :length],
+                                                 length))
+
+    def filled_length(self, layer: int, q_len: int, attention_mask: torch.Tensor | None, key_len: int) -> int:
+        """How many of the ``key_len`` cache slots of ``layer`` hold tokens (see
+        :meth:`~qada.models.guards.CacheGuard.filled_length`: ``key_len`` for a growing cache, less for a
+        preallocated one)."""
+        return self.guard.filled_length(
+            layer, q_len, key_len, lambda: self._per_mask("filled", attention_mask, key_len,
+                                                          lambda: mask_filled_length(attention_mask))
+        )
+
+    def _per_mask(self, what: str, attention_mask: torch.Tensor | None, length: int, compute):
         version = None if attention_mask is None else attention_mask._version
-        last = self._last_mask
-        if last is not None and last[0] is attention_mask and last[1] == (length, version):
-            return last[2]
-        start = row_starts(attention_mask, length)
-        self._last_mask = (attention_mask, (length, version), start)
-        return start
+        key = (what, length, version)
+        cached = self._mask_cache.get(what)
+        if cached is not None and cached[0] is attention_mask and cached[1] == key:
+            return cached[2]
+        value = compute()
+        self._mask_cache[what] = (attention_mask, key, value)
+        return value
 
     # --- the two phases ----------------------------------------------------------------------------------
     def prefill(self, layer: int, key: torch.Tensor, start: torch.Tensor | None) -> None:
@@ -96,7 +112,12 @@ class QAdARun:
         Feeds every layer's cached keys ``[b, H_kv, T, d]`` to :meth:`prefill`, as a dense prefill would have.
         """
         for layer, cache_layer in enumerate(cache.layers):
-            self.prefill(layer, cache_layer.keys, start)
+            keys = cache_layer.keys
+            filled = int(cache_layer.get_seq_length())  # a preallocated cache holds fewer tokens than slots
+            if filled < keys.shape[2]:
+                keys = keys[:, :, :filled]
+                self.guard.note_capacity(layer, cache_layer.keys.shape[2])
+            self.prefill(layer, keys, start)
 
     def decode(
         self,

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.end_to_end import group_static_mask, qada_run, static_run
+from benchmarks.end_to_end import dense_run, group_static_mask, qada_run, static_run
 from benchmarks.suites import Suite
 
 __all__ = ["build_configs", "build_contexts", "build_model"]
@@ -45,7 +45,8 @@ def build_model(suite: Suite, max_length: int) -> tuple[Any, Any, str]:
 
 
 def build_contexts(suite: Suite, model: Any, tokenizer: Any) -> dict[int, Any]:
-    """``T -> () -> (per-layer [(K, V)], first token)``: a real prefill (SmolLM2) or random K/V (random models)."""
+    """``T -> () -> (per-layer [(K, V)], first token)``: a real prefill (SmolLM2 up to ``suite.e2e_real_up_to``
+    tokens) or random K/V (random models, and SmolLM2's long "timing only" case: no accuracy from it)."""
     from qada.eval.decode import prefill
 
     def real(T: int):
@@ -73,15 +74,25 @@ def build_contexts(suite: Suite, model: Any, tokenizer: Any) -> dict[int, Any]:
 
         return make
 
-    return {T: (real(T) if tokenizer is not None else random(T)) for T in suite.e2e_lengths}
+    real_up_to = suite.e2e_real_up_to if tokenizer is not None else 0
+    return {T: (real(T) if T <= real_up_to else random(T)) for T in suite.e2e_lengths}
 
 
-def build_configs(suite: Suite, model: Any, tokenizer: Any) -> dict[str, Any]:
-    """``dense`` (unwrapped), ``qada`` (tau 0.6, the suite's moments and executor), ``static rho_kv=...``."""
+def build_configs(suite: Suite, model: Any, tokenizer: Any) -> dict[str, tuple[str, Any]]:
+    """name -> (cache kind, run factory), all on the suite's cache unless named otherwise.
+
+    ``dense`` (the unwrapped model, the reference), ``qada dense`` (the wrapper with the ``dense`` criterion: its
+    own cost), ``qada`` (tau 0.6, the suite's moments and executor), ``static rho_kv=...``, and the unwrapped
+    model on the other cache kind (what a user who changes nothing gets).
+    """
     c = model.config
-    configs: dict[str, Any] = {"dense": lambda: None}
-    configs["qada"] = lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor)
+    kind = suite.e2e_cache
+    other = "dynamic" if kind == "static" else "static"
+    configs: dict[str, tuple[str, Any]] = {"dense": (kind, lambda: None)}
+    configs[f"dense {other} cache"] = (other, lambda: None)
+    configs["qada dense"] = (kind, lambda: dense_run(suite.e2e_executor))
+    configs["qada"] = (kind, lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor))
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
-        configs[f"static rho_kv={rho}"] = lambda mask=mask: static_run(mask, suite.e2e_executor)
+        configs[f"static rho_kv={rho}"] = (kind, lambda mask=mask: static_run(mask, suite.e2e_executor))
     return configs

@@ -20,13 +20,13 @@ import torch
 from qada.functional import (
     bulk_count,
     bulk_mask,
-    full_scores,
     gather_window,
     log_bulk_mass,
     log_local_mass,
     lognormal_log_bulk_from_moments,
-    lognormal_score_moments,
 )
+from qada.functional.lognormal import score_moments_unchecked
+from qada.functional.masses import grouped_scores_unchecked
 from qada.functional.checks import check_float, check_ndim, group_size
 from qada.window import Window
 
@@ -165,6 +165,9 @@ class DecodeStep:
     @cached_property
     def t_bulk(self) -> torch.Tensor:
         """``[b]`` bulk size of each row."""
+        if self.start is None:  # every row is the whole cache: one fill, no index arithmetic
+            size = max(self.length - self.window.t_local, 0)
+            return torch.full((self.batch_size,), size, dtype=torch.long, device=self.device)
         return bulk_count(self.length, self.window.t_local, self.window.t_sink, self.starts)
 
     @cached_property
@@ -204,18 +207,20 @@ class DecodeStep:
     @cached_property
     def local_scores(self) -> torch.Tensor:
         """``[b, H, W]`` float32 scores of the local window."""
-        return full_scores(self.query, self.window_keys, self.scale)
+        return grouped_scores_unchecked(self.query, self.window_keys, self.scale)
 
     @cached_property
     def log_local(self) -> torch.Tensor:
         """``[b, H]`` ``log A_local``."""
+        if self.start is None:  # every window slot is valid: the mask would change nothing
+            return torch.logsumexp(self.local_scores, dim=-1)
         return log_local_mass(self.local_scores, self.window_valid)
 
     # --- exact bulk (oracle) -----------------------------------------------------------------------------
     @cached_property
     def scores(self) -> torch.Tensor:
         """``[b, H, T]`` float32 scores over the whole cache (O(T d)): only the oracle asks for them."""
-        return full_scores(self.query, self.keys, self.scale)
+        return grouped_scores_unchecked(self.query, self.keys, self.scale)
 
     @cached_property
     def bulk_mask(self) -> torch.Tensor:
@@ -242,7 +247,13 @@ class DecodeStep:
     def score_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mu_s, sigma_s^2)``, each ``[b, H]``: mean and variance of the bulk scores (paper eqs. 5-6)."""
         mean, cov = self.bulk_moments
-        return lognormal_score_moments(self.query, mean, cov, self.scale)
+        b, H_kv, d = self.batch_size, self.num_kv_heads, self.head_dim
+        if mean.shape != (b, H_kv, d) or cov.shape != (b, H_kv, d, d):
+            raise ValueError(
+                f"expected moments mean [{b}, {H_kv}, {d}] and cov [{b}, {H_kv}, {d}, {d}] but got mean "
+                f"{tuple(mean.shape)} and cov {tuple(cov.shape)}"
+            )
+        return score_moments_unchecked(self.query, mean, cov, self.scale)
 
     @cached_property
     def log_bulk_estimate(self) -> torch.Tensor:

@@ -13,7 +13,6 @@ Moments are per KV head and shared by the ``G`` query heads of a group (GQA).
 from __future__ import annotations
 
 import torch
-from einops import rearrange
 
 from qada.functional.checks import accumulation_dtype, check_float, check_ndim, group_size
 
@@ -39,12 +38,21 @@ def lognormal_score_moments(
             f"expected mean [{b}, kv_heads, {d}] and cov [{b}, kv_heads, {d}, {d}] for query {tuple(query.shape)} "
             f"but got mean {tuple(mean.shape)} and cov {tuple(cov.shape)}"
         )
-    G = group_size(H, H_kv)
+    group_size(H, H_kv)
+    return score_moments_unchecked(query, mean, cov, scale)
+
+
+def score_moments_unchecked(
+    query: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lognormal_score_moments` without the input checks (for the decode step, which validated them)."""
+    b, H, d = query.shape
+    H_kv = mean.shape[1]
     dtype = accumulation_dtype(query, mean, cov)
-    q = rearrange(query.to(dtype), "b (k g) d -> b k g d", g=G)  # the G query heads of each KV head
+    q = query.to(dtype).view(b, H_kv, H // H_kv, d)  # the G query heads of each KV head
     mu_s = scale * (q @ mean.to(dtype)[..., None])[..., 0]  # [b, H_kv, G]
     var_s = scale * scale * ((q @ cov.to(dtype)) * q).sum(-1)  # q Sigma q^T per query head
-    return rearrange(mu_s, "b k g -> b (k g)"), rearrange(var_s, "b k g -> b (k g)")
+    return mu_s.reshape(b, H), var_s.reshape(b, H)
 
 
 def lognormal_log_bulk_mass(

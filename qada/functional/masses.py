@@ -7,7 +7,6 @@ share KV head ``g``, the layout of transformers' ``repeat_kv``). Scores are ``s_
 from __future__ import annotations
 
 import torch
-from einops import rearrange
 
 from qada.functional.checks import accumulation_dtype, check_float, check_ndim, group_size
 
@@ -26,12 +25,18 @@ def _grouped_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> to
             f"expected keys of shape [{b}, kv_heads, length, {d}] to match query {tuple(query.shape)} "
             f"but got {tuple(keys.shape)}"
         )
+    group_size(H, keys.shape[1])
+    return grouped_scores_unchecked(query, keys, scale)
+
+
+def grouped_scores_unchecked(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`full_scores` without the input checks, for callers that validated the shapes (the decode step)."""
+    b, H, d = query.shape
     H_kv = keys.shape[1]
-    G = group_size(H, H_kv)
     dtype = accumulation_dtype(query, keys)
-    q = rearrange(query.to(dtype), "b (k g) d -> b k g d", g=G)  # the G query heads of each KV head
+    q = query.to(dtype).view(b, H_kv, H // H_kv, d)  # the G query heads of each KV head
     s = torch.einsum("bkgd,bknd->bkgn", q, keys.to(dtype)) * scale
-    return rearrange(s, "b k g n -> b (k g) n")
+    return s.reshape(b, H, keys.shape[2])
 
 
 def full_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:

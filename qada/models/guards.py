@@ -82,9 +82,13 @@ class CacheGuard:
             return previous + 1
         if previous is not None and q_len == 1 and key_len == previous + 1:
             return key_len
-        if q_len > 1 or previous is None:  # a prefill (or a resumed chunk): the mask says where the tokens end
+        if q_len > 1:  # a prefill (or a resumed chunk): the mask says where the tokens end
             filled = from_mask()
-            if filled is not None and q_len <= filled < key_len:
+            if filled is None:
+                # No mask: transformers then relies on SDPA's causal mask, aligned at the first key, so the
+                # tokens are the previous ones (none at a first prefill) plus this chunk.
+                filled = (previous or 0) + q_len
+            if q_len <= filled < key_len:
                 self._capacity[layer] = key_len
                 return filled
             self._capacity.pop(layer, None)

@@ -1,0 +1,98 @@
+"""Generation helpers: the KV cache to decode with, and decode-only timing (prefill timed apart).
+
+A preallocated cache (transformers' ``StaticCache``) writes each new key in place; a ``DynamicCache`` grows by
+``torch.cat``, which copies the whole K/V of every layer at every decode step. On the CPU that copy costs as much
+as dense attention itself (``benchmarks/results/profile-cpu.md``), so qada decodes with a static cache by
+default and the wrapper supports both.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["CACHE_KINDS", "DecodeTimer", "GenerationTiming", "copy_to_cache", "generate_timed", "make_cache"]
+
+CACHE_KINDS = ("static", "dynamic")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in CACHE_KINDS:
+        raise ValueError(f"expected a cache kind in {CACHE_KINDS} but got {kind!r}")
+
+
+def make_cache(model: Any, kind: str = "static", capacity: int | None = None) -> Any:
+    """An empty cache for ``model``: ``static`` with ``capacity`` slots (prompt + new tokens), or ``dynamic``."""
+    from transformers import DynamicCache, StaticCache
+
+    _check_kind(kind)
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    if capacity is None or capacity < 1:
+        raise ValueError(f"expected a capacity >= 1 (prompt + new tokens) for a static cache but got {capacity!r}")
+    return StaticCache(config=model.config, max_cache_len=capacity)
+
+
+def copy_to_cache(model: Any, source: Any, kind: str = "static", capacity: int | None = None) -> Any:
+    """A new cache of ``kind`` holding a copy of ``source``'s filled K/V (``source`` stays intact)."""
+    layers = []
+    for layer in source.layers:
+        filled = int(layer.get_seq_length())
+        layers.append((layer.keys[:, :, :filled], layer.values[:, :, :filled]))
+    length = layers[0][0].shape[2] if layers else 0
+    cache = make_cache(model, kind, capacity if capacity is not None else length)
+    if capacity is not None and capacity < length:
+        raise ValueError(f"expected a capacity >= the cached length {length} but got {capacity}")
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys.clone() if kind == "dynamic" else keys, values.clone() if kind == "dynamic" else values,
+                     index)
+    return cache
+
+
+@dataclass
+class DecodeTimer:
+    """A logits processor that only records when it is called: once per generated token, right after the forward
+    that produced it. The first call closes the prefill; the later ones time the decode steps."""
+
+    times: list[float] = field(default_factory=list)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+@dataclass
+class GenerationTiming:
+    """Seconds of the prefill (up to the first new token) and of the decode steps after it."""
+
+    prefill_s: float
+    decode_s: float
+    decode_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second of the decode steps alone (``None`` when only one token was generated)."""
+        return self.decode_tokens / self.decode_s if self.decode_tokens and self.decode_s > 0 else None
+
+
+def generate_timed(model: Any, input_ids: torch.Tensor, max_new_tokens: int, cache: str = "static",
+                   **generate_kwargs: Any) -> tuple[torch.Tensor, GenerationTiming]:
+    """``model.generate`` with the chosen cache kind, timing the prefill and the decode steps apart."""
+    from transformers import LogitsProcessorList
+
+    _check_kind(cache)
+    timer = DecodeTimer()
+    processors = LogitsProcessorList([*generate_kwargs.pop("logits_processor", []), timer])
+    past = make_cache(model, cache, input_ids.shape[1] + max_new_tokens)
+    start = time.perf_counter()
+    with torch.no_grad():
+        output = model.generate(input_ids, max_new_tokens=max_new_tokens, past_key_values=past,
+                                logits_processor=processors, **generate_kwargs)
+    end = time.perf_counter()
+    first = timer.times[0] if timer.times else end
+    # the last decode step ends when its logits are processed; generate's own bookkeeping after it is not decode
+    last = timer.times[-1] if timer.times else end
+    return output, GenerationTiming(first - start, last - first, max(len(timer.times) - 1, 0))

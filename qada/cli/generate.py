@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 from qada.cli.common import IMPORTS
 
@@ -31,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--per-layer", action="store_true", help="print sparsity and kv_sparsity per layer")
+    parser.add_argument("--cache", default="static", choices=["static", "dynamic"],
+                        help="KV cache: static = preallocated, written in place (default; faster), dynamic = "
+                             "transformers' DynamicCache (grows by a copy every step)")
     parser.set_defaults(run=run)
 
 
@@ -42,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from qada.cli.common import build_criterion, load_run_config, resolve_moments, resolve_spec, spec_label
     from qada.criteria import DenseCriterion
     from qada.models import enable, load_model
+    from qada.models.generation import generate_timed
     from qada.window import Window
 
     prompt = Path(args.prompt_file).read_text()
@@ -62,21 +65,20 @@ def run(args: argparse.Namespace) -> int:
         run = enable(model, criterion=criterion, moments=moments if moments is not None else "none",
                      executor=executor, window=window, tokenizer=tokenizer)
     try:
-        start = time.perf_counter()
-        with torch.no_grad():
-            output = model.generate(
-                **inputs, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        elapsed = time.perf_counter() - start
+        output, timing = generate_timed(
+            model, inputs["input_ids"], args.max_new_tokens, cache=args.cache,
+            attention_mask=inputs.get("attention_mask"), do_sample=args.sample, pad_token_id=tokenizer.pad_token_id,
+        )
     finally:
         if run is not None:
             run.remove()
     new_tokens = output[0, inputs["input_ids"].shape[1]:]
     print(tokenizer.decode(new_tokens, skip_special_tokens=True))
     print("---")
-    print(f"prompt tokens: {inputs['input_ids'].shape[1]}  new tokens: {len(new_tokens)}  "
-          f"time: {elapsed:.2f} s (prefill included)  tokens/s: {len(new_tokens) / elapsed:.2f}")
+    rate = timing.decode_tokens_per_s
+    print(f"prompt tokens: {inputs['input_ids'].shape[1]}  new tokens: {len(new_tokens)}  cache: {args.cache}  "
+          f"prefill: {timing.prefill_s:.2f} s  decode: {timing.decode_s:.2f} s for {timing.decode_tokens} tokens  "
+          f"decode tokens/s: {'n/a (one token)' if rate is None else f'{rate:.2f}'}")
     if run is None:
         print("criterion: dense (unmodified model)  sparsity: 0.000  kv_sparsity: 0.000")
         return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import torch
 
 from qada.models.apply import attach
+from qada.models.generation import copy_to_cache
 from qada.models.run import QAdARun
 
 __all__ = ["Prefilled", "decode_greedy", "prefill"]
@@ -43,17 +43,19 @@ def decode_greedy(
     max_new_tokens: int,
     eos_token_ids: Iterable[int] = (),
     run: QAdARun | None = None,
+    cache: str = "static",
 ) -> list[int]:
     """Greedy tokens after the prompt, decoded from a *copy* of the prefilled cache (the original stays intact).
 
     With ``run``, qada is attached for the decode steps only and removed afterwards; the run's moment source is
     started from the copied cache (:meth:`~qada.models.run.QAdARun.prefill_from_cache`). Stops after
-    ``max_new_tokens`` tokens or at an EOS token (which is included).
+    ``max_new_tokens`` tokens or at an EOS token (which is included). ``cache``: the copy is a preallocated
+    ``static`` cache (default: each step writes one key in place) or a ``dynamic`` one (grows by a copy per step).
     """
     if max_new_tokens < 1:
         raise ValueError(f"expected max_new_tokens >= 1 but got {max_new_tokens}")
     eos = set(eos_token_ids)
-    cache = copy.deepcopy(prefilled.cache)
+    cache = copy_to_cache(model, prefilled.cache, cache, prefilled.length + max_new_tokens)
     token = int(prefilled.last_logits.argmax(-1))
     tokens = [token]
     if run is not None:

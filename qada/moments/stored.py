@@ -96,6 +96,7 @@ class ReferenceMomentSource(MomentSource):
             self.path = os.fspath(self.path)
         self._warned_short = False
         self._starts_cpu: tuple[tuple, torch.Tensor] | None = None
+        self._ends_cache: dict[tuple, torch.Tensor] = {}
 
     # --- shared helpers --------------------------------------------------------------------------------
     def first(self, window: Window) -> int:
@@ -114,6 +115,10 @@ class ReferenceMomentSource(MomentSource):
     def _ends(self, keys: torch.Tensor, start: torch.Tensor | None, window: Window, available: int) -> torch.Tensor:
         """``[b]`` CPU LongTensor of each row's reference bulk end, clamped to ``available`` (warns once)."""
         b, T = keys.shape[0], keys.shape[2]
+        if start is None:  # every row is the whole cache: the same end, computed once per length
+            cached = self._ends_cache.get((b, T, available, window))
+            if cached is not None:
+                return cached
         starts = self._cpu_starts(start, b)
         if starts.shape != (b,):
             raise ValueError(f"expected start of shape [{b}] but got {tuple(starts.shape)}")
@@ -126,7 +131,10 @@ class ReferenceMomentSource(MomentSource):
                 f"keys): using all of it. Build a longer reference (length=...) to avoid this.",
                 stacklevel=3,
             )
-        return end.clamp(max=available)
+        end = end.clamp(max=available)
+        if start is None:
+            self._ends_cache = {(b, T, available, window): end}  # the layers of one step share it
+        return end
 
     def resolved_length(self, model: Any) -> int:
         """``length``, or the model's maximum positions capped at 32768

@@ -13,12 +13,18 @@ ANALYSIS = """\
 
 * transformers' `DynamicCache` grows by `torch.cat` at every decode step: each layer copies its whole K and V
   (O(T) bytes read and written per layer per token) before attention runs. That copy is as large as dense
-  attention's own reads, and QAdA cannot skip it, so end-to-end gains stay well below the attention-only ratios.
-  (A preallocated cache would avoid it, but qada's wrapper follows a cache that grows by one key per step.)
+  attention's own reads and no head sparsity can skip it. Every configuration here decodes on a preallocated
+  `StaticCache` (written in place) unless its name says otherwise; the `dense dynamic cache` row is the unmodified
+  model as most users run it.
 * On the CPU the SmolLM2 weights (~540 MB in float32) are read for every token whatever the context, so at
   4k-8k context attention is only part of a decode step: the ceiling of any attention sparsity is bounded by it.
+  The byte-ceiling columns make that explicit.
+* qada's per-layer work (the criterion, the moment lookup, the executor's window pass and bookkeeping) is a few
+  dozen small tensor operations per layer and step, each a few microseconds of dispatch on the CPU; at 8k
+  context that is comparable to the attention it saves (`benchmarks/results/profile-cpu.md`).
 * `static rho_kv=...` rows force whole KV groups local (the same groups at every step): they show the ceiling of
-  the executor at that kv_sparsity, not an accuracy-preserving setting.
+  the executor at that kv_sparsity, not an accuracy-preserving setting. The 32k rows of the CPU suite decode
+  SmolLM2's real weights over random K/V (timing only).
 """
 
 

@@ -270,3 +270,25 @@ def test_stored_matches_explicit_rows(T, starts, offset, t_local, sink_frac, inc
             m, c = explicit(ref[0], first, hi)
             torch.testing.assert_close(mean[r].double(), m, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(cov[r].double(), c, rtol=1e-4, atol=1e-4)
+
+
+def test_jumps_are_answered_from_prefix_checkpoints(reference):
+    """A new prompt (a long jump of the range) uses the checkpoints: O(C d²), equal to the explicit moments."""
+    source = StoredMoments(offset=100)
+    source.set_reference(reference)
+    ref = reference.keys[1].float()
+    for T in (550, 130, 700, 420):  # up, down, past the reference (clamped), down again: all jumps > C
+        source.reset()
+        mean, cov = source.moments(1, cache(2, T), torch.tensor([0, 40]), WINDOW)
+        for row, start in enumerate((0, 40)):
+            end = int(reference_bulk_end(torch.tensor([T - start]), WINDOW, 100, 4)[0].clamp(max=600))
+            want_mean, want_cov = explicit(ref, 4, end)
+            torch.testing.assert_close(mean[row].double(), want_mean, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(cov[row].double(), want_cov, rtol=1e-4, atol=1e-4)
+    every, p1, p2 = source._checkpoints(1, *[t[1] for t in source._on(torch.device("cpu"))])
+    assert every < 400 and p1.shape[1] == p2.shape[1] == -(-600 // every) + 1
+    # then one key per step, incrementally, still equal
+    for T in range(421, 426):
+        mean, _ = source.moments(1, cache(2, T), torch.tensor([0, 40]), WINDOW)
+        end = int(reference_bulk_end(torch.tensor([T]), WINDOW, 100, 4)[0])
+        torch.testing.assert_close(mean[0].double(), explicit(ref, 4, end)[0], rtol=1e-5, atol=1e-4)

@@ -75,6 +75,7 @@ class Evaluator:
         self.progress = progress
         self.metrics = {c.label: ConfigMetrics().to(self.fabric.device) for c in self.configs}
         self.wall_time = {c.label: 0.0 for c in self.configs}
+        self.decode_steps = {c.label: 0 for c in self.configs}
         self._runs: dict[str, Any] = {}
 
     # --- results on disk ---------------------------------------------------------------------------------
@@ -113,6 +114,7 @@ class Evaluator:
             metrics["sparsity"].update(torch.tensor(row["sparsity"], dtype=torch.float32))
             metrics["kv_sparsity"].update(torch.tensor(row["kv_sparsity"], dtype=torch.float32))
         self.wall_time[row["config"]] += row["seconds"]
+        self.decode_steps[row["config"]] += max(int(row.get("new_tokens", 1)) - 1, 0)  # the first comes from prefill
 
     # --- the loop ----------------------------------------------------------------------------------------
     def _run(self, config: EvalConfig):
@@ -190,6 +192,11 @@ class Evaluator:
                 "sparsity": float(values["sparsity"]),
                 "kv_sparsity": float(values["kv_sparsity"]),
                 "decode_seconds": self.wall_time[config.label],
+                # decode only (the prefill is timed apart): steps after the first token, cache copy and moment
+                # set-up included; None when no decode step ran
+                "decode_tokens_per_s": (self.decode_steps[config.label] / self.wall_time[config.label]
+                                        if self.decode_steps[config.label] and self.wall_time[config.label] > 0
+                                        else None),
             }
             entry.update({f"oracle_{k}" if not k.startswith("oracle") else k: v
                           for k, v in agreement_summary(values["oracle"]).items()})

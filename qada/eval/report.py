@@ -43,6 +43,7 @@ def result_record(entry: dict, task: str, length: int | None, n: int, model: Any
         "kv_sparsity": entry["kv_sparsity"],
         **{k: v for k, v in entry.items() if k.startswith("oracle_")},
         "decode_seconds": entry["decode_seconds"],
+        "decode_tokens_per_s": entry.get("decode_tokens_per_s"),
         "model": model_fingerprint(model.config),
         "qada_version": __version__,
         "seed": seed,
@@ -52,15 +53,17 @@ def result_record(entry: dict, task: str, length: int | None, n: int, model: Any
 
 
 def format_table(records: Sequence[dict]) -> str:
-    """A plain-text table: task, length, configuration, score, sparsity, kv_sparsity, oracle agreement."""
+    """A plain-text table: task, length, configuration, score, sparsity, kv_sparsity, oracle agreement and the
+    decode-only tokens per second (prefill timed apart)."""
     header = (f"{'task':<16} {'len':>5} {'n':>3} {'configuration':<28} {'score':>6} {'sparsity':>8} {'kv_sp':>6} "
-              f"{'agree':>6}")
+              f"{'agree':>6} {'dec tok/s':>9}")
     lines = [header, "-" * len(header)]
     for r in records:
-        agree = r.get("oracle_agreement")
+        agree, rate = r.get("oracle_agreement"), r.get("decode_tokens_per_s")
         lines.append(
             f"{r['task']:<16} {r['length'] or 0:>5} {r['n']:>3} {r['label']:<28} {r['score']:>6.1f} "
-            f"{r['sparsity']:>8.3f} {r['kv_sparsity']:>6.3f} {'' if agree is None else f'{agree:.3f}':>6}"
+            f"{r['sparsity']:>8.3f} {r['kv_sparsity']:>6.3f} {'' if agree is None else f'{agree:.3f}':>6} "
+            f"{'' if rate is None else f'{rate:.2f}':>9}"
         )
     return "\n".join(lines)
 
@@ -92,7 +95,7 @@ def write_results(
     json_path.write_text(json.dumps(list(records), indent=2))
     csv_path = out / f"{name}.csv"
     columns = ["task", "length", "n", "family", "label", "score", "sparsity", "kv_sparsity", "oracle_agreement",
-               "decode_seconds"]
+               "decode_seconds", "decode_tokens_per_s"]
     with csv_path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -153,8 +156,14 @@ def records_from_rows(folder: str | Path) -> list[dict]:
             "sparsity": sum(r["sparsity"] for r in measured) / len(measured) if measured else float("nan"),
             "kv_sparsity": sum(r["kv_sparsity"] for r in measured) / len(measured) if measured else float("nan"),
             "decode_seconds": sum(r["seconds"] for r in rows),
+            "decode_tokens_per_s": _rate(sum(max(r.get("new_tokens", 1) - 1, 0) for r in rows),
+                                         sum(r["seconds"] for r in rows)),
         })
     return records
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if tokens and seconds > 0 else None
 
 
 def worst_case_drop(records: Sequence[dict]) -> list[dict]:

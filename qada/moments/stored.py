@@ -29,6 +29,8 @@ from qada.window import Window
 
 __all__ = ["ReferenceMomentSource", "StoredMoments", "reference_bulk_end"]
 
+MAX_CHECKPOINT_BYTES = 256 * 2**20  # prefix-sum checkpoints of the reference, all layers
+
 
 def reference_bulk_end(
     n: torch.Tensor, window: Window, offset: int, first: int, min_bulk_keys: int = 64
@@ -159,7 +161,9 @@ class StoredMoments(ReferenceMomentSource):
 
     Reference keys come from :meth:`prepare` (``path``, or built and cached for the model) or
     :meth:`set_reference`. The float64 shifted sums of each row's range are kept and moved as the prompt
-    grows: one key per decode step, O(d²), whatever ``T``; a jump (new prefill) costs ``O(|jump| d²)``.
+    grows: one key per decode step, O(d²), whatever ``T``. A jump (a new prompt) is answered from prefix sums of
+    the reference at every ``C``-th key, computed once per layer and device (at most 256 MiB in all): O(C d²)
+    instead of O(|jump| d²), so the first decode step of a prompt costs about as much as the others.
     """
 
     layer_state = ("float64 shifted sums of each row's reference range", "the range's ends")
@@ -170,6 +174,7 @@ class StoredMoments(ReferenceMomentSource):
         self._keys: dict[torch.device, torch.Tensor] = {}
         self._shift: dict[torch.device, torch.Tensor] = {}
         self._state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+        self._prefix: dict[tuple[int, torch.device], tuple[int, torch.Tensor, torch.Tensor]] = {}
 
     # --- reference ---------------------------------------------------------------------------------------
     def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:
@@ -183,6 +188,7 @@ class StoredMoments(ReferenceMomentSource):
         self._reference = reference
         self._keys.clear()
         self._shift.clear()
+        self._prefix.clear()
         self.reset()
 
     @property
@@ -226,6 +232,30 @@ class StoredMoments(ReferenceMomentSource):
         mean, cov = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
         return BulkMoments(mean, cov)
 
+    def _checkpoints(self, layer: int, ref: torch.Tensor, shift: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """``(C, P1 [H_kv, J+1, d], P2 [H_kv, J+1, d, d])``: float64 shifted sums of the reference's first
+        ``j * C`` keys of ``layer``, computed once (the whole reference's checkpoints fit in 256 MiB)."""
+        key = (layer, ref.device)
+        if key not in self._prefix:
+            H_kv, N, d = ref.shape
+            per_checkpoint = self.reference.keys.shape[0] * H_kv * d * d * 8  # float64 P2 over all layers
+            J = max(1, min(max(N // 64, 1), MAX_CHECKPOINT_BYTES // per_checkpoint))
+            every = -(-N // J)
+            x = ref.double() - shift.double()[:, None, :]  # [H_kv, N, d]
+            x = torch.nn.functional.pad(x, (0, 0, 0, J * every - N)).view(H_kv, J, every, d)
+            zeros1, zeros2 = x.new_zeros(H_kv, 1, d), x.new_zeros(H_kv, 1, d, d)
+            p1 = torch.cat([zeros1, x.sum(2).cumsum(1)], 1)
+            p2 = torch.cat([zeros2, (x.transpose(-1, -2) @ x).cumsum(1)], 1)
+            self._prefix[key] = (every, p1, p2)
+        return self._prefix[key]
+
+    @staticmethod
+    def _prefix_sums(ref, shift, every: int, p1, p2, upto: int) -> tuple[float, torch.Tensor, torch.Tensor]:
+        """``(n, Σ x, Σ x xᵀ)`` of the shifted reference keys ``[0, upto)``: a checkpoint plus < ``C`` keys."""
+        j = upto // every
+        n, t1, t2 = shifted_sums(ref[:, j * every : upto], shift)
+        return float(upto), p1[:, j] + t1, p2[:, j] + t2
+
     def _move(self, layer: int, ref: torch.Tensor, shift: torch.Tensor, first: int, end: torch.Tensor) -> None:
         """Bring ``layer``'s per-row sums over ``[first, end_r)`` up to date (incrementally when possible)."""
         b, (H_kv, _, d) = end.shape[0], ref.shape
@@ -250,9 +280,15 @@ class StoredMoments(ReferenceMomentSource):
                 s1 = s1 + w[..., None] * x
                 s2 = s2 + w[..., None, None] * (x[..., :, None] * x[..., None, :])
         else:
+            every, p1, p2 = self._checkpoints(layer, ref, shift)
             count, s1, s2 = count.clone(), s1.clone(), s2.clone()
             for r in torch.nonzero(delta).flatten().tolist():
                 lo, hi = sorted((int(old[r]), int(end[r])))
+                if hi - lo > every:  # a long jump: the range afresh from the prefix sums, O(every d²)
+                    n1, t1, u1 = self._prefix_sums(ref, shift, every, p1, p2, int(end[r]))
+                    n0, t0, u0 = self._prefix_sums(ref, shift, every, p1, p2, first)
+                    count[r], s1[r], s2[r] = max(n1 - n0, 0.0), t1 - t0, u1 - u0
+                    continue
                 sign = 1.0 if end[r] > old[r] else -1.0
                 n, t1, t2 = shifted_sums(ref[:, lo:hi], shift)
                 count[r] += sign * n

@@ -198,3 +198,16 @@ def test_compiled_flex_on_cpu_with_the_embedded_model_shape():
             atol=1e-5,
             rtol=1e-5,
         )
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("mask", ["dense", "mixed", "one_group_local"])
+@pytest.mark.parametrize("T", [300, 301, 513])
+def test_sdpa_split_k_equals_reference(splits, mask, T):
+    """The CPU split-K path (chunks attended as separate work items, merged by log-sum-exp) on odd lengths."""
+    executor = EXECUTORS.build("sdpa", splits=splits, min_split=16)
+    for b, H, H_kv in ((1, 9, 3), (2, 8, 2)):
+        case = make_case(b, H, H_kv, T, 16, None, mask, torch.float32, seed=T + splits)
+        check_against_reference(executor, case)
+    with pytest.raises(ValueError, match="expected splits to be an int >= 1"):
+        EXECUTORS.build("sdpa", splits=0)

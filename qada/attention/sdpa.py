@@ -21,13 +21,43 @@ class SDPAExecutor(AttentionExecutor):
     """Window attention for every head (``W = min(T, T_local)`` gathered keys, cheap), full attention only
     for the (row, KV group) pairs with a dense head.
 
-    The ``G`` query heads of a KV group attend as ``G`` query rows of its single KV head (no repeat of K/V, and
-    faster than ``enable_gqa`` on the CPU). Full attention runs once over the whole batch when every group reads
-    its bulk; otherwise each read (row, group) attends over views of its own K/V (no copy of the cache). On the
+    The ``G`` query heads of a KV group attend as ``G`` query rows of its single KV head (no repeat of K/V).
+    Full attention runs once over the whole batch when every group reads its bulk; otherwise each read
+    (row, group) attends over views of its own K/V (no copy of the cache). With ``splits > 1`` (CPU, no padding)
+    a read group's keys are cut into that many chunks attended in one call and merged by log-sum-exp (split-K),
+    since one group is otherwise a single work item, i.e. a single core: twice as fast for one group in
+    isolation on 2 cores, but no end-to-end gain measured on the embedded model, hence off by default. On the
     CPU the window is skipped when no head is local.
-    Choosing the groups needs them on the host: one sync per call (``nonzero``) when ``T > T_local``; the
-    reported sparsities stay on the device.
+
+    Choosing the groups needs them on the host: one sync per call (``nonzero``) when ``T > T_local``. On the CPU
+    that costs nothing (there is no device queue to drain); on a GPU the ``triton`` executor decides inside its
+    kernel and ``flex`` through block masks updated in place, both without a sync. The reported sparsities stay
+    on the device.
+
+    Args:
+        splits: key chunks per read group on the CPU (1: no split-K, the default; ``None``: the number of torch
+            threads).
+        min_split: shortest chunk worth a split, in tokens.
     """
+
+    splits: int | None = 1
+    min_split: int = 1024
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, low in (("min_split", 1),) + ((("splits", 1),) if self.splits is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"expected {name} to be an int >= {low} but got {value!r}")
+
+    def _chunks(self, step: DecodeStep) -> int:
+        """How many key chunks one read group is split into (1: none)."""
+        if step.device.type != "cpu" or step.start is not None or _FLASH_CPU is None:
+            return 1
+        if step.query.dtype not in (torch.float32, torch.bfloat16) or step.keys.stride(-1) != 1:
+            return 1
+        wanted = self.splits if self.splits is not None else torch.get_num_threads()
+        return max(1, min(wanted, step.length // self.min_split))
 
     def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, None]:
         local, read = decision
@@ -51,22 +81,49 @@ class SDPAExecutor(AttentionExecutor):
         n = pairs.shape[0]
         if n == 0:
             return out, None
-        if n == b * H_kv:
-            full = F.scaled_dot_product_attention(
-                rows, key, value, attn_mask=None if real is None else real[:, None, None, :], scale=scale
-            ).view(b, H, 1, d)
+        chunks = self._chunks(step)
+        if n == b * H_kv and chunks == 1:
+            mask = None if real is None else real[:, None, None, :]
+            full = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale).view(b, H, 1, d)
         else:
             # Each read (row, KV group) attends over views of its own K/V: no copy of the cache.
-            full = out.clone().view(b, H_kv, H // H_kv, d)
+            full = (out.clone() if out is not None else torch.empty_like(step.query)[:, :, None]).view(
+                b, H_kv, H // H_kv, d)
             for row, group in pairs.tolist():
-                full[row, group] = F.scaled_dot_product_attention(
-                    rows[row : row + 1, group : group + 1],
-                    key[row : row + 1, group : group + 1],
-                    value[row : row + 1, group : group + 1],
-                    attn_mask=None if real is None else real[row : row + 1, None, None, :],
-                    scale=scale,
-                )[0, 0]
+                q = rows[row : row + 1, group : group + 1]  # [1, 1, G, d]
+                k, v = key[row : row + 1, group : group + 1], value[row : row + 1, group : group + 1]
+                if chunks > 1:
+                    full[row, group] = split_k_attention(q, k, v, scale, chunks)
+                else:
+                    full[row, group] = F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=None if real is None else real[row : row + 1, None, None, :], scale=scale
+                    )[0, 0]
             full = full.view(b, H, 1, d)
         if out is None:
             return full, None
         return torch.where(local[:, :, None, None], out, full), None
+
+
+# PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp of each query row (None if absent).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks: int) -> torch.Tensor:
+    """Attention of ``q [1, 1, G, d]`` over ``k, v [1, 1, T, d]`` (last dim contiguous), ``[G, d]`` out.
+
+    The keys are cut into ``chunks`` equal views (strides only, no copy) attended in one call, as ``chunks``
+    independent work items; the rest (``T mod chunks`` keys) in a second call; the partial outputs are merged by
+    the softmax of their log-sum-exps. No padding: every key is attended.
+    """
+    T, d = k.shape[2], k.shape[3]
+    c = T // chunks
+    kg, vg = k[0, 0], v[0, 0]  # [T, d]
+    size = (1, chunks, c, d)
+    ks = kg.as_strided(size, (0, c * kg.stride(0), kg.stride(0), 1))
+    vs = vg.as_strided(size, (0, c * vg.stride(0), vg.stride(0), 1))
+    out, lse = _FLASH_CPU(q.expand(1, chunks, -1, -1), ks, vs, scale=scale)[:2]  # [1, n, G, d], [1, n, G]
+    if chunks * c < T:
+        tail, tail_lse = _FLASH_CPU(q, k[:, :, chunks * c :], v[:, :, chunks * c :], scale=scale)[:2]
+        out, lse = torch.cat([out, tail], 1), torch.cat([lse, tail_lse], 1)
+    weight = torch.softmax(lse.float(), dim=1)  # [1, n, G]
+    return (out.float() * weight[..., None]).sum(1)[0].to(q.dtype)

@@ -211,3 +211,18 @@ def test_sdpa_split_k_equals_reference(splits, mask, T):
         check_against_reference(executor, case)
     with pytest.raises(ValueError, match="expected splits to be an int >= 1"):
         EXECUTORS.build("sdpa", splits=0)
+
+
+@pytest.mark.parametrize("mask", ["local", "dense", "mixed", "one_group_local"])
+def test_sdpa_without_host_skip_never_syncs_and_equals_reference(mask, monkeypatch):
+    """``host_skip=False`` (the default off the CPU): no nonzero/tolist/item, the same output."""
+    executor = EXECUTORS.build("sdpa", host_skip=False)
+    case = make_case(2, 8, 2, 300, 16, [0, 37], mask, torch.float32, seed=5)
+    reference = EXECUTORS.build("reference")
+    ref = decode_attention(reference, *case[:4], WINDOW, start=case[4])
+    for name in ("nonzero", "tolist", "item", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host sync: {_n}"))
+    got = decode_attention(executor, *case[:4], WINDOW, start=case[4])
+    monkeypatch.undo()
+    torch.testing.assert_close(got.output, ref.output, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.local, ref.local)

@@ -30,18 +30,22 @@ class SDPAExecutor(AttentionExecutor):
     CPU the window is skipped when no head is local.
 
     Choosing the groups needs them on the host: one sync per call (``nonzero``) when ``T > T_local``. On the CPU
-    that costs nothing (there is no device queue to drain); on a GPU the ``triton`` executor decides inside its
-    kernel and ``flex`` through block masks updated in place, both without a sync. The reported sparsities stay
-    on the device.
+    that costs nothing (there is no device queue to drain), so that is the default there; with
+    ``host_skip=False`` (the default on other devices) every group attends in full and the window result is
+    chosen per head on the device: no host sync and no Python loop, but no K/V bytes saved either — on a GPU the
+    ``triton`` executor skips bulk reads inside its kernel and ``flex`` through block masks updated in place,
+    both without a sync. The reported sparsities stay on the device.
 
     Args:
         splits: key chunks per read group on the CPU (1: no split-K, the default; ``None``: the number of torch
             threads).
         min_split: shortest chunk worth a split, in tokens.
+        host_skip: skip the bulk of unread groups by a host-side choice (``None``: on the CPU only).
     """
 
     splits: int | None = 1
     min_split: int = 1024
+    host_skip: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,6 +53,8 @@ class SDPAExecutor(AttentionExecutor):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"expected {name} to be an int >= {low} but got {value!r}")
+        if self.host_skip not in (None, True, False):
+            raise ValueError(f"expected host_skip in (None, True, False) but got {self.host_skip!r}")
 
     def _chunks(self, step: DecodeStep) -> int:
         """How many key chunks one read group is split into (1: none)."""
@@ -67,9 +73,9 @@ class SDPAExecutor(AttentionExecutor):
         # GQA without a repeat of K/V: the G query heads of a group attend as G query rows of its one KV head.
         rows = rearrange(step.query, "b (k g) d -> b k g d", k=H_kv)
         real = step.real
-        cpu = step.device.type == "cpu"  # data-dependent shortcuts only where a host sync costs nothing
+        host = self.host_skip if self.host_skip is not None else step.device.type == "cpu"
         out = None
-        if not cpu or bool(local.any()):
+        if not host or bool(local.any()):  # data-dependent shortcuts only where a host sync is allowed
             valid = step.window_valid
             out = F.scaled_dot_product_attention(
                 rows, step.window_keys, step.window_values,
@@ -77,6 +83,10 @@ class SDPAExecutor(AttentionExecutor):
             ).view(b, H, 1, d)
             if T <= step.window.t_local:  # the window is the whole cache: nothing else to read
                 return out, None
+        if not host:  # every group in full, the window result chosen per head: no sync, no loop
+            mask = None if real is None else real[:, None, None, :]
+            full = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale).view(b, H, 1, d)
+            return torch.where(local[:, :, None, None], out, full), None
         pairs = read.nonzero()  # [n, 2] (row, KV head): host sync
         n = pairs.shape[0]
         if n == 0:

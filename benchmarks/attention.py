@@ -113,7 +113,8 @@ def run_attention(
                             warnings.simplefilter("ignore")
                             out = call()
                             if expected is None:
-                                expected = decode_attention(EXECUTORS.build("reference"), q, k, v, local, window, scale).output.float()
+                                reference = EXECUTORS.build("reference")
+                                expected = decode_attention(reference, q, k, v, local, window, scale).output.float()
                             error = (out.output.float() - expected).abs().max().item()
                             timing = measure(call, device, reps=reps, warmup=2, inner=inner)
                     except Exception as exc:  # one executor failing must not lose the others' numbers

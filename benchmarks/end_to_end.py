@@ -141,7 +141,7 @@ def run_end_to_end(
         per_token = {name: Timing.of([t for r in res for t in r["step_s"]]) for name, res in results.items()}
         first_step = {name: Timing.of([r["first_s"] for r in res]) for name, res in results.items()}
         dense = results["dense"]
-        for name, (kind, run) in runs.items():
+        for name, (kind, _run) in runs.items():
             # every step of every repetition: the median is robust to the odd slow step
             timing = per_token[name]
             tps = [1.0 / Timing.of(r["step_s"])["median"] for r in results[name]]

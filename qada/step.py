@@ -25,9 +25,9 @@ from qada.functional import (
     log_local_mass,
     lognormal_log_bulk_from_moments,
 )
+from qada.functional.checks import check_float, check_ndim, group_size
 from qada.functional.lognormal import score_moments_unchecked
 from qada.functional.masses import grouped_scores_unchecked
-from qada.functional.checks import check_float, check_ndim, group_size
 from qada.window import Window
 
 __all__ = ["BulkMoments", "DecodeStep", "StepContext", "check_attention_inputs"]

@@ -6,9 +6,9 @@ The expected decisions were recorded from main before the refactor by ``python t
 
 import pytest
 import torch
+from decision_cases import RECORDED, model_decisions, synthetic_decisions
 from safetensors.torch import load_file
 
-from decision_cases import RECORDED, model_decisions, synthetic_decisions
 from qada.criteria import CRITERIA
 from qada.moments import BulkMoments
 from qada.step import DecodeStep

@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 API_DIR = Path(__file__).resolve().parent.parent / "docs" / "api"
-PACKAGES = ["qada.step", "qada.criteria", "qada.moments", "qada.attention", "qada.models", "qada.functional", "qada.functional.checks"]
+PACKAGES = [
+    "qada.step", "qada.criteria", "qada.moments", "qada.attention", "qada.models", "qada.functional",
+    "qada.functional.checks",
+]
 DIRECTIVE = re.compile(r"^\.\. (auto\w+|py:\w+):: *(\S+)((?:\n[ \t]+.*)*)", re.MULTILINE)
 
 

@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from qada.step import BulkMoments
 from qada.registry import Component, Registry
+from qada.step import BulkMoments
 from qada.window import Window
 
 __all__ = ["MOMENT_SOURCES", "MomentSource", "register_moment_source"]

@@ -232,7 +232,9 @@ class StoredMoments(ReferenceMomentSource):
         mean, cov = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
         return BulkMoments(mean, cov)
 
-    def _checkpoints(self, layer: int, ref: torch.Tensor, shift: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def _checkpoints(
+        self, layer: int, ref: torch.Tensor, shift: torch.Tensor
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """``(C, P1 [H_kv, J+1, d], P2 [H_kv, J+1, d, d])``: float64 shifted sums of the reference's first
         ``j * C`` keys of ``layer``, computed once (the whole reference's checkpoints fit in 256 MiB)."""
         key = (layer, ref.device)

@@ -163,7 +163,7 @@ class StoredMoments(ReferenceMomentSource):
     :meth:`set_reference`. The float64 shifted sums of each row's range are kept and moved as the prompt
     grows: one key per decode step, O(d²), whatever ``T``. A jump (a new prompt) is answered from prefix sums of
     the reference at every ``C``-th key, computed once per layer and device (at most 256 MiB in all): O(C d²)
-    instead of O(|jump| d²), so the first decode step of a prompt costs about as much as the others.
+    instead of ``O(|jump| d²)``, so the first decode step of a prompt costs about as much as the others.
     """
 
     layer_state = ("float64 shifted sums of each row's reference range", "the range's ends")

@@ -25,3 +25,18 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """``(path, tokenizer)``: a tiny random Llama saved with the embedded model's tokenizer (for CLI tests)."""
+    from transformers import AutoTokenizer
+
+    from qada.models.loading import _resolve
+    from tests.tiny_models import tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(_resolve(None))
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, tokenizer

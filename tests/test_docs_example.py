@@ -26,18 +26,6 @@ def test_the_example_is_a_short_top_k_criterion():
     assert len(code) - 1 <= 30, f"{len(code)} non-empty lines"
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from qada.models.loading import _resolve
-    from tests.tiny_models import tiny_model
-
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(None))
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def _qada(args, pythonpath: Path) -> subprocess.CompletedProcess:
@@ -54,7 +42,7 @@ def test_the_example_runs_through_qada_eval_import(tiny_model_dir, tmp_path):
     for sparsity in (0.25, 0.75):
         out = tmp_path / f"topk-{sparsity}.json"
         done = _qada(["eval", "--import", "topk_example", "--criterion", f"{{name: topk, sparsity: {sparsity}}}",
-                      "--task", "niah_single_2", "--length", "300", "--samples", "2", "--model", str(tiny_model_dir),
+                      "--task", "niah_single_2", "--length", "300", "--samples", "2", "--model", str(tiny_model_dir[0]),
                       "--out", str(out)], tmp_path)
         assert done.returncode == 0, done.stderr
         results[sparsity] = json.loads(out.read_text())
@@ -63,5 +51,5 @@ def test_the_example_runs_through_qada_eval_import(tiny_model_dir, tmp_path):
         # 4 query heads per row: round(0.25 * 4) = 1 and round(0.75 * 4) = 3 heads local at every step
         assert record["sparsity"] == pytest.approx(sparsity)
     unknown = _qada(["eval", "--criterion", "topk", "--task", "niah_single_2", "--length", "300", "--samples", "1",
-                     "--model", str(tiny_model_dir), "--out", str(tmp_path / "x.json")], tmp_path)
+                     "--model", str(tiny_model_dir[0]), "--out", str(tmp_path / "x.json")], tmp_path)
     assert unknown.returncode != 0 and "unknown criterion 'topk'" in unknown.stderr

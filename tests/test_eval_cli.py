@@ -6,20 +6,6 @@ import pytest
 
 from qada.cli import main
 from qada.eval.tasks import TASKS, save_ruler_jsonl
-from tests.tiny_models import tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from qada.models.loading import _resolve
-
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(None))
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path, tokenizer
 
 
 def test_eval_writes_the_result_json_for_a_task_and_for_a_ruler_jsonl(tiny_model_dir, tmp_path, capsys):

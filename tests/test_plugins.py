@@ -31,7 +31,6 @@ from qada.criteria import (
     QAdACriterion,
 )
 from qada.registry import PluginError, Registry
-from tests.tiny_models import tiny_model
 
 MODULE_REGISTRY: list[Registry] = []  # the registry a fake plugin module registers into
 REPO = Path(__file__).resolve().parent.parent
@@ -45,17 +44,6 @@ COMPOSED_YAML = (
 )
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from qada.models.loading import _resolve
-
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(None))
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path, tokenizer
 
 
 @pytest.fixture(scope="module")

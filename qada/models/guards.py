@@ -22,6 +22,12 @@ class StaleStateError(RuntimeError):
     """The cache changed in a way the moment state cannot follow (cropping, reordering, multi-token decode)."""
 
 
+def _last_query_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[b, T]`` bool: the keys the last query of each row may attend to (bool or additive 4D mask)."""
+    last_query = attention_mask[:, 0, -1, :]
+    return last_query if last_query.dtype == torch.bool else last_query == 0
+
+
 def row_starts(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
     """``[b]`` index of each row's first attended key from a 4D mask ``[b, 1, q, T]`` (bool or additive)."""
     if attention_mask is None:
@@ -30,9 +36,7 @@ def row_starts(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor
         raise UnsupportedModelError(
             f"expected a 4D attention mask [batch, 1, q, {length}] but got shape {tuple(attention_mask.shape)}"
         )
-    last_query = attention_mask[:, 0, -1, :]
-    allowed = last_query if last_query.dtype == torch.bool else last_query == 0
-    return allowed.to(torch.int8).argmax(-1)
+    return _last_query_allowed(attention_mask).to(torch.int8).argmax(-1)
 
 
 def mask_filled_length(attention_mask: torch.Tensor | None) -> int | None:
@@ -40,9 +44,7 @@ def mask_filled_length(attention_mask: torch.Tensor | None) -> int | None:
     additive); ``None`` without a mask. A host sync: called once per prefill, not per decode step."""
     if attention_mask is None or attention_mask.ndim != 4:
         return None
-    last_query = attention_mask[:, 0, -1, :]
-    allowed = (last_query if last_query.dtype == torch.bool else last_query == 0).any(0)
-    index = allowed.nonzero()
+    index = _last_query_allowed(attention_mask).any(0).nonzero()
     return int(index[-1]) + 1 if index.numel() else None
 
 

@@ -103,9 +103,17 @@ def test_no_state_leaks_between_configurations_and_resume_skips_finished_work(mo
     path = tmp_path / "results-rank0.jsonl"
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
-    with pytest.warns(UserWarning, match="truncated last line"):
-        done = Evaluator(model, tokenizer, configs(), tmp_path, progress=False).finished()
-    assert len(done) == len(lines) - 1
+    assert len(Evaluator(model, tokenizer, configs(), tmp_path, progress=False).finished()) == len(lines) - 1
+    module.decode_greedy = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        with pytest.warns(UserWarning, match="torn last line"):
+            again = Evaluator(model, tokenizer, configs(), tmp_path, record_oracle=True, progress=False).evaluate(samples)
+    finally:
+        module.decode_greedy = original
+    assert calls == [1], "only the torn pair runs again"
+    repaired = path.read_text().splitlines()
+    assert len(repaired) == len(lines) and all(json.loads(line) for line in repaired)
+    assert again["qada again"]["score"] == results["qada again"]["score"]
 
 
 def test_paper_grids_and_sweep_configs():

@@ -35,15 +35,15 @@ class ConfigMetrics(MetricCollection):
         )
 
 
-def agreement_summary(stats: torch.Tensor) -> dict[str, float]:
+def agreement_summary(stats: torch.Tensor) -> dict[str, float | None]:
     """Agreement, precision and recall of the local and long-context labels from ``[tp, fp, tn, fn, support]``."""
     tp, fp, tn, fn = (float(x) for x in stats[:4])
     total = tp + fp + tn + fn
     if total == 0:
         return {}
 
-    def ratio(a: float, b: float) -> float:
-        return a / b if b else float("nan")
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b else None
 
     return {
         "agreement": (tp + tn) / total,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import csv
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from qada.eval._extra import pyplot
+from qada.eval.results_file import read_rows, write_json
 
 __all__ = [
     "format_table",
@@ -44,6 +44,8 @@ def result_record(entry: dict, task: str, length: int | None, n: int, model: Any
         **{k: v for k, v in entry.items() if k.startswith("oracle_")},
         "decode_seconds": entry["decode_seconds"],
         "decode_tokens_per_s": entry.get("decode_tokens_per_s"),
+        **({"missing": entry["missing"]} if entry.get("missing") else {}),
+        "run": entry.get("run"),
         "model": model_fingerprint(model.config),
         "qada_version": __version__,
         "seed": seed,
@@ -61,11 +63,16 @@ def format_table(records: Sequence[dict]) -> str:
     for r in records:
         agree, rate = r.get("oracle_agreement"), r.get("decode_tokens_per_s")
         lines.append(
-            f"{r['task']:<16} {r['length'] or 0:>5} {r['n']:>3} {r['label']:<28} {r['score']:>6.1f} "
-            f"{r['sparsity']:>8.3f} {r['kv_sparsity']:>6.3f} {'' if agree is None else f'{agree:.3f}':>6} "
-            f"{'' if rate is None else f'{rate:.2f}':>9}"
+            f"{r['task']:<16} {r['length'] or 0:>5} {r['n']:>3} {r['label']:<28} {_number(r['score'], 1):>6} "
+            f"{_number(r['sparsity'], 3):>8} {_number(r['kv_sparsity'], 3):>6} {_number(agree, 3):>6} "
+            f"{_number(rate, 2):>9}"
         )
     return "\n".join(lines)
+
+
+def _number(value: float | None, digits: int) -> str:
+    """A table cell: ``value`` with ``digits`` decimals, ``-`` when there is none (see the record's ``missing``)."""
+    return "-" if value is None or value != value else f"{value:.{digits}f}"
 
 
 def markdown_table(records: Sequence[dict]) -> str:
@@ -73,8 +80,8 @@ def markdown_table(records: Sequence[dict]) -> str:
     lines = ["| task | length | n | configuration | score | sparsity | kv_sparsity |",
              "|---|---:|---:|---|---:|---:|---:|"]
     for r in records:
-        lines.append(f"| {r['task']} | {r['length']} | {r['n']} | {r['label']} | {r['score']:.1f} | "
-                     f"{r['sparsity']:.3f} | {r['kv_sparsity']:.3f} |")
+        lines.append(f"| {r['task']} | {r['length']} | {r['n']} | {r['label']} | {_number(r['score'], 1)} | "
+                     f"{_number(r['sparsity'], 3)} | {_number(r['kv_sparsity'], 3)} |")
     return "\n".join(lines)
 
 
@@ -91,8 +98,7 @@ def write_results(
     (out / f"{name}.md").write_text(f"Produced by `{command}` (qada, {time.strftime('%Y-%m-%d')}).\n\n"
                                     + markdown_table(records) + "\n\nWorst case over tasks (paper §4):\n\n"
                                     + worst_case_markdown(worst_case_drop(records)) + "\n")
-    json_path = out / f"{name}.json"
-    json_path.write_text(json.dumps(list(records), indent=2))
+    json_path = write_json(out / f"{name}.json", list(records))
     csv_path = out / f"{name}.csv"
     columns = ["task", "length", "n", "family", "label", "score", "sparsity", "kv_sparsity", "oracle_agreement",
                "decode_seconds", "decode_tokens_per_s"]
@@ -111,7 +117,10 @@ def plot_score_vs_sparsity(records: Sequence[dict], path: str | Path, title: str
     for ax, (task, length) in zip(axes[0], panels, strict=True):
         rows = [r for r in records if r["task"] == task and r["length"] == length]
         for family in sorted({r["family"] for r in rows}):
-            points = sorted((r["sparsity"], r["score"]) for r in rows if r["family"] == family)
+            points = sorted((r["sparsity"], r["score"]) for r in rows
+                            if r["family"] == family and r["sparsity"] is not None and r["score"] is not None)
+            if not points:
+                continue
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker="o", label=family, linestyle="-" if len(points) > 1 else "none")
         ax.set_xlabel("sparsity (fraction of heads local)")
@@ -141,25 +150,29 @@ def records_from_rows(folder: str | Path) -> list[dict]:
     for path in sorted(Path(folder).rglob("results-rank*.jsonl")):
         # a sweep's folders are named <task>-<target length>; a sample's own length may fall a little short
         task_name, _, target = path.parent.name.rpartition("-")
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                length = int(target) if target.isdigit() and task_name == row["task"] else None
-                groups.setdefault((row["task"], length, row["config"]), []).append(row)
+        for row in read_rows(path):
+            length = int(target) if target.isdigit() and task_name == row["task"] else None
+            groups.setdefault((row["task"], length, row["config"]), []).append(row)
     records = []
     for (task, length, label), rows in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1] or 0)):
         measured = [r for r in rows if r["sparsity"] is not None]
         family = "dense" if label == "dense" else label.rsplit(" ", 1)[0]
-        records.append({
+        record = {
             "task": task, "length": length, "n": len(rows), "label": label, "family": family,
             "score": sum(r["score"] for r in rows) / len(rows),
-            "sparsity": sum(r["sparsity"] for r in measured) / len(measured) if measured else float("nan"),
-            "kv_sparsity": sum(r["kv_sparsity"] for r in measured) / len(measured) if measured else float("nan"),
+            "sparsity": sum(r["sparsity"] for r in measured) / len(measured) if measured else None,
+            "kv_sparsity": sum(r["kv_sparsity"] for r in measured) / len(measured) if measured else None,
             "decode_seconds": sum(r["seconds"] for r in rows),
             "decode_tokens_per_s": _rate(sum(max(r.get("new_tokens", 1) - 1, 0) for r in rows),
                                          sum(r["seconds"] for r in rows)),
-        })
+        }
+        if not measured:
+            record["missing"] = {"sparsity": _NO_DECODE, "kv_sparsity": _NO_DECODE}
+        records.append(record)
     return records
+
+
+_NO_DECODE = "no decode step ran: every answer was one token, which comes from the dense prefill"
 
 
 def _rate(tokens: int, seconds: float) -> float | None:
@@ -178,10 +191,14 @@ def worst_case_drop(records: Sequence[dict]) -> list[dict]:
         if r["family"] == "dense" or key not in dense:
             continue
         entry = rows.setdefault(r["label"], {"label": r["label"], "family": r["family"], "drops": [], "sparsity": []})
-        entry["drops"].append((dense[key] - r["score"], f"{r['task']}@{r['length']}"))
-        entry["sparsity"].append(r["sparsity"])
+        if dense[key] is not None and r["score"] is not None:
+            entry["drops"].append((dense[key] - r["score"], f"{r['task']}@{r['length']}"))
+        if r["sparsity"] is not None:
+            entry["sparsity"].append(r["sparsity"])
     out = []
     for entry in rows.values():
+        if not entry["drops"] or not entry["sparsity"]:
+            continue  # nothing measured to compare
         drop, where = max(entry["drops"])
         out.append({"label": entry["label"], "family": entry["family"], "worst_drop": drop, "worst_task": where,
                     "mean_sparsity": sum(entry["sparsity"]) / len(entry["sparsity"]), "cells": len(entry["drops"])})

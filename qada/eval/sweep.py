@@ -12,7 +12,10 @@ from qada.eval.evaluator import Evaluator
 from qada.eval.report import result_record
 from qada.eval.tasks import TASKS, Sample
 
-__all__ = ["run_sweep"]
+__all__ = ["STATIC_FAMILIES", "run_sweep"]
+
+#: The static head-mask families a sweep can calibrate: on the evaluated samples, or on the other tasks' samples.
+STATIC_FAMILIES = ("static_oracle", "static_ruler")
 
 
 def run_sweep(
@@ -40,8 +43,25 @@ def run_sweep(
     other tasks of the sweep at the same length (different seed); with a single task ``static_ruler`` is skipped.
     Results (per-sample JSONL for resume, calibration artifacts) go under ``out_dir/<task>-<length>/``.
     """
+    from qada.eval.validate import check_count, check_length_fits, check_output_dir
+
+    check_count(num_samples, "num_samples")
+    if calibration_samples is not None:
+        check_count(calibration_samples, "calibration_samples")
+    if not tasks or not lengths:
+        raise ValueError(f"expected at least one task and one length but got tasks={list(tasks)}, "
+                         f"lengths={list(lengths)}")
+    unknown = sorted(set(static) - set(STATIC_FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown static famil{'y' if len(unknown) == 1 else 'ies'} {unknown}; expected some of "
+                         f"{list(STATIC_FAMILIES)}")
+    for task in tasks:
+        TASKS.get(task)  # an unknown task fails before any work
+    for length in lengths:
+        check_count(length, "a length")
+        check_length_fits(length, model, "length")
+    out = check_output_dir(out_dir)
     records: list[dict] = []
-    out = Path(out_dir)
     for length in lengths:
         generated: dict[str, list[Sample]] = {
             task: TASKS.build(task, template=template).generate(tokenizer, length, num_samples, seed)
@@ -65,8 +85,10 @@ def run_sweep(
                 list(taus) if taus is not None else None, tuple(moment_sources), static_masks=masks,
                 alphas=list(alphas) if alphas is not None else None,
             )
+            settings = {"seed": seed, "template": template, "data": {"task": task, "length": length},
+                        "tau_static": tau_static}
             evaluator = Evaluator(model, tokenizer, configs, folder, fabric=fabric, record_oracle=record_oracle,
-                                  progress=progress)
+                                  progress=progress, settings=settings)
             results = evaluator.evaluate(generated[task])
             records += [result_record(entry, task, length, len(generated[task]), model, seed, {"template": template})
                         for entry in results.values()]

@@ -33,7 +33,12 @@ def load_ruler_jsonl(
     """
     path = Path(path)
     default_task = task or path.parent.name or path.stem
+    if path.is_dir():
+        raise IsADirectoryError(f"data file {str(path)!r} is a folder; give a jsonl file")
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
     samples = []
+    seen: dict[int, int] = {}
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -58,20 +63,34 @@ def load_ruler_jsonl(
             metadata = {k: v for k, v in row.items() if k not in _KNOWN}
             if "length" in row:
                 metadata["ruler_length"] = row["length"]
+            index = _integer(row.get("index", number - 1), "index", where, minimum=0)
+            if index in seen:
+                raise ValueError(f"{where}: index {index} appears twice (first on line {seen[index]}); each sample "
+                                 "needs its own index")
+            seen[index] = number
+            budget = _integer(row.get("tokens_to_generate", 128), "tokens_to_generate", where, minimum=1)
             samples.append(
                 Sample(
                     task=row.get("task") or default_task,
-                    index=int(row.get("index", number - 1)),
+                    index=index,
                     input=text,
                     outputs=list(outputs),
                     answer_prefix=prefix,
                     length=count_tokens(tokenizer, text, kind) if tokenizer is not None else None,
                     template=kind,
-                    tokens_to_generate=int(row.get("tokens_to_generate", 128)),
+                    tokens_to_generate=budget,
                     metadata=metadata,
                 )
             )
+    if not samples:
+        raise ValueError(f"data file {str(path)!r} holds no samples (no non-empty lines)")
     return samples
+
+
+def _integer(value: Any, field: str, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: expected {field!r} to be an integer >= {minimum} but got {value!r:.80}")
+    return value
 
 
 def save_ruler_jsonl(samples: list[Sample], path: str | os.PathLike) -> None:

@@ -25,8 +25,18 @@ def _check_creatable(path: Path, what: str) -> None:
     ancestor = _first_existing(path.parent)
     if not ancestor.is_dir():
         raise NotADirectoryError(f"{what} {str(path)!r} cannot be created: {str(ancestor)!r} is a file, not a folder")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise PermissionError(f"{what} {str(path)!r} cannot be created: no permission to write in {str(ancestor)!r}")
+    _check_writable_dir(ancestor, f"{what} {str(path)!r} cannot be created")
+
+
+def _check_writable_dir(folder: Path, what: str) -> None:
+    """Create and remove a temporary file in ``folder`` (permission bits lie for root and read-only mounts)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise PermissionError(f"{what}: cannot write in {str(folder)!r} ({error.strerror or error})") from None
 
 
 def check_output_file(path: str | os.PathLike, what: str = "output file") -> Path:
@@ -37,6 +47,7 @@ def check_output_file(path: str | os.PathLike, what: str = "output file") -> Pat
     if path.exists():
         if not os.access(path, os.W_OK):
             raise PermissionError(f"{what} {str(path)!r} is not writable")
+        _check_writable_dir(path.parent, f"{what} {str(path)!r} cannot be replaced")
     else:
         _check_creatable(path, what)
     return path
@@ -48,8 +59,7 @@ def check_output_dir(path: str | os.PathLike, what: str = "output folder") -> Pa
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{what} {str(path)!r} is a file; give a folder")
     if path.is_dir():
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise PermissionError(f"{what} {str(path)!r} is not writable")
+        _check_writable_dir(path, f"{what} {str(path)!r} is not writable")
     else:
         _check_creatable(path, what)
     return path

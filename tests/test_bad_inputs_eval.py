@@ -107,6 +107,11 @@ def non_object_line(tmp_path):
     evaluate(tmp_path)
 
 
+def row_missing_fields(tmp_path):
+    (tmp_path / "results-rank0.jsonl").write_text('{"sample": "niah_single_1/200/base/0"}\n')
+    evaluate(tmp_path)
+
+
 def artifact_changed(tmp_path):
     """Stored moments read from a reference file: the same spec, another file content."""
     import torch
@@ -178,6 +183,8 @@ CASES = [
     # the results file itself
     Case("eval_results_corrupted_middle_line", corrupted_middle_line, ValueError, r"line 1: not a JSON line"),
     Case("eval_results_non_object_line", non_object_line, ValueError, r"line 1: expected a JSON object"),
+    Case("eval_results_row_missing_fields", row_missing_fields, ValueError,
+         r"line 1: a results row without \['config'"),
     Case("eval_summary_without_decode_steps", one_token_answers, check=check_one_token),
     # samples
     Case("eval_no_samples", lambda tmp: evaluate(tmp, the_samples=()), ValueError,
@@ -256,7 +263,7 @@ CLI_CASES = [
             r"is a file, not a folder"),
     CliCase("cli_eval_out_unwritable", lambda tmp: _eval(tmp)[:-1] + ["/sys/qada/r.json"], r"cannot write in '/sys'"),
     CliCase("cli_eval_zero_samples", lambda tmp: _eval(tmp, "--samples", "0"), r"--samples.*>= 1 but got 0"),
-    CliCase("cli_eval_negative_samples", lambda tmp: _eval(tmp, "--samples", "-1"), r"--samples .* got -1"),
+    CliCase("cli_eval_negative_samples", lambda tmp: _eval(tmp, "--samples", "-1"), r"--samples.* got -1"),
     CliCase("cli_eval_zero_length", lambda tmp: _eval(tmp, "--length", "0"), r"--length.*>= 1 but got 0"),
     CliCase("cli_eval_empty_data_file",
             lambda tmp: ["eval", "--data", data_file(tmp, ""), "--out", tmp / "r.json"], r"holds no samples"),
@@ -276,6 +283,9 @@ CLI_CASES = [
             r"unknown task 'nope'"),
     CliCase("cli_sweep_bad_lengths", lambda tmp: ["sweep", "--lengths", "2k", "--out", tmp / "s"],
             r"--lengths to be comma-separated integers"),
+    CliCase("cli_sweep_bad_moment_parameter",
+            lambda tmp: ["sweep", "--moments", "stored:prompt=bogus", "--out", tmp / "s"], r"expected prompt in"),
+    CliCase("cli_sweep_tau_out_of_range", lambda tmp: ["sweep", "--taus", "0.5,1.5", "--out", tmp / "s"], r"tau"),
     CliCase("cli_demo_zero_samples", lambda tmp: ["demo", "--samples", "0", "--out", tmp / "d"],
             r"--samples.*>= 1 but got 0"),
     CliCase("cli_demo_out_is_a_file",

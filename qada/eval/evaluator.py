@@ -39,6 +39,9 @@ def sample_key(sample: Sample) -> str:
     return f"{sample.task}/{sample.length}/{sample.template}/{sample.index}"
 
 
+#: The fields every results row has (a resumed row without them is refused).
+ROW_FIELDS = ("sample", "config", "task", "score", "sparsity", "kv_sparsity", "seconds", "new_tokens")
+
 #: Tokens generated beyond the reference answer's length (part of the run identity).
 ANSWER_MARGIN = 4
 
@@ -141,7 +144,7 @@ class Evaluator:
         """Every (sample key, config label) already written by any rank (rows of every identity)."""
         done = {}
         for path in sorted(self.out_dir.glob("results-rank*.jsonl")):
-            for row in read_rows(path):
+            for row in read_rows(path, ROW_FIELDS):
                 done[(row["sample"], row["config"])] = row
         return done
 

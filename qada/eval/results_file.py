@@ -58,9 +58,9 @@ def repair_torn_line(path: str | os.PathLike) -> int:
     return removed
 
 
-def read_rows(path: str | os.PathLike) -> Iterator[dict]:
+def read_rows(path: str | os.PathLike, required: tuple[str, ...] = ()) -> Iterator[dict]:
     """The rows of a results file. A torn last line is skipped (it is repaired before the next append); any other
-    line that is not a JSON object is an error naming the line."""
+    line that is not a JSON object with the ``required`` fields is an error naming the line."""
     path = Path(path)
     data = path.read_bytes()
     lines = data.split(b"\n")
@@ -77,6 +77,10 @@ def read_rows(path: str | os.PathLike) -> Iterator[dict]:
                              "away to start afresh)") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}, line {number}: expected a JSON object but got {type(row).__name__}")
+        missing = [name for name in required if name not in row]
+        if missing:
+            raise ValueError(f"{path}, line {number}: a results row without {missing}; the file is not qada's or "
+                             "is corrupted")
         yield row
 
 

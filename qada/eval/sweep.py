@@ -57,6 +57,8 @@ def run_sweep(
                          f"{list(STATIC_FAMILIES)}")
     for task in tasks:
         TASKS.get(task)  # an unknown task fails before any work
+    for config in sweep_configs(list(taus) if taus is not None else [0.5], tuple(moment_sources)):
+        config.build()  # bad tau or moment-source parameters fail before any calibration
     for length in lengths:
         check_count(length, "a length")
         check_length_fits(length, model, "length")

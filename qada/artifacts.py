@@ -35,6 +35,7 @@ __all__ = [
     "read_artifact_info",
     "save_artifact",
     "save_head_mask",
+    "verify_artifact",
 ]
 
 FORMAT = "qada"
@@ -188,6 +189,8 @@ def save_artifact(
 def _open_metadata(path: Path) -> tuple[dict[str, str], dict[str, tuple[tuple[int, ...], str]]]:
     from safetensors import safe_open
 
+    if path.is_dir():
+        raise ArtifactError(f"artifact {str(path)!r} is a directory; expected a .safetensors file")
     if not path.is_file():
         raise ArtifactError(f"artifact {str(path)!r} does not exist")
     try:
@@ -201,22 +204,69 @@ def _open_metadata(path: Path) -> tuple[dict[str, str], dict[str, tuple[tuple[in
         raise ArtifactError(f"artifact {str(path)!r} is not a readable safetensors file ({error})") from error
     if metadata.get("format") != FORMAT:
         raise ArtifactError(f"artifact {str(path)!r} is not a qada artifact (no 'format: qada' metadata)")
-    if metadata.get("format_version") != FORMAT_VERSION:
+    version = metadata.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, str) and version.isdigit() and int(version) > int(FORMAT_VERSION)
+        hint = "; it was written by a newer qada: upgrade qada to read it" if newer else ""
         raise ArtifactError(
-            f"artifact {str(path)!r} has format version {metadata.get('format_version')!r}; expected {FORMAT_VERSION!r}"
+            f"artifact {str(path)!r} has format version {version!r}; expected {FORMAT_VERSION!r}{hint}"
         )
     return metadata, shapes
+
+
+#: The JSON metadata fields and the types they must decode to (``window`` may also be ``null``).
+_JSON_FIELDS = {"model": dict, "window": (dict, type(None)), "info": dict}
+
+
+def _metadata_field(path: Path, metadata: Mapping[str, str], name: str) -> Any:
+    """One metadata field, present and of the right type (JSON fields decoded), else :class:`ArtifactError`."""
+    if name not in metadata:
+        raise ArtifactError(f"artifact {str(path)!r} has broken metadata: field {name!r} is missing")
+    value: Any = metadata[name]
+    if name in _JSON_FIELDS:
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ArtifactError(f"artifact {str(path)!r} has broken metadata: field {name!r} is not JSON ({error})"
+                                ) from None
+        if not isinstance(value, _JSON_FIELDS[name]):
+            expected = "a JSON object" + (" or null" if name == "window" else "")
+            raise ArtifactError(f"artifact {str(path)!r} has broken metadata: field {name!r} is "
+                                f"{type(value).__name__}; expected {expected}")
+    elif name == "kind" and value not in KINDS:
+        raise ArtifactError(f"artifact {str(path)!r} has broken metadata: field 'kind' is {value!r}; expected one "
+                            f"of {list(KINDS)}")
+    elif name == "digest" and not (len(value) == 64 and all(c in "0123456789abcdef" for c in value)):
+        raise ArtifactError(f"artifact {str(path)!r} has broken metadata: field 'digest' is not a SHA-256 hex digest")
+    return value
 
 
 def read_artifact_info(path: str | os.PathLike) -> ArtifactInfo:
     """The metadata and tensor shapes of an artifact, without loading its tensors."""
     path = Path(path)
     metadata, shapes = _open_metadata(path)
+    kind, model, window, info, _ = (_metadata_field(path, metadata, k)
+                                    for k in ("kind", "model", "window", "info", "digest"))
+    return ArtifactInfo(str(path), kind, model, window, info, shapes)
+
+
+def verify_artifact(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ArtifactInfo]:
+    """Read every tensor of an artifact and check them against the stored digest: ``(tensors, info)``.
+
+    Raises :class:`ArtifactError` for a file that is unreadable, has broken metadata, or whose tensor bytes do
+    not match their digest (a flipped bit, a partial copy).
+    """
+    from safetensors.torch import load_file
+
+    info = read_artifact_info(path)
     try:
-        model, window, info = (json.loads(metadata[k]) for k in ("model", "window", "info"))
-    except (KeyError, json.JSONDecodeError) as error:
-        raise ArtifactError(f"artifact {str(path)!r} has broken metadata ({error})") from error
-    return ArtifactInfo(str(path), metadata.get("kind", "?"), model, window, info, shapes)
+        tensors = load_file(info.path)
+    except Exception as error:
+        raise ArtifactError(f"artifact {info.path!r} could not be read ({error})") from error
+    metadata, _ = _open_metadata(Path(info.path))
+    if _digest(tensors) != metadata.get("digest"):
+        raise ArtifactError(f"artifact {info.path!r} is corrupted: its tensors do not match their digest")
+    return tensors, info
 
 
 def load_artifact(
@@ -248,14 +298,12 @@ def load_artifact(
         check_fingerprint(fingerprint, info.model, what=f"artifact {info.path!r}")
     if window is not None and _plain(window) != info.window:
         raise ArtifactError(f"artifact {info.path!r} was made for window {info.window!r}; expected {_plain(window)!r}")
+    if verify:
+        return verify_artifact(info.path)[0], info
     try:
         tensors = load_file(info.path)
     except Exception as error:
         raise ArtifactError(f"artifact {info.path!r} could not be read ({error})") from error
-    if verify:
-        metadata, _ = _open_metadata(Path(info.path))
-        if _digest(tensors) != metadata.get("digest"):
-            raise ArtifactError(f"artifact {info.path!r} is corrupted: its tensors do not match their digest")
     return tensors, info
 
 

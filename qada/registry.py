@@ -21,6 +21,7 @@ Entry points are discovered once per process, on the first lookup (``names``, ``
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.metadata
 import os
@@ -188,10 +189,14 @@ class Registry(Generic[C]):
 
     def get(self, name: str) -> type[C]:
         self.discover()
+        if not isinstance(name, str):
+            raise ValueError(f"expected a {self.kind} name (a string) but got {type(name).__name__} {name!r}")
         try:
             return self._classes[name]
         except KeyError:
-            raise ValueError(f"unknown {self.kind} {name!r}; expected one of {self.names()}") from None
+            close = difflib.get_close_matches(name, self.names(), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown {self.kind} {name!r}; expected one of {self.names()}{hint}") from None
 
     def parameters(self, name: str) -> list[tuple[str, str, Any]]:
         """``(parameter, type, default)`` for every init field of the component (default ``...`` if required)."""
@@ -253,10 +258,24 @@ def load_config(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]
     if isinstance(source, Mapping):
         loaded: Any = source
     else:
-        is_file = Path(str(source)).suffix in {".yaml", ".yml", ".json"}
-        loaded = yaml.safe_load(Path(source).read_text() if is_file else str(source))
+        if not isinstance(source, (str, os.PathLike)):
+            raise ValueError(f"expected a config mapping, YAML string or file path but got {type(source).__name__}")
+        path = Path(source)
+        is_file = path.suffix in {".yaml", ".yml", ".json"} or isinstance(source, os.PathLike)
+        looks_like_path = is_file or ("\n" not in str(source) and os.sep in str(source))
+        if looks_like_path and path.is_dir():
+            raise ValueError(f"expected a config file but {str(source)!r} is a directory")
+        try:
+            loaded = yaml.safe_load(path.read_text() if is_file else str(source))
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            problem = getattr(error, "problem", None) or type(error).__name__
+            what = f"file {str(source)!r}" if is_file else "string"
+            raise ValueError(f"could not parse the YAML config {what}{at}: {problem}") from None
     if not isinstance(loaded, Mapping):
-        raise ValueError(f"expected a YAML mapping but got {type(loaded).__name__}")
+        shown = "an empty document" if loaded is None else f"{type(loaded).__name__} {str(loaded)[:40]!r}"
+        raise ValueError(f"expected a YAML mapping (name: value lines) for the config but got {shown}")
     config = dict(loaded)
     imports = config.pop("imports", None)
     if imports is not None:

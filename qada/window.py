@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 __all__ = ["Window"]
 
@@ -28,6 +30,25 @@ class Window:
             raise ValueError(f"expected t_sink >= 0 but got {self.t_sink}")
         if self.t_sink > self.t_local:
             raise ValueError(f"expected t_sink <= t_local but got t_sink={self.t_sink} > t_local={self.t_local}")
+
+    @classmethod
+    def from_config(cls, spec: Window | Mapping[str, Any] | None) -> Window:
+        """A window from a :class:`Window`, a mapping ``{t_local: ..., t_sink: ...}`` (missing keys take the
+        defaults) or ``None`` (the default window); anything else is a clear error."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, Window):
+            return spec
+        if not isinstance(spec, Mapping):
+            raise ValueError(
+                f"expected a window as a mapping {{t_local: ..., t_sink: ...}} or a qada.Window but got "
+                f"{type(spec).__name__} {spec!r}"
+            )
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in set(spec) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown window key(s) {unknown}; expected some of {valid}")
+        return cls(**spec)
 
     @property
     def t_recent(self) -> int:

@@ -115,5 +115,5 @@ def test_every_subcommand_takes_import(capsys):
 
 
 def test_a_failed_import_is_a_clean_error(capsys):
-    assert main(["criteria", "--import", "no_such_qada_module"]) == 1
+    assert main(["criteria", "--import", "no_such_qada_module"]) == 2
     assert "could not import module 'no_such_qada_module'" in capsys.readouterr().err

@@ -107,7 +107,8 @@ def test_no_state_leaks_between_configurations_and_resume_skips_finished_work(mo
     module.decode_greedy = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
         with pytest.warns(UserWarning, match="torn last line"):
-            again = Evaluator(model, tokenizer, configs(), tmp_path, record_oracle=True, progress=False).evaluate(samples)
+            again = Evaluator(model, tokenizer, configs(), tmp_path, record_oracle=True,
+                              progress=False).evaluate(samples)
     finally:
         module.decode_greedy = original
     assert calls == [1], "only the torn pair runs again"

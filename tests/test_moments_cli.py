@@ -66,7 +66,7 @@ def test_build_bucketed(tmp_path, tiny_loader, capsys):
 def test_info_on_a_bad_file_is_a_clear_error(tmp_path, capsys):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    assert main(["moments", "info", str(bad)]) == 1
+    assert main(["moments", "info", str(bad)]) == 2
     assert "not a readable safetensors file" in capsys.readouterr().err
 
 

@@ -160,7 +160,7 @@ def test_the_topk_plugin_decides_per_row(monkeypatch, scratch_criteria):
 
 def test_a_missing_import_is_a_clear_error(tmp_path):
     result = _qada(["criteria", "--import", "no_such_module_for_qada"], _env(), tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "could not import module 'no_such_module_for_qada' given by --import/imports" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -243,7 +243,7 @@ def test_a_composed_criterion_from_a_json_file_equals_the_inline_mapping(tiny_mo
 def test_tau_with_a_mapping_is_an_error(tiny_model_dir, tmp_path, capsys):
     path, _ = tiny_model_dir
     assert main(["eval", "--task", "niah_single_2", "--length", "300", "--samples", "1", "--criterion",
-                 "{name: qada}", "--tau", "0.3", "--model", str(path), "--out", str(tmp_path / "r.json")]) == 1
+                 "{name: qada}", "--tau", "0.3", "--model", str(path), "--out", str(tmp_path / "r.json")]) == 2
     assert "--tau goes with a criterion name" in capsys.readouterr().err
 
 

@@ -183,7 +183,7 @@ def test_unsupported_models_get_a_clear_error():
         enable(NotRouted(), criterion="dense", moments=None)
     short_window = tiny_model("mistral", sliding_window=50)
     with apply(short_window, criterion="dense", moments=None):
-        with pytest.raises(UnsupportedModelError, match="sliding window of 50 tokens, shorter than the sequence"):
+        with pytest.raises(UnsupportedModelError, match="sliding window of 50 tokens and the sequence reached 80"):
             greedy(short_window, torch.randint(1, 128, (1, 80)), steps=2)
     long_window = tiny_model("mistral", sliding_window=4096)
     ids = torch.randint(1, 128, (1, 80))

@@ -96,6 +96,11 @@ def check_step_for_attention(step: DecodeStep) -> None:
     """Raise unless ``step`` carries values of the query's dtype and device (what every executor needs)."""
     if step.values is None:
         raise ValueError("expected a decode step with values (DecodeStep(..., values=...)) for attention")
+    if step.batch_size == 0 or step.length == 0:
+        raise ValueError(
+            f"expected at least one row and one key for attention but got batch size {step.batch_size} and "
+            f"{step.length} keys"
+        )
     check_attention_inputs(step.query[:, :, None], step.keys, step.values)
 
 

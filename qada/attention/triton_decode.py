@@ -78,6 +78,8 @@ class TritonExecutor(AttentionExecutor):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"expected {name} to be a positive int but got {value!r}")
+        if self.num_warps & (self.num_warps - 1):  # Triton launches a power of two of warps
+            raise ValueError(f"expected num_warps to be a power of two but got {self.num_warps}")
 
     def splits(self, device: torch.device, pairs: int, T: int) -> int:
         """Number of splits for ``pairs = b * H_kv`` (row, KV head) programs over ``T`` tokens."""

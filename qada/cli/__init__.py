@@ -19,6 +19,9 @@ SUBCOMMANDS = ("analyze", "calibrate", "criteria", "demo", "eval", "generate", "
 
 _MODULES = {"eval": "evaluate"}  # subcommand -> module, where the name is a Python builtin
 
+#: Errors that mean the input was wrong (exit status 2); other ``RuntimeError`` / ``OSError`` exit with 1.
+USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
 
 def build_parser() -> argparse.ArgumentParser:
     import importlib
@@ -52,7 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `qada criteria | head`: the reader left, so stop quietly
         _silence_stdout()
         return 0
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
+    except USAGE_ERRORS as error:  # bad input: exit status 2, as argparse's own usage errors
+        print(f"qada {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as error:  # the input was fine but the work failed
         print(f"qada {args.command}: error: {error}", file=sys.stderr)
         return 1
 

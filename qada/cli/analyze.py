@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS
+from qada.cli.common import IMPORTS, HelpFormatter, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "analyze", parents=[IMPORTS], help="log-error table (Table 2), head maps (Fig. 7), sparsity curves (Fig. 6)"
+        "analyze", parents=[IMPORTS], formatter_class=HelpFormatter,
+        help="log-error table (Table 2), head maps (Fig. 7), sparsity curves (Fig. 6)",
     )
-    parser.add_argument("--task", default="niah_single_2", help="task to record on (context_free: paper §5)")
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--samples", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=None, help="decode steps per prompt (default: answer length)")
-    parser.add_argument("--moments", default="current", help="moment source behind the estimate (default current)")
+    parser.add_argument("--task", default="niah_single_2", help="task to record on; context_free for paper §5")
+    parser.add_argument("--length", type=positive_int, default=2048, help="prompt length in tokens")
+    parser.add_argument("--samples", type=positive_int, default=3, help="prompts to record")
+    parser.add_argument("--tokens", type=positive_int, default=None,
+                        help="decode steps per prompt (default: the answer's length + 4, stopping at EOS)")
+    parser.add_argument("--moments", default="current", help="moment source behind the estimate")
     parser.add_argument("--tau", type=float, default=0.6, help="threshold for head maps and per-token sparsity")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True, help="output folder")
     parser.set_defaults(run=run)
 

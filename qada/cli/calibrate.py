@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS
+from qada.cli.common import IMPORTS, HelpFormatter, existing_file, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "calibrate", parents=[IMPORTS], help="calibrate a static head mask (paper App. A) and save it"
+        "calibrate", parents=[IMPORTS], formatter_class=HelpFormatter,
+        help="calibrate a static head mask (paper App. A) and save it",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--tasks", help="comma-separated task names to calibrate on")
-    source.add_argument("--data", help="a RULER-format jsonl to calibrate on")
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--samples", type=int, default=5, help="samples per task")
-    parser.add_argument("--tau-static", type=float, default=0.6)
+    source.add_argument("--data", type=existing_file, help="a RULER-format jsonl to calibrate on")
+    parser.add_argument("--length", type=positive_int, default=2048, help="prompt length in tokens, with --tasks")
+    parser.add_argument("--samples", type=positive_int, default=5, help="samples per task, or from --data")
+    parser.add_argument("--tau-static", type=float, default=0.6,
+                        help="oracle threshold whose local decisions are counted per head")
     parser.add_argument("--alpha", type=float, default=0.5, help="fraction of heads made local in the saved mask")
     parser.add_argument("--dense-decoding", action="store_true",
                         help="decode densely while recording (App. A for non-RULER prompts)")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True, help=".safetensors file (mask + frequencies + model fingerprint)")
+    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
+    parser.add_argument("--out", required=True,
+                        help=".safetensors file (mask + frequencies + model fingerprint); use it with --static FILE")
     parser.set_defaults(run=run)
 
 

@@ -1,4 +1,5 @@
-"""What several subcommands share: ``--import``, component specs (``--criterion``) and ``--config`` files."""
+"""What several subcommands share: the help formatter, ``--import``, argument types, component specs
+(``--criterion``), ``--config`` files and ``--static`` head masks."""
 
 from __future__ import annotations
 
@@ -13,14 +14,33 @@ from typing import Any
 __all__ = [
     "CONFIG_KEYS",
     "IMPORTS",
+    "HelpFormatter",
     "build_criterion",
     "component_name",
+    "existing_file",
     "load_run_config",
     "parse_component_spec",
+    "positive_int",
     "resolve_moments",
     "resolve_spec",
     "spec_label",
+    "static_mask_spec",
 ]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The formatter of every ``qada`` subcommand: each flag's help ends with ``(default: X)``.
+
+    Left out where it says nothing: on-off flags (``store_true``), ``None`` defaults (their help says in words
+    what happens without the flag, ``(default: ...)``) and suppressed ones.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.nargs == 0 or "%(default)" in text:
+            return text
+        return super()._get_help_string(action)
+
 
 #: The parent parser every subcommand gets: ``--import MODULE`` (repeatable), imported before the command runs.
 IMPORTS = argparse.ArgumentParser(add_help=False)
@@ -28,6 +48,26 @@ IMPORTS.add_argument(
     "--import", dest="imports", action="append", default=argparse.SUPPRESS, metavar="MODULE",
     help="import MODULE first (e.g. one registering a criterion); repeatable",
 )
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1 (a bad value is a usage error, exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 but got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 but got {value}")
+    return value
+
+
+def existing_file(text: str) -> str:
+    """An ``argparse`` type: the path of an existing file (checked when the command line is parsed)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"file {text!r} does not exist" if not Path(text).exists()
+                                         else f"expected a file but got the folder {text!r}")
+    return text
+
 
 #: The keys of a ``--config`` file (``imports`` is handled by :func:`qada.registry.load_config`).
 CONFIG_KEYS = ("criterion", "moments", "executor", "window")
@@ -56,8 +96,12 @@ def parse_component_spec(text: str) -> str | dict[str, Any]:
         source, where = text, repr(text)
     try:
         loaded = json.loads(source) if is_file and text.lower().endswith(".json") else yaml.safe_load(source)
-    except (yaml.YAMLError, json.JSONDecodeError) as error:
+    except json.JSONDecodeError as error:
         raise ValueError(f"could not parse the component spec {where}: {error}") from None
+    except yaml.YAMLError as error:  # one line: the problem and its place, not PyYAML's drawing of it
+        mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None) or error
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"could not parse the component spec {where}{at}: {problem}") from None
     if isinstance(loaded, Mapping):
         config = dict(loaded)
         if "name" not in config:
@@ -155,3 +199,17 @@ def build_criterion(spec: Any, tau: float | None = None) -> tuple[dict[str, Any]
                              f"parameters in a mapping ({error})") from None
         raise
     return config, criterion
+
+
+def static_mask_spec(path: str, model: Any = None) -> dict[str, Any]:
+    """The criterion spec ``{"name": "static", "mask": [[...]]}`` of a head-mask file (``--static FILE``).
+
+    ``path`` is a head-mask artifact written by ``qada calibrate`` (or :func:`qada.artifacts.save_head_mask`);
+    with ``model``, the file must have been made for it (:func:`qada.artifacts.load_head_mask` checks the model
+    fingerprint and raises :class:`qada.artifacts.ArtifactError`, a ``ValueError``, otherwise).
+    """
+    from qada.artifacts import load_head_mask, model_fingerprint
+
+    fingerprint = model_fingerprint(model.config, model) if model is not None else None
+    mask, _ = load_head_mask(path, fingerprint)
+    return {"name": "static", "mask": mask.tolist()}

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS
+from qada.cli.common import IMPORTS, HelpFormatter
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "criteria", parents=[IMPORTS], help="list the registered head criteria, their parameters and what they need"
+        "criteria", parents=[IMPORTS], formatter_class=HelpFormatter,
+        help="list the registered head criteria, their parameters and what they need",
     )
     parser.set_defaults(run=run)
 

@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS
+from qada.cli.common import IMPORTS, HelpFormatter, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "demo", parents=[IMPORTS], help="a small real sweep on the embedded model: table + plot (~3 min on 2 cores)"
+        "demo", parents=[IMPORTS], formatter_class=HelpFormatter,
+        help="a small real sweep on the embedded model: table + plot (~3 min on 2 cores)",
     )
-    parser.add_argument("--out", default="qada-demo", help="results folder (default ./qada-demo)")
-    parser.add_argument("--samples", type=int, default=3, help="samples per task (default 3)")
-    parser.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default 2048)")
-    parser.add_argument("--model", default=None, help="model directory or .gguf (default: embedded SmolLM2)")
-    parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test (1 sample, 1k tokens)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="qada-demo", help="results folder; a rerun reuses its finished results")
+    parser.add_argument("--samples", type=positive_int, default=3, help="samples per task")
+    parser.add_argument("--length", type=positive_int, default=2048, help="prompt length in tokens")
+    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny settings for a smoke test: 1 sample, 1024 tokens, one tau and alpha")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.set_defaults(run=run)
 
 
@@ -29,10 +31,13 @@ def run(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from qada.eval.evaluator import ANSWER_MARGIN
     from qada.eval.report import format_table, plot_score_vs_sparsity, write_results
     from qada.eval.sweep import run_sweep
+    from qada.eval.validate import check_output_dir
     from qada.models import load_model
 
+    check_output_dir(args.out, "--out")  # before the model loads
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
     if args.quick:
@@ -42,9 +47,14 @@ def run(args: argparse.Namespace) -> int:
         tasks, length, samples = ["niah_single_1", "niah_single_2"], args.length, args.samples
         taus, alphas, sources = [0.6, 0.9], [0.5, 0.8], ("stored", "current")
     records = run_sweep(model, tokenizer, tasks, [length], samples, args.out, taus=taus, alphas=alphas,
-                        moment_sources=sources, seed=args.seed)
+                        moment_sources=sources, record_oracle=True, seed=args.seed)
     print(format_table(records))
+    configs = len({r["label"] for r in records})
+    print(f"\n{samples} sample{'s' * (samples != 1)} x {len(tasks)} tasks at {length} tokens x {configs} "
+          f"configurations; greedy decoding stops at EOS or after the answer budget (the reference answer's tokens "
+          f"+ {ANSWER_MARGIN}).\nagree: the fraction of head decisions equal to the oracle's at the same tau (0.6 for "
+          "static masks).")
     json_path, csv_path = write_results(records, args.out)
     plot = plot_score_vs_sparsity(records, Path(args.out) / "score_vs_sparsity.png", "qada demo (embedded SmolLM2)")
-    print(f"\nwrote {json_path}, {csv_path}, {plot} in {time.perf_counter() - start:.0f} s")
+    print(f"wrote {json_path}, {csv_path}, {plot} in {time.perf_counter() - start:.0f} s")
     return 0

@@ -4,31 +4,41 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS
+from qada.cli.common import IMPORTS, HelpFormatter, existing_file, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "eval", parents=[IMPORTS], help="evaluate one configuration on a task or a RULER jsonl; writes JSON"
+        "eval", parents=[IMPORTS], formatter_class=HelpFormatter,
+        help="evaluate one configuration on a task or a RULER jsonl; writes JSON",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--task", help="task name (niah_single_1, vt, qa_1, ...)")
-    source.add_argument("--data", help="a RULER-format jsonl ({'input', 'outputs'} per line)")
-    parser.add_argument("--length", type=int, default=4096, help="prompt length in tokens (with --task)")
-    parser.add_argument("--samples", type=int, default=10)
-    parser.add_argument("--config", default=None, metavar="FILE",
-                        help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override")
-    parser.add_argument("--criterion", default=None,
-                        help="a criterion name, an inline YAML/JSON mapping or a .yaml/.json file (default qada)")
-    parser.add_argument("--tau", type=float, default=None, help="tau for a criterion given by name")
+    source.add_argument("--data", type=existing_file, help="a RULER-format jsonl ({'input', 'outputs'} per line)")
+    parser.add_argument("--length", type=positive_int, default=4096, help="prompt length in tokens, with --task")
+    parser.add_argument("--samples", type=positive_int, default=10, help="samples to evaluate")
+    parser.add_argument("--config", default=None, metavar="FILE", type=existing_file,
+                        help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override "
+                             "(default: none)")
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--criterion", default=None,
+                        help="a criterion name, an inline YAML/JSON mapping or a .yaml/.json file (default: the "
+                             "--config file's, else qada)")
+    chosen.add_argument("--static", default=None, metavar="FILE", type=existing_file,
+                        help="a static head mask written by `qada calibrate` (checked against the model): the "
+                             "static criterion with that mask (default: none)")
+    parser.add_argument("--tau", type=float, default=None,
+                        help="tau for a criterion given by name (default: the criterion's own, 0.6 for qada)")
     parser.add_argument("--moments", default=None,
-                        help="moment source (name, mapping or file; default stored), used if the criterion needs it")
-    parser.add_argument("--executor", default=None, help="attention executor (name, mapping or file; default sdpa)")
-    parser.add_argument("--template", default="base", choices=["base", "chat"])
+                        help="moment source (name, mapping or file), used if the criterion needs it (default: the "
+                             "--config file's, else stored)")
+    parser.add_argument("--executor", default=None,
+                        help="attention executor: a name, mapping or file (default: the --config file's, else sdpa)")
+    parser.add_argument("--template", default="base", choices=["base", "chat"], help="prompt template of --task")
     parser.add_argument("--record-oracle", action="store_true", help="also measure agreement with the oracle")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
+    parser.add_argument("--out", required=True, help="JSON file to write (per-sample results go to OUT.parts/)")
     parser.set_defaults(run=run)
 
 
@@ -54,7 +64,11 @@ def eval_config(args: argparse.Namespace):
     )
     moments = resolve_moments(args.moments, file_config, criterion)
     executor = resolve_spec(args.executor, file_config, "executor", "sdpa")
-    window = dict(file_config.get("window") or {"t_local": 128, "t_sink": 16})
+    from dataclasses import asdict
+
+    from qada.window import Window
+
+    window = asdict(Window.from_config(file_config.get("window", {"t_local": 128, "t_sink": 16})))
     name = component_name(criterion_config)
     if isinstance(criterion, DenseCriterion):
         family = "dense"  # the evaluator runs the unmodified model
@@ -65,29 +79,42 @@ def eval_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
     from qada.eval.evaluator import Evaluator
+    from qada.eval.identity import file_digest
     from qada.eval.report import format_table, result_record
+    from qada.eval.results_file import ResultsFile, write_json
     from qada.eval.tasks import TASKS, load_ruler_jsonl
+    from qada.eval.validate import check_count, check_length_fits, check_output_dir, check_output_file
     from qada.models import load_model
 
-    config = eval_config(args)  # before the model loads: a bad spec fails fast
+    # everything that can be checked before the model loads: a bad input fails in a second, not after the run
+    config = eval_config(args)
+    check_count(args.samples, "--samples")
+    out = check_output_file(args.out, "--out")
+    parts = check_output_dir(out.with_suffix(".parts"), "the results folder of --out")
+    ResultsFile(parts / "results-rank0.jsonl").probe()
+    if args.data:
+        load_ruler_jsonl(args.data)  # empty, malformed or duplicated rows fail here, with the line number
+    else:
+        task_builder = TASKS.build(args.task, template=args.template)
+        check_count(args.length, "--length")
     model, tokenizer = load_model(args.model)
     if args.data:
         samples = load_ruler_jsonl(args.data, tokenizer=tokenizer)[: args.samples]
-        task = samples[0].task if samples and samples[0].task else Path(args.data).stem
-        length = samples[0].length if samples else None
+        task = samples[0].task or Path(args.data).stem
+        length = samples[0].length
+        data = {"file": str(args.data), "digest": file_digest(args.data)}
     else:
-        task_builder = TASKS.build(args.task, template=args.template)
+        check_length_fits(args.length, model)
         samples = task_builder.generate(tokenizer, args.length, args.samples, args.seed)
-        task, length = args.task, args.length
-    out = Path(args.out)
-    evaluator = Evaluator(model, tokenizer, [config], out.with_suffix(".parts"), record_oracle=args.record_oracle)
+        task, length, data = args.task, args.length, {"task": args.task, "length": args.length}
+    settings = {"seed": args.seed, "template": args.template, "data": data}
+    evaluator = Evaluator(model, tokenizer, [config], parts, record_oracle=args.record_oracle, settings=settings)
     entry = next(iter(evaluator.evaluate(samples).values()))
     record = result_record(entry, task, length, len(samples), model, args.seed, {"template": args.template})
-    out.write_text(json.dumps(record, indent=2))
+    write_json(out, record)
     print(format_table([record]))
     print(f"wrote {out}")
     return 0

@@ -4,35 +4,46 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS
+from qada.cli.common import IMPORTS, HelpFormatter, existing_file, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
-        "generate", parents=[IMPORTS], help="generate text with QAdA (or another criterion) and report sparsity"
+        "generate", parents=[IMPORTS], formatter_class=HelpFormatter,
+        help="generate text with QAdA (or another criterion) and report sparsity",
     )
-    parser.add_argument("--prompt-file", required=True, help="text file with the prompt (completion style)")
+    parser.add_argument("--prompt-file", required=True, type=existing_file,
+                        help="text file with the prompt (completion style)")
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
-    parser.add_argument("--config", default=None, metavar="FILE",
-                        help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override")
-    parser.add_argument("--criterion", default=None,
-                        help="criterion name (see `qada criteria`), inline YAML/JSON mapping or .yaml/.json file "
-                             "(default qada); dense = unmodified model")
-    parser.add_argument("--tau", type=float, default=None, help="threshold for a criterion given by name (default 0.6)")
+    parser.add_argument("--config", default=None, metavar="FILE", type=existing_file,
+                        help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override "
+                             "(default: none)")
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--criterion", default=None,
+                        help="criterion name (see `qada criteria`), inline YAML/JSON mapping or .yaml/.json file; "
+                             "dense = unmodified model (default: the --config file's, else qada)")
+    chosen.add_argument("--static", default=None, metavar="FILE", type=existing_file,
+                        help="a static head mask written by `qada calibrate` (checked against the model): the "
+                             "static criterion with that mask (default: none)")
+    parser.add_argument("--tau", type=float, default=None,
+                        help="threshold for a criterion given by name (default: the criterion's own, 0.6 for qada)")
     parser.add_argument("--moments", default=None,
-                        help="moment source: stored, bucketed, current, a mapping or a file (default stored); "
-                             "used if the criterion needs moments")
-    parser.add_argument("--executor", default=None, help="attention executor: sdpa, reference, flex, triton "
-                        "(or a mapping or file; default sdpa)")
-    parser.add_argument("--t-local", type=int, default=None, help="local window size (default 128)")
-    parser.add_argument("--t-sink", type=int, default=None, help="sink tokens in the window (default 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+                        help="moment source: stored, bucketed, current, a mapping or a file; used if the criterion "
+                             "needs moments (default: the --config file's, else stored)")
+    parser.add_argument("--executor", default=None,
+                        help="attention executor: sdpa, reference, flex, triton, a mapping or a file (default: the "
+                             "--config file's, else sdpa)")
+    parser.add_argument("--t-local", type=positive_int, default=None,
+                        help="local window size (default: the --config file's, else 128)")
+    parser.add_argument("--t-sink", type=int, default=None,
+                        help="sink tokens in the window (default: the --config file's, else 16)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="torch seed, used with --sample")
     parser.add_argument("--per-layer", action="store_true", help="print sparsity and kv_sparsity per layer")
     parser.add_argument("--cache", default="static", choices=["static", "dynamic"],
-                        help="KV cache: static = preallocated, written in place (default; faster), dynamic = "
-                             "transformers' DynamicCache (grows by a copy every step)")
+                        help="KV cache: static = preallocated, written in place, faster; dynamic = "
+                             "transformers' DynamicCache, grows by a copy every step")
     parser.set_defaults(run=run)
 
 
@@ -41,25 +52,43 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from qada.cli.common import build_criterion, load_run_config, resolve_moments, resolve_spec, spec_label
+    from qada.cli.common import (
+        build_criterion,
+        load_run_config,
+        resolve_moments,
+        resolve_spec,
+        spec_label,
+        static_mask_spec,
+    )
     from qada.criteria import DenseCriterion
     from qada.models import enable, load_model
-    from qada.models.generation import generate_timed
+    from qada.models.generation import check_generation_length, generate_timed
     from qada.window import Window
 
     prompt = Path(args.prompt_file).read_text()
-    if args.max_new_tokens < 1:
-        raise ValueError(f"expected --max-new-tokens >= 1 but got {args.max_new_tokens}")
+    if args.static is not None and args.tau is not None:
+        raise ValueError("--tau goes with a criterion name, not with --static (a static mask has no threshold)")
     file_config = load_run_config(args.config)
-    _, criterion = build_criterion(resolve_spec(args.criterion, file_config, "criterion", "qada"), args.tau)
+    if args.static is not None:  # a readable head mask (fails before the model loads); checked against it below
+        _, criterion = build_criterion(static_mask_spec(args.static))
+    else:
+        _, criterion = build_criterion(resolve_spec(args.criterion, file_config, "criterion", "qada"), args.tau)
     moments = resolve_moments(args.moments, file_config, criterion)
     executor = resolve_spec(args.executor, file_config, "executor", "sdpa")
-    window_config = dict(file_config.get("window") or {})
+    window_config = file_config.get("window") or {}
+    if not isinstance(window_config, dict):
+        Window.from_config(window_config)  # raises: a window is a mapping {t_local: ..., t_sink: ...}
+    window_config = dict(window_config)
     window_config.update({k: v for k, v in (("t_local", args.t_local), ("t_sink", args.t_sink)) if v is not None})
-    window = Window(**window_config)
+    window = Window.from_config(window_config)
     model, tokenizer = load_model(args.model)
+    if args.static is not None:
+        static_mask_spec(args.static, model)  # raises if the mask was made for another model
     torch.manual_seed(args.seed)
     inputs = tokenizer(prompt, return_tensors="pt")
+    # before any work (a stored reference may be built next): the prompt must fit the model
+    check_generation_length(model, inputs["input_ids"].shape[1], args.max_new_tokens,
+                            wrapped=not isinstance(criterion, DenseCriterion))
     run = None
     if not isinstance(criterion, DenseCriterion):  # dense: the unmodified model
         run = enable(model, criterion=criterion, moments=moments if moments is not None else "none",
@@ -83,7 +112,12 @@ def run(args: argparse.Namespace) -> int:
         print("criterion: dense (unmodified model)  sparsity: 0.000  kv_sparsity: 0.000")
         return 0
     summary = run.summary()
-    print(f"criterion: {run.criterion.to_config()}  moments: {spec_label(moments) if moments is not None else None}  "
+    if args.static is not None:  # not the whole [L, H] mask
+        local, total = int(criterion.mask.sum()), criterion.mask.numel()
+        described = f"static {args.static} ({local} of {total} heads local)"
+    else:
+        described = str(run.criterion.to_config())
+    print(f"criterion: {described}  moments: {spec_label(moments) if moments is not None else None}  "
           f"executor: {spec_label(executor)}")
     print(f"sparsity: {summary['sparsity']:.3f}  kv_sparsity: {summary['kv_sparsity']:.3f}  "
           f"fail-safe fallbacks: {summary['fail_safe']}")

@@ -43,6 +43,10 @@ class HeadCriterion(Component, abc.ABC):
         return {"moments": self.needs_moments, "full_scores": self.needs_full_scores,
                 "calibration": self.needs_calibration}
 
+    def check_model(self, num_layers: int, num_heads: int) -> None:
+        """Raise ``ValueError`` if this criterion cannot serve a model of ``num_layers`` layers with ``num_heads``
+        query heads (e.g. an override of a layer it does not have); called once, when a run is bound to a model."""
+
     def __call__(self, step: DecodeStep) -> torch.Tensor:
         local = self.decide(step)
         try:

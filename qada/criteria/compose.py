@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,20 +12,66 @@ import torch
 from qada.criteria.base import CRITERIA, HeadCriterion, register_criterion
 from qada.step import DecodeStep
 
-__all__ = ["AllOf", "AnyOf", "LayerOverride", "Not"]
+__all__ = ["MAX_DEPTH", "AllOf", "AnyOf", "LayerOverride", "Not"]
+
+#: The deepest composition accepted (``not`` of ``not`` of ...): deeper configs are refused before Python's
+#: recursion limit is reached.
+MAX_DEPTH = 64
+
+_building_depth: ContextVar[int] = ContextVar("qada_composition_depth", default=0)
+
+
+def _depth_error(depth: int) -> ValueError:
+    return ValueError(
+        f"expected criteria composed (not / any_of / all_of / layer_override) at most {MAX_DEPTH} levels deep "
+        f"but got {depth} or more"
+    )
+
+
+def _build(spec: Any) -> HeadCriterion:
+    """``CRITERIA.build(spec)`` for a child, refusing configs nested deeper than :data:`MAX_DEPTH`."""
+    depth = _building_depth.get() + 1
+    if depth >= MAX_DEPTH:
+        raise _depth_error(depth + 1)
+    token = _building_depth.set(depth)
+    try:
+        return CRITERIA.build(spec)
+    finally:
+        _building_depth.reset(token)
 
 
 def _build_all(specs: Sequence[Any], what: str) -> list[HeadCriterion]:
     if isinstance(specs, (str, Mapping, HeadCriterion)) or not isinstance(specs, Sequence) or not specs:
         raise ValueError(f"expected a non-empty list of criteria for {what!r} but got {specs!r}")
-    return [CRITERIA.build(spec) for spec in specs]
+    return [_build(spec) for spec in specs]
+
+
+def layer_index(layer: Any) -> int:
+    """A layer index of ``overrides``: an int >= 0 or a string of digits (JSON keys); floats and bools refused."""
+    if isinstance(layer, str) and layer.isascii() and layer.isdigit():
+        return int(layer)
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise ValueError(f"expected integer layer indices in overrides but got {layer!r}")
+    if layer < 0:
+        raise ValueError(f"expected non-negative layer indices in overrides but got {layer}")
+    return layer
 
 
 class _Composite(HeadCriterion):
-    """Needs whatever any child needs."""
+    """Needs whatever any child needs; refuses a composition deeper than :data:`MAX_DEPTH`."""
 
     def children(self) -> list[HeadCriterion]:
         raise NotImplementedError
+
+    def _check_depth(self) -> None:
+        depth = 1 + max((getattr(child, "composition_depth", 1) for child in self.children()), default=1)
+        if depth > MAX_DEPTH:
+            raise _depth_error(depth)
+        self.composition_depth = depth
+
+    def check_model(self, num_layers: int, num_heads: int) -> None:
+        for child in self.children():
+            child.check_model(num_layers, num_heads)
 
     @property
     def needs_full_scores(self) -> bool:  # type: ignore[override]
@@ -47,6 +94,7 @@ class _Combination(_Composite):
 
     def __post_init__(self) -> None:
         self.criteria = _build_all(self.criteria, self.registry_name)
+        self._check_depth()
 
     def children(self) -> list[HeadCriterion]:
         return self.criteria
@@ -90,7 +138,8 @@ class Not(_Composite):
     criterion: Any
 
     def __post_init__(self) -> None:
-        self.criterion = CRITERIA.build(self.criterion)
+        self.criterion = _build(self.criterion)
+        self._check_depth()
 
     def children(self) -> list[HeadCriterion]:
         return [self.criterion]
@@ -113,22 +162,26 @@ class LayerOverride(_Composite):
     overrides: dict
 
     def __post_init__(self) -> None:
-        self.base = CRITERIA.build(self.base)
+        self.base = _build(self.base)
         if not isinstance(self.overrides, Mapping):
             raise ValueError(f"expected overrides as a mapping layer -> criterion but got {self.overrides!r}")
         built = {}
         for layer, spec in self.overrides.items():
-            try:
-                index = int(layer)
-            except (TypeError, ValueError):
-                raise ValueError(f"expected integer layer indices in overrides but got {layer!r}") from None
-            if index < 0:
-                raise ValueError(f"expected non-negative layer indices in overrides but got {index}")
-            built[index] = CRITERIA.build(spec)
+            index = layer_index(layer)
+            if index in built:
+                raise ValueError(f"expected each layer once in overrides but got layer {index} twice")
+            built[index] = _build(spec)
         self.overrides = built
+        self._check_depth()
 
     def children(self) -> list[HeadCriterion]:
         return [self.base, *self.overrides.values()]
+
+    def check_model(self, num_layers: int, num_heads: int) -> None:
+        beyond = sorted(layer for layer in self.overrides if layer >= num_layers)
+        if beyond:
+            raise ValueError(f"expected override layers below the model's {num_layers} layers but got {beyond}")
+        super().check_model(num_layers, num_heads)
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         return self.overrides.get(step.layer, self.base)(step)

@@ -33,7 +33,15 @@ class StaticCriterion(BudgetCriterion):
     needs_calibration = True
 
     def __post_init__(self) -> None:
-        mask = torch.as_tensor(self.mask)
+        if isinstance(self.mask, (str, bytes)) or hasattr(self.mask, "__fspath__"):
+            raise ValueError(
+                f"expected a static mask as a bool tensor or nested lists but got the path {str(self.mask)!r}; "
+                "load a mask file with qada.artifacts.load_head_mask (or `qada generate --static FILE`)"
+            )
+        try:
+            mask = torch.as_tensor(self.mask)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"expected a static mask as a [layers, heads] grid of booleans ({error})") from None
         if mask.ndim != 2:
             raise ValueError(f"expected a static mask of shape [layers, heads] but got shape {tuple(mask.shape)}")
         if mask.dtype != torch.bool:
@@ -49,6 +57,13 @@ class StaticCriterion(BudgetCriterion):
     def from_frequency(cls, local_frequency: torch.Tensor, alpha: float) -> StaticCriterion:
         """Calibrate from ``[L, H]`` oracle local frequencies: the ``round(alpha L H)`` most local heads."""
         return cls(calibrate_static_mask(local_frequency, alpha))
+
+    def check_model(self, num_layers: int, num_heads: int) -> None:
+        if tuple(self.mask.shape) != (num_layers, num_heads):
+            raise ValueError(
+                f"expected a static mask of shape [{num_layers}, {num_heads}] for this model but got "
+                f"{list(self.mask.shape)}"
+            )
 
     def _check_layer(self, step: DecodeStep) -> None:
         L, H = self.mask.shape

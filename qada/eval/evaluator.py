@@ -26,6 +26,7 @@ from qada.eval.identity import (
     artifact_digests,
     differences,
     digest,
+    plain,
     sample_digest,
 )
 from qada.eval.metrics import ConfigMetrics, OracleAgreement, agreement_summary
@@ -128,7 +129,7 @@ class Evaluator:
     @staticmethod
     def config_identity(config: EvalConfig) -> dict[str, Any]:
         """A configuration's part of the identity: all its parameters and the digests of the files it names."""
-        fields = {k: v for k, v in config.to_dict().items() if k != "label"}
+        fields = plain({k: v for k, v in config.to_dict().items() if k != "label"})
         return {**fields, "artifacts": artifact_digests(fields)}
 
     def _known_identities(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ __all__ = [
     "differences",
     "digest",
     "file_digest",
+    "plain",
     "sample_digest",
 ]
 
@@ -32,8 +33,18 @@ class ResultsMismatchError(ValueError):
     """A results folder holds rows written under another run identity (other settings, data or versions)."""
 
 
+def plain(value: Any) -> Any:
+    """``value`` as JSON-plain data: built components by their config (``to_config``), anything else by ``str``."""
+    return json.loads(json.dumps(value, default=_component_config))
+
+
+def _component_config(value: Any) -> Any:
+    to_config = getattr(value, "to_config", None)
+    return to_config() if callable(to_config) else str(value)
+
+
 def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str, separators=(",", ":"))
+    return json.dumps(value, sort_keys=True, default=_component_config, separators=(",", ":"))
 
 
 def digest(value: Any) -> str:

@@ -166,9 +166,13 @@ class ResultsFile:
 
 
 def json_safe(value: Any) -> Any:
-    """``value`` with every non-finite float (NaN, inf) replaced by ``None``, recursively (valid JSON)."""
+    """``value`` with every non-finite float (NaN, inf) replaced by ``None`` and every built component (an object
+    with ``to_config``) by its config, recursively (valid JSON)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    to_config = getattr(value, "to_config", None)
+    if callable(to_config) and not isinstance(value, type):
+        return json_safe(to_config())
     if isinstance(value, dict):
         return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

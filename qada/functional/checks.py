@@ -7,6 +7,7 @@ import torch
 __all__ = [
     "FLOAT_DTYPES",
     "accumulation_dtype",
+    "check_covariance",
     "check_float",
     "check_head_mask",
     "check_head_scores",
@@ -60,3 +61,35 @@ def check_head_scores(name: str, scores: object, batch: int, heads: int) -> None
         raise ValueError(f"expected {name} to be a floating tensor of shape [{batch}, {heads}] but got {got}")
     if tuple(scores.shape) != (batch, heads):
         raise ValueError(f"expected {name} of shape [{batch}, {heads}] but got {tuple(scores.shape)}")
+
+
+def check_covariance(name: str, cov: torch.Tensor, tol: float = 1e-4) -> None:
+    """Raise unless every matrix of ``cov [..., d, d]`` is finite, symmetric and positive semi-definite.
+
+    Checked in float64 relative to each matrix's scale ``s`` (its largest absolute entry):
+    ``|C - Cᵀ| <= tol s`` and smallest eigenvalue ``>= -tol s`` (float32 rounding of a covariance stays far
+    inside both).
+    """
+    if cov.ndim < 2 or cov.shape[-1] != cov.shape[-2]:
+        raise ValueError(f"expected {name} of shape [..., d, d] but got {tuple(cov.shape)}")
+    if cov.numel() == 0:
+        return
+    c = cov.detach().to(torch.float64)
+    if not bool(torch.isfinite(c).all()):
+        raise ValueError(f"expected {name} to be finite but it holds NaN or inf")
+    scale = c.abs().amax(dim=(-1, -2))  # [...]
+    asymmetry = (c - c.transpose(-1, -2)).abs().amax(dim=(-1, -2))
+    if bool((asymmetry > tol * scale).any()):
+        worst = float((asymmetry / scale.clamp_min(torch.finfo(torch.float64).tiny)).max())
+        raise ValueError(f"expected {name} to be symmetric but an entry differs from its transpose by {worst:.3g} "
+                         "of the matrix's scale")
+    # smallest eigenvalue >= -tol s  <=>  C + tol s I has a Cholesky factor (cheaper than eigenvalues)
+    shift = (tol * scale.clamp_min(torch.finfo(torch.float64).tiny))[..., None, None]
+    _, failed = torch.linalg.cholesky_ex(c + shift * torch.eye(c.shape[-1], dtype=c.dtype))
+    if bool((failed != 0).any()):
+        where = [int(i) for i in (failed != 0).nonzero()[0]]
+        smallest = float(torch.linalg.eigvalsh(c[tuple(where)])[0])
+        raise ValueError(
+            f"expected {name} to be positive semi-definite but matrix {where} has eigenvalue {smallest:.3g} "
+            f"(scale {float(scale[tuple(where)]):.3g})"
+        )

@@ -16,7 +16,7 @@ from qada.moments import MOMENT_SOURCES
 from qada.registry import load_config
 from qada.window import Window
 
-__all__ = ["apply", "attach", "build_run", "enable", "prepare_run", "register_attention"]
+__all__ = ["apply", "attach", "build_run", "check_run_fits", "enable", "prepare_run", "register_attention"]
 
 _DEFAULTS = {"criterion": "qada", "moments": "stored", "executor": "sdpa"}
 
@@ -70,8 +70,7 @@ def _components(
     built_criterion = CRITERIA.build(specs["criterion"])
     built_moments = None if specs["moments"] in (None, "none") else MOMENT_SOURCES.build(specs["moments"])
     built_executor = EXECUTORS.build(specs["executor"])
-    window_spec = specs.get("window") or Window()
-    built_window = window_spec if isinstance(window_spec, Window) else Window(**dict(window_spec))
+    built_window = Window.from_config(specs.get("window"))
     return built_criterion, built_moments, built_executor, built_window
 
 
@@ -92,8 +91,20 @@ def build_run(
     return QAdARun(built_criterion, built_moments, built_executor, built_window, observers)
 
 
+def check_run_fits(run: QAdARun, model: Any) -> None:
+    """Raise ``ValueError`` before any work if ``run``'s criterion cannot serve ``model`` (e.g. a layer override
+    beyond its layers, a static mask of another shape): :meth:`~qada.criteria.HeadCriterion.check_model`."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = [m.layer_idx for m in attention_modules(model) if isinstance(m.layer_idx, int)]
+    num_layers = max(layers) + 1 if layers else int(config.num_hidden_layers)
+    run.criterion.check_model(num_layers, int(config.num_attention_heads))
+
+
 def prepare_run(run: QAdARun, model: Any, tokenizer: Any = None) -> QAdARun:
-    """Run the moment source's one-off preparation for ``model`` (a stored reference) if the run uses it."""
+    """Run the moment source's one-off preparation for ``model`` (a stored reference) if the run uses it.
+
+    Checks first that the criterion fits the model (:func:`check_run_fits`)."""
+    check_run_fits(run, model)
     if run.uses_moments and run.moments.needs_model:
         run.moments.prepare(model, tokenizer, window=run.window)
     return run
@@ -102,6 +113,7 @@ def prepare_run(run: QAdARun, model: Any, tokenizer: Any = None) -> QAdARun:
 def attach(model: Any, run: QAdARun) -> QAdARun:
     """Route ``model``'s attention through ``run`` until ``run.remove()``; the run must already be prepared."""
     modules = _check_model(model)
+    check_run_fits(run, model)
     register_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)

@@ -50,16 +50,19 @@ def qada_attention_forward(
     T = run.filled_length(layer, query.shape[2], attention_mask, key.shape[2])
     if T < key.shape[2]:  # a preallocated cache (StaticCache): only its first T slots hold tokens
         key, value = key[:, :, :T], value[:, :, :T]
+    q_len, seen = query.shape[2], run.guard.length(layer)
     sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    if sliding is not None and T > sliding:
+    # a sliding-window cache keeps only the last keys: the sequence length is what qada has seen plus this step
+    length = T if q_len > 1 or seen is None else seen + q_len
+    if sliding is not None and length > sliding:
         raise UnsupportedModelError(
-            f"layer {layer} uses a sliding window of {sliding} tokens, shorter than the sequence ({T}): qada supports "
-            "full-attention layers only"
+            f"layer {layer} attends over a sliding window of {sliding} tokens and the sequence reached {length} "
+            f"tokens: qada supports full attention only, so keep prompt + new tokens <= {sliding}"
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     start = run.starts(attention_mask, T)
-    if query.shape[2] > 1:  # prefill (or a resumed chunk): dense, as in the paper
+    if q_len > 1 or T == q_len:  # prefill (a 1-token prompt included, or a resumed chunk): dense, as in the paper
         mask = None if attention_mask is None else attention_mask[..., :T]
         output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
         run.prefill(layer, key, start)

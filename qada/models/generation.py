@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_KINDS", "DecodeTimer", "GenerationTiming", "copy_to_cache", "generate_timed", "make_cache"]
+__all__ = [
+    "CACHE_KINDS",
+    "DecodeTimer",
+    "GenerationTiming",
+    "check_generation_length",
+    "copy_to_cache",
+    "generate_timed",
+    "make_cache",
+]
 
 CACHE_KINDS = ("static", "dynamic")
 
@@ -22,6 +30,49 @@ CACHE_KINDS = ("static", "dynamic")
 def _check_kind(kind: str) -> None:
     if kind not in CACHE_KINDS:
         raise ValueError(f"expected a cache kind in {CACHE_KINDS} but got {kind!r}")
+
+
+def _sliding_window(model: Any) -> int | None:
+    """The shortest sliding window of ``model``'s attention layers (``None``: full attention everywhere)."""
+    from qada.models.apply import attention_modules
+
+    windows = []
+    for module in attention_modules(model):
+        if hasattr(module, "sliding_window"):  # set per layer (Qwen2: None on full-attention layers)
+            windows.append(module.sliding_window)
+        else:  # Mistral passes its config's window to the attention function
+            windows.append(getattr(getattr(module, "config", None), "sliding_window", None))
+    windows = [w for w in windows if isinstance(w, int)]
+    return min(windows) if windows else None
+
+
+def check_generation_length(model: Any, prompt_tokens: int, max_new_tokens: int, wrapped: bool | None = None) -> None:
+    """Raise ``ValueError`` before any work when a prompt of ``prompt_tokens`` plus ``max_new_tokens`` does not fit.
+
+    Refused: an empty prompt; more tokens than the model's maximum positions (``max_position_embeddings``); and,
+    when qada wraps the model (``wrapped``; default: qada is enabled on it), more than its sliding window.
+    """
+    if prompt_tokens < 1:
+        raise ValueError("expected a prompt of at least one token but got an empty prompt")
+    total = prompt_tokens + max_new_tokens
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and total > limit:
+        raise ValueError(
+            f"expected prompt + new tokens <= the model's {limit} positions (max_position_embeddings) but got "
+            f"{prompt_tokens} + {max_new_tokens} = {total}"
+        )
+    if wrapped is None:
+        from qada.models.apply import attention_modules
+        from qada.models.attention_function import active_runs
+
+        wrapped = any(m in active_runs for m in attention_modules(model))
+    sliding = _sliding_window(model) if wrapped else None
+    if sliding is not None and total > sliding:
+        raise ValueError(
+            f"expected prompt + new tokens <= the model's sliding window of {sliding} tokens (qada supports full "
+            f"attention only) but got {prompt_tokens} + {max_new_tokens} = {total}"
+        )
 
 
 def make_cache(model: Any, kind: str = "static", capacity: int | None = None) -> Any:
@@ -84,6 +135,9 @@ def generate_timed(model: Any, input_ids: torch.Tensor, max_new_tokens: int, cac
     from transformers import LogitsProcessorList
 
     _check_kind(cache)
+    if input_ids.ndim != 2 or input_ids.shape[0] == 0:
+        raise ValueError(f"expected input_ids of shape [batch >= 1, tokens] but got {tuple(input_ids.shape)}")
+    check_generation_length(model, input_ids.shape[1], max_new_tokens)
     timer = DecodeTimer()
     processors = LogitsProcessorList([*generate_kwargs.pop("logits_processor", []), timer])
     past = make_cache(model, cache, input_ids.shape[1] + max_new_tokens)

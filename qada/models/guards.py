@@ -84,8 +84,10 @@ class CacheGuard:
             return previous + 1
         if previous is not None and q_len == 1 and key_len == previous + 1:
             return key_len
-        if q_len > 1:  # a prefill (or a resumed chunk): the mask says where the tokens end
+        if q_len > 1 or previous is None:  # a prefill (or a resumed chunk): the mask says where the tokens end
             filled = from_mask()
+            if filled is None and q_len == 1:  # a one-token forward without a prefill and without a mask
+                return key_len
             if filled is None:
                 # No mask: transformers then relies on SDPA's causal mask, aligned at the first key, so the
                 # tokens are the previous ones (none at a first prefill) plus this chunk.
@@ -96,6 +98,10 @@ class CacheGuard:
             self._capacity.pop(layer, None)
             return key_len
         return key_len  # a growing cache that did not grow by one: decode() says what went wrong
+
+    def length(self, layer: int) -> int | None:
+        """Tokens in ``layer``'s cache after its last forward seen by qada (``None`` before its first prefill)."""
+        return self._length.get(layer)
 
     def prefill(self, layer: int, key: torch.Tensor) -> None:
         """``layer`` was prefilled: its cache is ``key [b, H_kv, T, d]``."""

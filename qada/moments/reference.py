@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import torch
 
 from qada.artifacts import ArtifactError, load_artifact, model_fingerprint, save_artifact
 from qada.cache import cache_dir as resolve_cache_dir
+from qada.functional.checks import check_covariance
 from qada.moments.math import MomentState, block_moments
 
 __all__ = [
@@ -79,6 +81,8 @@ class ReferenceKeys:
                 f"artifact {info.path!r} holds keys of shape {list(keys.shape)}, which do not fit its model "
                 f"(layers, kv_heads, head_dim = {expected + [info.model.get('head_dim')]})"
             )
+        if not keys.dtype.is_floating_point or not bool(torch.isfinite(keys).all()):
+            raise ArtifactError(f"artifact {info.path!r} holds keys that are not finite floats ({keys.dtype})")
         return cls(keys, dict(info.model), dict(info.info))
 
 
@@ -184,9 +188,10 @@ def load_or_build_reference(
 
     Builds the ``prompt`` reference (:func:`qada.moments.prompts.build_reference_prompt`) of
     :func:`reference_length` tokens with ``tokenizer``, runs it through the model in chunks of ``chunk_size``
-    (:func:`collect_reference_keys`, with a progress bar) and saves the keys in float16 to
-    :func:`reference_cache_file` (kind ``reference``). A cached file for the same model fingerprint, prompt,
-    length and seed is loaded instead; one that fails its checks is rebuilt with a warning.
+    (:func:`collect_reference_keys`; one line on stderr says so first, and its progress bar is removed when done)
+    and saves the keys in float16 to :func:`reference_cache_file` (kind ``reference``). A cached file for the
+    same model fingerprint, prompt, length and seed is loaded instead; one that fails its checks is rebuilt with
+    a warning.
 
     Raises:
         ValueError: nothing is cached and ``tokenizer`` is None.
@@ -205,9 +210,18 @@ def load_or_build_reference(
         raise ValueError(
             f"expected a tokenizer to build the {prompt!r} reference prompt (or an artifact path) but got None"
         )
+    from tqdm.auto import tqdm
+
     ids = build_reference_prompt(prompt, tokenizer, length, seed)
     info = {"prompt": prompt, "seed": seed}
-    reference = collect_reference_keys(model, ids, chunk_size, progress=True, dtype=torch.float32, info=info)
+    # Said once, before the bar (tqdm.write keeps an open evaluation bar intact): the first use of the stored
+    # moments takes a while, later runs load the file.
+    tqdm.write(f"qada: building the stored-moment reference ({prompt}, {length} tokens) once; cached at {file}",
+               file=sys.stderr)
+    with tqdm(total=int(ids.numel()), unit="tok", desc="reference keys", leave=False) as bar:  # gone when done
+        reference = collect_reference_keys(
+            model, ids, chunk_size, progress=lambda done: bar.update(done - bar.n), dtype=torch.float32, info=info
+        )
     # Cached in float16 (half the disk); use what was cached so fresh and cached runs agree.
     reference.keys = reference.keys.to(torch.float16)
     reference.save(file)
@@ -259,8 +273,14 @@ class BucketedMomentsData:
                 f"{list(self.ends.shape)}, "
                 f"{list(self.mean.shape)}, {list(self.cov.shape)}"
             )
+        if isinstance(self.first, bool) or not isinstance(self.first, int) or self.first < 0:
+            raise ValueError(f"expected the bulk start first to be an int >= 0 but got {self.first!r}")
+        if self.ends.dtype.is_floating_point or self.ends.dtype == torch.bool:
+            raise ValueError(f"expected integer bucket ends but got {self.ends.dtype}")
         if J == 0 or not bool((self.ends[1:] > self.ends[:-1]).all()):
             raise ValueError(f"expected strictly increasing bucket ends but got {self.ends.tolist()}")
+        if int(self.ends[0]) <= self.first:
+            raise ValueError(f"expected bucket ends beyond the bulk start {self.first} but got {self.ends.tolist()}")
 
     def save(self, path: str | os.PathLike) -> Path:
         return save_artifact(
@@ -281,17 +301,18 @@ class BucketedMomentsData:
         tensors, info = load_artifact(
             path, "bucketed_moments", required=("ends", "mean", "cov"), fingerprint=fingerprint, window=window
         )
+        first = (info.window or {}).get("first")
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise ArtifactError(f"artifact {info.path!r} has no integer bulk start 'first' in its window metadata "
+                                f"(got {info.window!r})")
         try:
-            return cls(
-                tensors["ends"],
-                tensors["mean"],
-                tensors["cov"],
-                int(info.window["first"]),
-                dict(info.model),
-                dict(info.info),
-            )
-        except (ValueError, TypeError, KeyError) as error:
+            data = cls(tensors["ends"], tensors["mean"], tensors["cov"], first, dict(info.model), dict(info.info))
+            if not bool(torch.isfinite(data.mean).all()):
+                raise ValueError("expected finite means but they hold NaN or inf")
+            check_covariance("the covariances", data.cov)  # symmetric, positive semi-definite (float64)
+        except (ValueError, TypeError) as error:
             raise ArtifactError(f"artifact {info.path!r} holds inconsistent bucketed moments ({error})") from error
+        return data
 
 
 def compute_bucketed_moments(

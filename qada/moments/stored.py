@@ -94,8 +94,14 @@ class ReferenceMomentSource(MomentSource):
             raise ValueError(f"expected include_sinks to be a bool but got {self.include_sinks!r}")
         if self.prompt not in PROMPT_BUILDERS:
             raise ValueError(f"expected prompt in {sorted(PROMPT_BUILDERS)} but got {self.prompt!r}")
+        for name in ("path", "cache_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"expected {name} to be None or a file path but got {type(value).__name__} {value!r}")
         if self.path is not None:
             self.path = os.fspath(self.path)
+            if Path(self.path).is_dir():
+                raise ValueError(f"expected path to be an artifact file but {self.path!r} is a directory")
         self._warned_short = False
         self._starts_cpu: tuple[tuple, torch.Tensor] | None = None
         self._ends_cache: dict[tuple, torch.Tensor] = {}

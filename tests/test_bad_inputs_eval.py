@@ -286,6 +286,22 @@ CLI_CASES = [
     CliCase("cli_sweep_bad_moment_parameter",
             lambda tmp: ["sweep", "--moments", "stored:prompt=bogus", "--out", tmp / "s"], r"expected prompt in"),
     CliCase("cli_sweep_tau_out_of_range", lambda tmp: ["sweep", "--taus", "0.5,1.5", "--out", tmp / "s"], r"tau"),
+    CliCase("cli_calibrate_out_is_a_folder",
+            lambda tmp: ["calibrate", "--tasks", "niah_single_1", "--out", tmp], r"--out .* is a folder"),
+    CliCase("cli_calibrate_unknown_task",
+            lambda tmp: ["calibrate", "--tasks", "niah_single_1,nope", "--out", tmp / "m.safetensors"],
+            r"unknown task 'nope'"),
+    CliCase("cli_calibrate_alpha_above_one",
+            lambda tmp: ["calibrate", "--tasks", "niah_single_1", "--alpha", "1.5", "--out", tmp / "m.safetensors"],
+            r"--alpha in \[0, 1\] but got 1.5"),
+    CliCase("cli_calibrate_empty_data",
+            lambda tmp: ["calibrate", "--data", data_file(tmp, ""), "--out", tmp / "m.safetensors"],
+            r"holds no samples"),
+    CliCase("cli_analyze_out_is_a_file",
+            lambda tmp: (tmp / "f").write_text("") or ["analyze", "--task", "niah_single_2", "--out", tmp / "f"],
+            r"--out .* is a file"),
+    CliCase("cli_analyze_unknown_task", lambda tmp: ["analyze", "--task", "nope", "--out", tmp / "a"],
+            r"unknown task 'nope'"),
     CliCase("cli_demo_zero_samples", lambda tmp: ["demo", "--samples", "0", "--out", tmp / "d"],
             r"--samples.*>= 1 but got 0"),
     CliCase("cli_demo_out_is_a_file",
@@ -470,3 +486,35 @@ def test_killed_twenty_times_then_resumed_equals_uninterrupted(tmp_path, tiny_mo
     summary, expected = (json.loads(p.read_text()) for p in (tmp_path / "killed.json", reference))
     for key in ("score", "sparsity", "kv_sparsity", "n", "run"):
         assert summary[key] == expected[key]
+
+
+def test_cli_eval_static_file(tmp_path, capsys, tiny_model_dir):
+    """``qada eval --static FILE``: a head mask made for the model is evaluated as the static criterion; a mask made
+    for another model is refused before any sample runs."""
+    import torch
+    from transformers import AutoConfig
+
+    from qada.artifacts import model_fingerprint, save_head_mask
+    from tests.bad_inputs import assert_clean_cli_error, run_cli
+
+    path, _ = tiny_model_dir
+    from transformers import AutoModelForCausalLM
+
+    the_model = AutoModelForCausalLM.from_pretrained(path)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[:, :2] = True
+    mine = save_head_mask(tmp_path / "mine.safetensors", mask, model_fingerprint(the_model.config, the_model))
+    argv = ["eval", "--task", "niah_single_1", "--length", "200", "--samples", "1", "--model", path]
+    result = run_cli([*argv, "--static", mine, "--out", tmp_path / "r.json"], capsys)
+    assert result.code == 0, result.err
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert record["label"] == "static mine.safetensors" and record["criterion"]["name"] == "static"
+    assert record["sparsity"] == pytest.approx(0.5)
+
+    other = AutoConfig.from_pretrained(path)
+    other.num_attention_heads, other.num_key_value_heads = 8, 2
+    theirs = save_head_mask(tmp_path / "theirs.safetensors", torch.zeros(2, 8, dtype=torch.bool),
+                            model_fingerprint(other))
+    assert_clean_cli_error(run_cli([*argv, "--static", theirs, "--out", tmp_path / "t.json"], capsys),
+                           r"made for another model")
+    assert not (tmp_path / "t.parts").exists(), "refused before any work"

@@ -27,7 +27,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from qada.eval.analysis import (
         DecisionLog,
@@ -43,9 +42,11 @@ def run(args: argparse.Namespace) -> int:
     from qada.eval.evaluator import answer_budget
     from qada.eval.plots import plot_curves, plot_head_maps
     from qada.eval.tasks import TASKS
+    from qada.eval.validate import check_output_dir
     from qada.models import build_run, load_model, prepare_run
 
-    out = Path(args.out)
+    out = check_output_dir(args.out, "--out")
+    TASKS.get(args.task)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(args.model)
     samples = TASKS.build(args.task).generate(tokenizer, args.length, args.samples, args.seed)

@@ -32,8 +32,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from qada.eval.calibrate import calibrate_static, save_static_frequency
     from qada.eval.tasks import TASKS, load_ruler_jsonl
+    from qada.eval.validate import check_output_file
     from qada.models import load_model
 
+    check_output_file(args.out, "--out")  # before the model loads and the calibration runs
+    if args.data:
+        load_ruler_jsonl(args.data)
+    else:
+        for task in (t for t in args.tasks.split(",") if t):
+            TASKS.get(task)
+    if not 0.0 <= args.alpha <= 1.0:
+        raise ValueError(f"expected --alpha in [0, 1] but got {args.alpha}")
     model, tokenizer = load_model(args.model)
     if args.data:
         samples = load_ruler_jsonl(args.data, tokenizer=tokenizer)[: args.samples]

@@ -47,6 +47,9 @@ def eval_config(args: argparse.Namespace):
 
     The criterion is built once here to ask what it needs: moments go with it only if ``needs_moments``.
     """
+    from dataclasses import asdict
+    from pathlib import Path
+
     from qada.cli.common import (
         build_criterion,
         component_name,
@@ -54,20 +57,23 @@ def eval_config(args: argparse.Namespace):
         resolve_moments,
         resolve_spec,
         spec_label,
+        static_mask_spec,
     )
     from qada.criteria import DenseCriterion
     from qada.eval.configs import EvalConfig
-
-    file_config = load_run_config(args.config)
-    criterion_config, criterion = build_criterion(
-        resolve_spec(args.criterion, file_config, "criterion", "qada"), args.tau
-    )
-    moments = resolve_moments(args.moments, file_config, criterion)
-    executor = resolve_spec(args.executor, file_config, "executor", "sdpa")
-    from dataclasses import asdict
-
     from qada.window import Window
 
+    file_config = load_run_config(args.config)
+    static = getattr(args, "static", None)
+    if static is not None:
+        if args.tau is not None:
+            raise ValueError("--tau goes with a criterion name, not with --static (a static mask has no threshold)")
+        spec = static_mask_spec(static)  # a bad file fails here, before the model loads
+    else:
+        spec = resolve_spec(args.criterion, file_config, "criterion", "qada")
+    criterion_config, criterion = build_criterion(spec, args.tau)
+    moments = resolve_moments(args.moments, file_config, criterion)
+    executor = resolve_spec(args.executor, file_config, "executor", "sdpa")
     window = asdict(Window.from_config(file_config.get("window", {"t_local": 128, "t_sink": 16})))
     name = component_name(criterion_config)
     if isinstance(criterion, DenseCriterion):
@@ -75,6 +81,8 @@ def eval_config(args: argparse.Namespace):
     else:
         family = name if moments is None else f"{name}/{spec_label(moments, sep=':')}"
     label = family + spec_label(criterion_config)[len(name):]  # e.g. "qada/stored tau=0.3", "any_of#1a2b3c4d"
+    if static is not None:
+        label = f"static {Path(static).name}"
     return EvalConfig(label, criterion_config, moments, executor, window, family=family)
 
 
@@ -101,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
         task_builder = TASKS.build(args.task, template=args.template)
         check_count(args.length, "--length")
     model, tokenizer = load_model(args.model)
+    if getattr(args, "static", None) is not None:
+        from qada.cli.common import static_mask_spec
+
+        static_mask_spec(args.static, model)  # made for this model (its fingerprint), else a clear error
     if args.data:
         samples = load_ruler_jsonl(args.data, tokenizer=tokenizer)[: args.samples]
         task = samples[0].task or Path(args.data).stem

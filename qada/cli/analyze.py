@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, HelpFormatter, positive_int
+from qada.cli.common import IMPORTS, HelpFormatter, existing_file, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "analyze", parents=[IMPORTS], formatter_class=HelpFormatter,
-        help="log-error table (Table 2), head maps (Fig. 7), sparsity curves (Fig. 6)",
+        help="log-error table (Table 2), head maps (Fig. 7), sparsity curves (Fig. 6); --compare: sweep comparison",
     )
     parser.add_argument("--task", default="niah_single_2", help="task to record on; context_free for paper §5")
     parser.add_argument("--length", type=positive_int, default=2048, help="prompt length in tokens")
@@ -22,12 +22,67 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--compare", action="append", type=existing_file, default=None, metavar="RESULTS.json",
+                        help="instead of recording: the comparison report of sweep results (comparison.md/json/png: "
+                             "mean score over --auc-range per family, who dominates where, score vs sparsity and "
+                             "kv_sparsity); repeatable, later files replace equal (task, length, label) records "
+                             "(default: none)")
+    parser.add_argument("--auc-range", type=sparsity_range, default="0.7,0.95",
+                        help="sparsity interval LO,HI of the mean score and the dominance grid (steps of 0.05), "
+                             "with --compare")
     parser.set_defaults(run=run)
+
+
+def sparsity_range(text: str) -> tuple[float, float]:
+    """An ``argparse`` type: ``"0.7,0.95"`` -> ``(0.7, 0.95)`` with ``0 <= lo < hi <= 1``."""
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two numbers) but got {text!r}") from None
+    if not 0 <= lo < hi <= 1:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LO < HI <= 1 but got {text!r}")
+    return lo, hi
+
+
+def compare(args: argparse.Namespace) -> int:
+    """``--compare``: read sweep results, write the comparison report (no model)."""
+    import json
+    from pathlib import Path
+
+    from qada.eval.compare import comparison, write_comparison
+    from qada.eval.validate import check_output_dir
+
+    out = check_output_dir(args.out, "--out")
+    merged: dict[tuple, dict] = {}
+    for path in args.compare:
+        try:
+            records = json.loads(Path(path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--compare {path!r} is not JSON ({error})") from None
+        needed = ("task", "length", "label", "family", "score", "sparsity")
+        if not isinstance(records, list) or not all(isinstance(r, dict) and all(k in r for k in needed)
+                                                    for r in records):
+            raise ValueError(f"--compare {path!r}: expected a sweep's results.json (a list of records with "
+                             f"{', '.join(needed)})")
+        merged.update({(r["task"], r["length"], r["label"]): r for r in records})
+    records = list(merged.values())
+    lo, hi = args.auc_range  # argparse applies the type to the string default too
+    md, json_path, png = write_comparison(records, out, lo, hi,
+                                          command="qada analyze " + " ".join(f"--compare {p}" for p in args.compare))
+    for row in comparison(records, lo, hi):
+        scores = ", ".join(f"{f} {e['mean_score']:.1f}" for f, e in row["families"].items()
+                           if e["mean_score"] is not None)
+        print(f"{row['task']} @ {row['length']}: mean score over sparsity [{lo}, {hi}]: "
+              f"{scores or 'no family spans it'}")
+    print(f"wrote {md}, {json_path}, {png}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     import json
 
+    if args.compare:
+        return compare(args)
     from qada.eval.analysis import (
         DecisionLog,
         analysis_markdown,

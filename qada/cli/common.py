@@ -16,6 +16,7 @@ __all__ = [
     "IMPORTS",
     "HelpFormatter",
     "build_criterion",
+    "build_eval_config",
     "component_name",
     "existing_file",
     "load_run_config",
@@ -199,6 +200,42 @@ def build_criterion(spec: Any, tau: float | None = None) -> tuple[dict[str, Any]
                              f"parameters in a mapping ({error})") from None
         raise
     return config, criterion
+
+
+def build_eval_config(
+    spec: Any,
+    tau: float | None = None,
+    moments: str | None = None,
+    executor: str | None = None,
+    file_config: Mapping[str, Any] | None = None,
+    label: str | None = None,
+):
+    """One :class:`~qada.eval.configs.EvalConfig` from a criterion spec (``qada eval``, ``qada sweep --criterion``).
+
+    The criterion is built once here to ask what it needs: moments (the ``moments`` flag, else the config file's,
+    else ``stored``) go with it only if ``needs_moments``. The family is the criterion's name (with the moment
+    source if it needs one: ``qada/stored``), the label the family plus the flat parameters
+    (``qada_budget/stored sparsity=0.85``,
+    ``qada/stored tau=0.3``; nested specs get a digest: ``any_of#1a2b3c4d``).
+    """
+    from dataclasses import asdict
+
+    from qada.criteria import DenseCriterion
+    from qada.eval.configs import EvalConfig
+    from qada.window import Window
+
+    file_config = file_config or {}
+    criterion_config, criterion = build_criterion(spec, tau)
+    moments_spec = resolve_moments(moments, file_config, criterion)
+    executor_spec = resolve_spec(executor, file_config, "executor", "sdpa")
+    window = asdict(Window.from_config(file_config.get("window", {"t_local": 128, "t_sink": 16})))
+    name = component_name(criterion_config)
+    if isinstance(criterion, DenseCriterion):
+        family = "dense"  # the evaluator runs the unmodified model
+    else:
+        family = name if moments_spec is None else f"{name}/{spec_label(moments_spec, sep=':')}"
+    label = label or family + spec_label(criterion_config)[len(name):]  # e.g. "qada/stored tau=0.3"
+    return EvalConfig(label, criterion_config, moments_spec, executor_spec, window, family=family)
 
 
 def static_mask_spec(path: str, model: Any = None) -> dict[str, Any]:

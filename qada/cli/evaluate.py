@@ -47,21 +47,9 @@ def eval_config(args: argparse.Namespace):
 
     The criterion is built once here to ask what it needs: moments go with it only if ``needs_moments``.
     """
-    from dataclasses import asdict
     from pathlib import Path
 
-    from qada.cli.common import (
-        build_criterion,
-        component_name,
-        load_run_config,
-        resolve_moments,
-        resolve_spec,
-        spec_label,
-        static_mask_spec,
-    )
-    from qada.criteria import DenseCriterion
-    from qada.eval.configs import EvalConfig
-    from qada.window import Window
+    from qada.cli.common import build_eval_config, load_run_config, resolve_spec, static_mask_spec
 
     file_config = load_run_config(args.config)
     static = getattr(args, "static", None)
@@ -71,19 +59,8 @@ def eval_config(args: argparse.Namespace):
         spec = static_mask_spec(static)  # a bad file fails here, before the model loads
     else:
         spec = resolve_spec(args.criterion, file_config, "criterion", "qada")
-    criterion_config, criterion = build_criterion(spec, args.tau)
-    moments = resolve_moments(args.moments, file_config, criterion)
-    executor = resolve_spec(args.executor, file_config, "executor", "sdpa")
-    window = asdict(Window.from_config(file_config.get("window", {"t_local": 128, "t_sink": 16})))
-    name = component_name(criterion_config)
-    if isinstance(criterion, DenseCriterion):
-        family = "dense"  # the evaluator runs the unmodified model
-    else:
-        family = name if moments is None else f"{name}/{spec_label(moments, sep=':')}"
-    label = family + spec_label(criterion_config)[len(name):]  # e.g. "qada/stored tau=0.3", "any_of#1a2b3c4d"
-    if static is not None:
-        label = f"static {Path(static).name}"
-    return EvalConfig(label, criterion_config, moments, executor, window, family=family)
+    label = f"static {Path(static).name}" if static is not None else None
+    return build_eval_config(spec, args.tau, args.moments, args.executor, file_config, label=label)
 
 
 def run(args: argparse.Namespace) -> int:

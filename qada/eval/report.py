@@ -12,6 +12,7 @@ from qada.eval._extra import pyplot
 from qada.eval.results_file import read_rows, write_json
 
 __all__ = [
+    "fitted_on_markdown",
     "format_table",
     "markdown_table",
     "plot_score_vs_sparsity",
@@ -97,7 +98,7 @@ def write_results(
     command = command or "qada " + " ".join(sys.argv[1:])
     (out / f"{name}.md").write_text(f"Produced by `{command}` (qada, {time.strftime('%Y-%m-%d')}).\n\n"
                                     + markdown_table(records) + "\n\nWorst case over tasks (paper §4):\n\n"
-                                    + worst_case_markdown(worst_case_drop(records)) + "\n")
+                                    + worst_case_markdown(worst_case_drop(records)) + "\n" + _fitted_section(records))
     json_path = write_json(out / f"{name}.json", list(records))
     csv_path = out / f"{name}.csv"
     columns = ["task", "length", "n", "family", "label", "score", "sparsity", "kv_sparsity", "oracle_agreement",
@@ -107,6 +108,36 @@ def write_results(
         writer.writeheader()
         writer.writerows(records)
     return json_path, csv_path
+
+
+def fitted_on_markdown(records: Sequence[dict]) -> str:
+    """A markdown table of what each calibration artifact behind the records was fitted on (``fitted_on``).
+
+    One row per (task, length, family, file); ``""`` when no record used an artifact.
+    """
+    rows: dict[tuple, str] = {}
+    for r in records:
+        for entry in r.get("fitted_on") or ():
+            info = "; ".join(f"{k}={_plain_value(v)}" for k, v in sorted(entry.get("info", {}).items()))
+            key = (r["task"], r["length"], r["family"], entry.get("file"))
+            rows[key] = (f"| {r['task']} | {r['length']} | {r['family']} | {entry.get('file')} "
+                         f"({entry.get('kind', '?')}) | {info or 'nothing recorded'} |")
+    if not rows:
+        return ""
+    return "\n".join(["| task | length | family | artifact | fitted on |", "|---|---:|---|---|---|", *rows.values()])
+
+
+def _plain_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(_plain_value(v) for v in value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_plain_value(v)}" for k, v in value.items()) + "}"
+    return str(value).replace("|", "/")
+
+
+def _fitted_section(records: Sequence[dict]) -> str:
+    table = fitted_on_markdown(records)
+    return f"\nWhat the calibration artifacts were fitted on:\n\n{table}\n" if table else ""
 
 
 def plot_score_vs_sparsity(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
@@ -146,17 +177,31 @@ def records_from_rows(folder: str | Path) -> list[dict]:
     The same means the evaluator computes (score, sparsity and kv_sparsity averaged over samples), for reporting
     a sweep that was interrupted; ``n`` is the number of samples each configuration finished.
     """
+    import json
+
     groups: dict[tuple, list[dict]] = {}
+    described: dict[tuple, dict] = {}  # (task, length, label) -> the cell's record of that label (cell.json)
+    extras: dict[tuple, dict] = {}
     for path in sorted(Path(folder).rglob("results-rank*.jsonl")):
+        cell_file = path.parent / "cell.json"
+        cell = json.loads(cell_file.read_text()) if cell_file.is_file() else None
         # a sweep's folders are named <task>-<target length>; a sample's own length may fall a little short
         task_name, _, target = path.parent.name.rpartition("-")
         for row in read_rows(path):
-            length = int(target) if target.isdigit() and task_name == row["task"] else None
-            groups.setdefault((row["task"], length, row["config"]), []).append(row)
+            if cell is not None:  # written by run_sweep: the cell's own task and length (data files too)
+                task, length = cell["task"], cell["length"]
+                described[(task, length, row["config"])] = cell.get("configs", {}).get(row["config"], {})
+                if "file" in cell.get("data", {}):
+                    extras[(task, length, row["config"])] = {"data": cell["data"]}
+            else:
+                task = row["task"]
+                length = int(target) if target.isdigit() and task_name == row["task"] else None
+            groups.setdefault((task, length, row["config"]), []).append(row)
     records = []
     for (task, length, label), rows in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1] or 0)):
         measured = [r for r in rows if r["sparsity"] is not None]
-        family = "dense" if label == "dense" else label.rsplit(" ", 1)[0]
+        about = described.get((task, length, label), {})
+        family = about.get("family") or ("dense" if label == "dense" else label.rsplit(" ", 1)[0])
         record = {
             "task": task, "length": length, "n": len(rows), "label": label, "family": family,
             "score": sum(r["score"] for r in rows) / len(rows),
@@ -168,6 +213,9 @@ def records_from_rows(folder: str | Path) -> list[dict]:
         }
         if not measured:
             record["missing"] = {"sparsity": _NO_DECODE, "kv_sparsity": _NO_DECODE}
+        record.update(extras.get((task, length, label), {}))
+        if about.get("fitted_on"):
+            record["fitted_on"] = about["fitted_on"]
         records.append(record)
     return records
 

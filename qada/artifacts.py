@@ -1,8 +1,10 @@
-"""Artifacts (reference keys, bucketed moments, static head masks) as safetensors files with checked metadata.
+"""Artifacts (reference keys, bucketed moments, static head masks, QAdA corrections) as safetensors files with
+checked metadata.
 
 Every file written here carries, as safetensors string metadata:
 
-* ``format = "qada"``, ``format_version``, ``kind`` (``reference_keys``, ``bucketed_moments``, ``head_mask``);
+* ``format = "qada"``, ``format_version``, ``kind`` (``reference_keys``, ``bucketed_moments``, ``head_mask``,
+  ``qada_correction``);
 * ``model``: the JSON :func:`model_fingerprint` of the model it was made for;
 * ``window``: the JSON window settings it depends on (or ``null``);
 * ``info``: JSON details (prompt kind, seed, length, ...);
@@ -31,16 +33,18 @@ __all__ = [
     "check_fingerprint",
     "load_artifact",
     "load_head_mask",
+    "load_qada_correction",
     "model_fingerprint",
     "read_artifact_info",
     "save_artifact",
     "save_head_mask",
+    "save_qada_correction",
     "verify_artifact",
 ]
 
 FORMAT = "qada"
 FORMAT_VERSION = "1"
-KINDS = ("reference_keys", "bucketed_moments", "head_mask")
+KINDS = ("reference_keys", "bucketed_moments", "head_mask", "qada_correction")
 
 
 class ArtifactError(ValueError):
@@ -341,3 +345,58 @@ def load_head_mask(
             f"artifact {info.path!r} holds a mask {mask.dtype} {list(mask.shape)}; expected bool [{L}, {H}]"
         )
     return mask, info
+
+
+# --- QAdA corrections -------------------------------------------------------------------------------------
+
+
+def _correction_problem(slope: Any, offset: Any, count: Any, L: Any, H: Any) -> str | None:
+    """What is wrong with a correction's tensors (``None`` if nothing): shapes, dtypes, finiteness."""
+    for name, t in (("slope", slope), ("offset", offset)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.ndim != 2:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            return f"expected {name} as a floating [layers, heads] tensor but got {got}"
+    if slope.shape != offset.shape:
+        return f"expected slope and offset of one shape but got {list(slope.shape)} and {list(offset.shape)}"
+    if L is not None and H is not None and tuple(slope.shape) != (L, H):
+        return f"expected slope and offset of shape [{L}, {H}] for this model but got {list(slope.shape)}"
+    if not (torch.isfinite(slope).all() and torch.isfinite(offset).all()):
+        return "expected finite slope and offset but got NaN or inf"
+    if count is not None and (not isinstance(count, torch.Tensor) or count.shape != slope.shape
+                              or (count.dtype.is_floating_point and not torch.isfinite(count).all())
+                              or bool((count < 0).any())):
+        return "expected count as a non-negative [layers, heads] tensor like slope"
+    return None
+
+
+def save_qada_correction(
+    path: str | os.PathLike,
+    slope: torch.Tensor,
+    offset: torch.Tensor,
+    fingerprint: Mapping[str, Any],
+    count: torch.Tensor | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> Path:
+    """Save a per-head correction of the lognormal estimate (``qada_calibrated``): ``slope, offset [L, H]``, finite,
+    and optionally the ``count [L, H]`` of samples behind each head; ``info`` says what it was fitted on."""
+    L, H = fingerprint.get("num_layers"), fingerprint.get("num_heads")
+    problem = _correction_problem(slope, offset, count, L, H)
+    if problem:
+        raise ValueError(problem)
+    tensors = {"slope": slope.float(), "offset": offset.float()}
+    if count is not None:
+        tensors["count"] = count.long()
+    return save_artifact(path, "qada_correction", tensors, fingerprint, info=info)
+
+
+def load_qada_correction(
+    path: str | os.PathLike, fingerprint: Mapping[str, Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, ArtifactInfo]:
+    """``(slope [L, H], offset [L, H], info)`` of a correction artifact; checks the model fingerprint when one is
+    given, and always the shapes (against the file's own model) and that every value is finite."""
+    tensors, info = load_artifact(path, "qada_correction", required=("slope", "offset"), fingerprint=fingerprint)
+    problem = _correction_problem(tensors["slope"], tensors["offset"], tensors.get("count"),
+                                  info.model.get("num_layers"), info.model.get("num_heads"))
+    if problem:
+        raise ArtifactError(f"artifact {info.path!r} holds a broken correction: {problem}")
+    return tensors["slope"], tensors["offset"], info

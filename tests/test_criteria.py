@@ -31,6 +31,9 @@ EXAMPLES = {
     "all_of": {"criteria": [{"name": "oracle"}, {"name": "qada", "tau": 0.2}]},
     "not": {"criterion": {"name": "oracle", "tau": 0.5}},
     "layer_override": {"base": {"name": "qada", "tau": 0.6}, "overrides": {0: "dense", 2: {"name": "local"}}},
+    "qada_calibrated": {"tau": 0.5, "slope": [[1.2, 0.8, 1.0, 0.5]] * 3, "offset": [[0.3, -0.2, 0.0, 1.0]] * 3},
+    "qada_budget": {"sparsity": 0.5, "per_group": True},
+    "hybrid": {"base": {"name": "qada_budget", "sparsity": 0.75}, "dense_mask": [[True, False, False, False]] * 3},
 }
 
 

@@ -87,12 +87,12 @@ def check_build_arguments(args: argparse.Namespace) -> None:
 def run_info(args: argparse.Namespace) -> int:
     """Print what the file holds after checking all of it: metadata, every tensor against the digest, and the
     content checks of its kind (shapes; finite keys; ordered bucket ends, PSD covariances; a bool mask)."""
-    from qada.artifacts import load_head_mask, read_artifact_info
+    from qada.artifacts import load_head_mask, load_qada_correction, read_artifact_info
     from qada.moments import BucketedMomentsData, ReferenceKeys
 
     info = read_artifact_info(args.file)
     loaders = {"reference_keys": ReferenceKeys.load, "bucketed_moments": BucketedMomentsData.load,
-               "head_mask": load_head_mask}
+               "head_mask": load_head_mask, "qada_correction": load_qada_correction}
     loaders[info.kind](args.file)  # reads every tensor: raises ArtifactError for a corrupted or inconsistent file
     print(info.describe())
     print("checked: digest and content OK")

@@ -6,8 +6,11 @@ Importing this package registers the built-in criteria in :data:`CRITERIA`.
 from qada.criteria.base import CRITERIA, HeadCriterion, register_criterion
 from qada.criteria.baselines import DenseCriterion, LocalCriterion
 from qada.criteria.budget import BudgetCriterion, top_k_mask
+from qada.criteria.budgeted import BudgetedQAdACriterion
+from qada.criteria.calibrated import CalibratedQAdACriterion
 from qada.criteria.calibration import StaticCalibrator
 from qada.criteria.compose import AllOf, AnyOf, LayerOverride, Not
+from qada.criteria.hybrid import HybridCriterion
 from qada.criteria.oracle import OracleCriterion
 from qada.criteria.qada import QAdACriterion
 from qada.criteria.static import StaticCriterion
@@ -19,9 +22,12 @@ __all__ = [
     "AllOf",
     "AnyOf",
     "BudgetCriterion",
+    "BudgetedQAdACriterion",
+    "CalibratedQAdACriterion",
     "DecodeStep",
     "DenseCriterion",
     "HeadCriterion",
+    "HybridCriterion",
     "LayerOverride",
     "LocalCriterion",
     "Not",

@@ -1,22 +1,37 @@
-"""Static calibration (paper App. A): oracle local frequencies per head, recorded while decoding prompts."""
+"""Calibration runs on prompts: static head masks (paper App. A, oracle local frequencies per head) and the
+per-head correction of QAdA's lognormal estimate (``qada_calibrated``, recorded against the oracle's exact bulk
+mass)."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qada.criteria import StaticCalibrator, StaticCriterion
+from qada.criteria import DenseCriterion, OracleCriterion, StaticCalibrator, StaticCriterion
 from qada.eval.decode import decode_greedy, prefill
 from qada.eval.evaluator import answer_budget
 from qada.eval.tasks import Sample
-from qada.models.apply import build_run
+from qada.functional import LogCorrection, fit_log_correction
+from qada.models.apply import build_run, prepare_run
 from qada.models.observers import DecisionEvent, Observer
 
-__all__ = ["CalibrationObserver", "calibrate_static", "load_static_frequency", "save_static_frequency"]
+__all__ = [
+    "CalibrationObserver",
+    "LogBulkRecorder",
+    "LogBulkSamples",
+    "calibrate_qada_correction",
+    "calibrate_static",
+    "collect_log_bulk_samples",
+    "load_static_frequency",
+    "save_qada_correction_fit",
+    "save_static_frequency",
+]
 
 
 class CalibrationObserver(Observer):
@@ -43,16 +58,13 @@ def calibrate_static(
     As in App. A: on RULER prompts (``decode_with_oracle=True``) the calibration run decodes with the
     oracle-approximated attention; otherwise it decodes densely while recording the oracle's labels.
     """
-    from tqdm.auto import tqdm
-
     config = model.config
     calibrator = StaticCalibrator(config.num_hidden_layers, config.num_attention_heads, tau_static)
     observer = CalibrationObserver(calibrator)
     criterion = calibrator.criterion()
     if decode_with_oracle:
-        run = build_run(criterion, None, "sdpa", window, [observer])
+        run = build_run(criterion, "none", "sdpa", window, [observer])
     else:
-        from qada.criteria import DenseCriterion
 
         class _RecordOracle(Observer):
             wants_oracle = True
@@ -63,12 +75,140 @@ def calibrate_static(
                 local, _ = finite_threshold_decision(event.log_local, event.log_bulk, tau_static, event.t_bulk > 0)
                 calibrator.update(event.layer, local)
 
-        run = build_run(DenseCriterion(), None, "sdpa", window, [_RecordOracle()])
+        # the oracle's labels need the full scores only, not the lognormal estimate: no moment source to feed
+        run = build_run(DenseCriterion(), "none", "sdpa", window, [_RecordOracle()])
+    _decode_samples(model, tokenizer, samples, prepare_run(run, model, tokenizer), progress)
+    return calibrator.compute()
+
+
+def _decode_samples(model: Any, tokenizer: Any, samples: Sequence[Sample], run: Any, progress: bool) -> None:
+    """Greedy decoding of every sample's answer with ``run`` attached (a prepared run)."""
+    from tqdm.auto import tqdm
+
     eos = {tokenizer.eos_token_id} - {None}
     for sample in tqdm(samples, desc="qada calibrate", disable=not progress):
         ids = tokenizer(sample.input, return_tensors="pt", add_special_tokens=False)["input_ids"]
         decode_greedy(model, prefill(model, ids.to(model.device)), answer_budget(sample, tokenizer), eos, run)
-    return calibrator.compute()
+
+
+@dataclass
+class LogBulkSamples:
+    """The exact and estimated bulk masses of every recorded decode decision, per layer and head.
+
+    Attributes:
+        estimate: ``[N, L, H]`` lognormal ``log Â_bulk`` (paper eq. 7).
+        truth: ``[N, L, H]`` exact ``log A_bulk`` (the oracle's, from all scores).
+        t_bulk: ``[N]`` bulk size of each sample (a decode step of one prompt row; shared by all layers).
+    """
+
+    estimate: torch.Tensor
+    truth: torch.Tensor
+    t_bulk: torch.Tensor
+
+    @property
+    def log_t_bulk(self) -> torch.Tensor:
+        """``[N, 1, 1]`` ``log T_bulk`` (``-inf`` for samples without a bulk)."""
+        return self.t_bulk.double().log()[:, None, None]
+
+    def corrected(self, correction: LogCorrection | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``[N, L, H]`` the estimate after a correction ``(slope, offset, ...)`` (see ``qada_calibrated``)."""
+        from qada.functional import apply_log_correction
+
+        slope, offset = correction[0], correction[1]
+        estimate = self.estimate.double()
+        return apply_log_correction(estimate, estimate - self.log_t_bulk, slope.double(), offset.double())
+
+    def abs_log_error(self, correction: LogCorrection | tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+        """Mean ``|log A_bulk - log Â_bulk|`` over the samples with a bulk, with or without a correction."""
+        estimate = self.estimate.double() if correction is None else self.corrected(correction)
+        error = (self.truth.double() - estimate).abs()
+        keep = torch.isfinite(error)
+        return float(error[keep].mean()) if keep.any() else math.nan
+
+
+class LogBulkRecorder(Observer):
+    """Keeps ``log A_bulk``, ``log Â_bulk`` and ``T_bulk`` of every decision of rows with a bulk (``wants_oracle``);
+    :meth:`samples` stacks them to ``[N, L, H]``."""
+
+    wants_oracle = True
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+            layer: [] for layer in range(num_layers)}
+
+    def on_decision(self, event: DecisionEvent) -> None:
+        if event.log_bulk_estimate is None:
+            raise RuntimeError("recording the lognormal estimate needs a moment source (e.g. moments='stored')")
+        keep = (event.t_bulk > 0).cpu()
+        self.rows[event.layer].append((event.log_bulk_estimate.detach().float().cpu()[keep],
+                                       event.log_bulk.detach().float().cpu()[keep], event.t_bulk.cpu()[keep]))
+
+    def samples(self) -> LogBulkSamples:
+        counts = {layer: sum(len(r[2]) for r in rows) for layer, rows in self.rows.items()}
+        if len(set(counts.values())) != 1 or counts[0] == 0:
+            raise RuntimeError(f"expected the same number (> 0) of recorded decode steps with a bulk in every layer "
+                               f"but got {counts}")
+        estimate = torch.stack([torch.cat([r[0] for r in self.rows[layer]]) for layer in range(self.num_layers)], 1)
+        truth = torch.stack([torch.cat([r[1] for r in self.rows[layer]]) for layer in range(self.num_layers)], 1)
+        return LogBulkSamples(estimate, truth, torch.cat([r[2] for r in self.rows[0]]))
+
+
+def collect_log_bulk_samples(
+    model: Any,
+    tokenizer: Any,
+    samples: Sequence[Sample],
+    moments: Any = "stored",
+    tau_static: float = 0.6,
+    decode_with_oracle: bool = True,
+    window: dict | None = None,
+    progress: bool = True,
+) -> LogBulkSamples:
+    """Decode ``samples`` and record, per step, layer and head, the estimate ``log Â_bulk`` (from ``moments``) and
+    the exact ``log A_bulk``.
+
+    Decodes with the oracle at ``tau_static`` (``decode_with_oracle``, as :func:`calibrate_static` on RULER
+    prompts) or densely; the moment source is prepared for the model first (a stored reference is built or loaded).
+    """
+    if moments is None or moments == "none":
+        raise ValueError("expected a moment source for the lognormal estimate but got moments: none")
+    criterion = OracleCriterion(tau=tau_static) if decode_with_oracle else DenseCriterion()
+    recorder = LogBulkRecorder(model.config.num_hidden_layers)
+    run = prepare_run(build_run(criterion, moments, "sdpa", window, [recorder]), model, tokenizer)
+    _decode_samples(model, tokenizer, samples, run, progress)
+    return recorder.samples()
+
+
+def calibrate_qada_correction(
+    model: Any,
+    tokenizer: Any,
+    samples: Sequence[Sample],
+    moments: Any = "stored",
+    tau_static: float = 0.6,
+    decode_with_oracle: bool = True,
+    window: dict | None = None,
+    ridge: float = 1.0,
+    progress: bool = True,
+) -> tuple[LogCorrection, LogBulkSamples]:
+    """Fit the ``qada_calibrated`` correction (``slope, offset [L, H]``) on ``samples``: ``(correction, samples)``.
+
+    See :func:`collect_log_bulk_samples` for the recording and :func:`qada.functional.fit_log_correction` for the
+    fit (``ridge`` pulls each head toward the identity). Evaluate it on prompts the fit never saw.
+    """
+    recorded = collect_log_bulk_samples(model, tokenizer, samples, moments, tau_static, decode_with_oracle, window,
+                                        progress)
+    return fit_log_correction(recorded.estimate, recorded.truth, recorded.log_t_bulk, ridge), recorded
+
+
+def save_qada_correction_fit(
+    path: str | os.PathLike, correction: LogCorrection, model: Any, info: dict | None = None
+) -> Path:
+    """Save a fitted correction as a ``qada_correction`` artifact with the model's fingerprint (weights included);
+    ``info`` records what it was fitted on (tasks, seeds, samples, moment source, tau_static, ...)."""
+    from qada.artifacts import model_fingerprint, save_qada_correction
+
+    return save_qada_correction(path, correction.slope, correction.offset, model_fingerprint(model.config, model),
+                                count=correction.count, info=info)
 
 
 def save_static_frequency(

@@ -1,0 +1,148 @@
+"""Issue 16's comparison: every criterion family on niah_single_1, niah_single_2 and niah_multikey_1 at 2k and 4k.
+
+Evaluation prompts come from qada's RULER generators with seed 7; every calibration artifact (the static head
+set, the hybrid's always-dense heads, calibrated QAdA's correction) is fitted on *other* tasks (niah_single_3,
+niah_multikey_2, vt) with seed 100, so no evaluated prompt or task was seen by a calibration. Per-sample rows
+resume (identity-checked), so the command can be rerun to add families or finish an interrupted run:
+
+    .venv/bin/python results/criteria/run.py [--lengths 2048,4096] [--samples 10]
+
+Writes ``results/criteria/<task>-<length>/`` (rows, calibration artifacts), ``results.{json,csv,md}``, the
+plot and the comparison report (``compare.md``: area under score-vs-sparsity over [0.7, 0.95], who dominates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+EVAL_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1")
+CALIBRATION_TASKS = ("niah_single_3", "niah_multikey_2", "vt")
+EVAL_SEED, CALIBRATION_SEED = 7, 100
+TAU_STATIC = 0.6
+WINDOW = {"t_local": 128, "t_sink": 16}
+SPARSITIES = (0.7, 0.8, 0.85, 0.9, 0.95)
+
+
+def calibration_artifacts(model, tokenizer, length: int, samples: int, folder: Path,
+                          correction: bool = True) -> dict[str, Path]:
+    """Static local frequencies (and, when available, the QAdA correction) fitted on the calibration tasks."""
+    from qada.eval.calibrate import calibrate_static, save_static_frequency
+    from qada.eval.tasks import TASKS
+
+    prompts = [s for task in CALIBRATION_TASKS
+               for s in TASKS.build(task).generate(tokenizer, length, samples, CALIBRATION_SEED)]
+    info = {"tasks": list(CALIBRATION_TASKS), "seed": CALIBRATION_SEED, "n": len(prompts), "length": length,
+            "tau_static": TAU_STATIC}
+    out = {"static": folder / f"static-{length}.safetensors"}
+    if not out["static"].is_file():
+        frequency = calibrate_static(model, tokenizer, prompts, TAU_STATIC, decode_with_oracle=True)
+        save_static_frequency(out["static"], frequency, model, alpha=0.85, info=info)
+    if not correction:
+        return out
+    from qada.eval.calibrate import calibrate_qada_correction, save_qada_correction_fit
+
+    out["correction"] = folder / f"correction-{length}.safetensors"
+    if not out["correction"].is_file():
+        fit, _ = calibrate_qada_correction(model, tokenizer, prompts, "stored", TAU_STATIC)
+        save_qada_correction_fit(out["correction"], fit, model, info={**info, "moments": "stored", "ridge": 1.0})
+    return out
+
+
+def configs(model, artifacts: dict[str, Path], new_families: bool = True) -> list:
+    """Every configuration of a cell: the paper's families plus budgeted, calibrated and hybrid QAdA."""
+    from qada.criteria import CRITERIA
+    from qada.eval.calibrate import load_static_frequency
+    from qada.eval.configs import EvalConfig
+    from qada.functional import calibrate_static_mask
+
+    def config(label, criterion, moments, family):
+        return EvalConfig(label, criterion, moments, "sdpa", WINDOW, family)
+
+    out = [config("dense", "dense", None, "dense")]
+    out += [config(f"oracle tau={t}", {"name": "oracle", "tau": t}, None, "oracle") for t in (0.3, 0.6, 0.9)]
+    out += [config(f"qada/stored tau={t}", {"name": "qada", "tau": t}, "stored", "qada/stored")
+            for t in (0.4, 0.6, 0.8, 0.9)]
+    out += [config(f"qada/current tau={t}", {"name": "qada", "tau": t}, "current", "qada/current") for t in (0.6, 0.9)]
+    frequency, _ = load_static_frequency(artifacts["static"], model)
+    out += [config(f"static alpha={a}", {"name": "static", "mask": calibrate_static_mask(frequency, a).tolist()},
+                   None, "static (other tasks)") for a in SPARSITIES]
+    if not new_families:
+        return out
+    if "qada_budget" in CRITERIA:
+        out += [config(f"qada_budget sparsity={s}", {"name": "qada_budget", "sparsity": s}, "stored", "qada_budget")
+                for s in SPARSITIES]
+        out += [config(f"qada_budget/group sparsity={s}", {"name": "qada_budget", "sparsity": s, "per_group": True},
+                       "stored", "qada_budget/group") for s in (0.8, 0.9)]
+    if "qada_calibrated" in CRITERIA and "correction" in artifacts:
+        out += [config(f"qada_calibrated tau={t}", {"name": "qada_calibrated", "tau": t,
+                                                    "correction": str(artifacts["correction"])},
+                       "stored", "qada_calibrated") for t in (0.6, 0.8, 0.9)]
+    if "hybrid" in CRITERIA:
+        for fraction in (0.1,):
+            for s in (0.85, 0.9, 0.95):
+                out.append(config(f"hybrid dense={fraction} budget={s}",
+                                  {"name": "hybrid", "calibration": str(artifacts["static"]),
+                                   "dense_fraction": fraction, "base": {"name": "qada_budget", "sparsity": s}},
+                                  "stored", f"hybrid dense={fraction}"))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="2048,4096")
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--calibration-samples", type=int, default=3, help="per calibration task")
+    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--baseline-only", action="store_true",
+                        help="only dense, oracle, QAdA and static (the families of the paper)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    from qada.eval.evaluator import Evaluator
+    from qada.eval.report import format_table, plot_score_vs_sparsity, result_record, write_results
+    from qada.eval.sweep import _provenance, artifact_provenance
+    from qada.eval.tasks import TASKS
+    from qada.models import load_model
+
+    start = time.time()
+    model, tokenizer = load_model(None)
+    out = Path(args.out)
+    records = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        artifacts = calibration_artifacts(model, tokenizer, length, args.calibration_samples, out,
+                                          not args.baseline_only)
+        cell_configs = configs(model, artifacts, not args.baseline_only)
+        static = _provenance(artifacts["static"], drop=("alpha",))
+        fitted_on = {c.label: [static] if c.family.startswith("static") else artifact_provenance(c.criterion)
+                     for c in cell_configs}
+        for task in EVAL_TASKS:
+            samples = TASKS.build(task).generate(tokenizer, length, args.samples, EVAL_SEED)
+            settings = {"seed": EVAL_SEED, "template": "base", "data": {"task": task, "length": length}}
+            evaluator = Evaluator(model, tokenizer, cell_configs, out / f"{task}-{length}", settings=settings)
+            results = evaluator.evaluate(samples)
+            records += [result_record(entry, task, length, len(samples), model, EVAL_SEED,
+                                      {"fitted_on": fitted_on[entry["label"]]} if fitted_on[entry["label"]] else {})
+                        for entry in results.values()]
+    print(format_table(records))
+    command = "python results/criteria/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    write_results(records, out, command=command.strip())
+    plot_score_vs_sparsity(records, out / "score_vs_sparsity.png", "criteria on unseen prompts (SmolLM2-135M)")
+    try:
+        from qada.eval.compare import write_comparison
+    except ImportError:
+        pass
+    else:
+        write_comparison(records, out, command=command.strip())
+    print(f"done in {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

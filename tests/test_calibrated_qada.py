@@ -330,3 +330,24 @@ def test_correction_lowers_the_held_out_log_error_on_the_embedded_model():
     print(f"held-out mean |log A_bulk - estimate|: {before:.3f} plain, {after:.3f} corrected "
           f"(fitted: {recorded.abs_log_error():.3f} -> {recorded.abs_log_error(correction):.3f})")
     assert after < before
+
+
+def test_quantile_offset_covers_the_truth_in_that_fraction_of_steps():
+    """``quantile=q``: the corrected estimate is >= the exact mass in about a fraction q of the samples per head."""
+    from qada.functional import apply_log_correction, fit_log_correction
+
+    generator = torch.Generator().manual_seed(0)
+    n, L, H = 2000, 2, 3
+    x = torch.randn(n, L, H, generator=generator, dtype=torch.float64)
+    y = 0.7 * x + 0.3 + 0.5 * torch.randn(n, L, H, generator=generator, dtype=torch.float64)
+    log_t = torch.zeros(n, 1, 1, dtype=torch.float64)
+    for q in (0.5, 0.9):
+        fit = fit_log_correction(x, y, log_t, ridge=0.0, quantile=q)
+        corrected = apply_log_correction(x, x, fit.slope.double(), fit.offset.double())
+        covered = (corrected >= y).double().mean(0)
+        assert torch.allclose(covered, torch.full_like(covered, q), atol=0.01)
+    mean_fit = fit_log_correction(x, y, log_t, ridge=0.0)
+    high = fit_log_correction(x, y, log_t, ridge=0.0, quantile=0.9)
+    assert (high.offset > mean_fit.offset).all(), "a high quantile is conservative: more estimated bulk"
+    with pytest.raises(ValueError, match="quantile"):
+        fit_log_correction(x, y, log_t, quantile=1.0)

@@ -1,5 +1,6 @@
 """Budgeted QAdA (``qada_budget``) and the hybrid criterion (``hybrid``): issue 16, parts 1 and 3."""
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -387,3 +388,15 @@ def test_budget_and_hybrid_on_the_embedded_model():
     text, hybrid = answer({"name": "hybrid", "base": {"name": "qada", "tau": 0.6}, "dense_mask": dense})
     assert hybrid["sparsity_per_layer"][0] == 0.0 and hybrid["sparsity"] > 0.3
     assert prompt.key in text, f"hybrid answered {text!r}"
+
+
+@given(st.floats(0, 1), st.integers(1, 64), st.integers(1, 80))
+def test_spread_count_reaches_the_fractional_budget_over_layers(sparsity, heads, layers):
+    from qada.criteria import spread_count
+
+    target = sparsity * heads
+    counts = [spread_count(target, layer) for layer in range(layers)]
+    assert all(math.floor(target) <= c <= math.ceil(target) for c in counts)
+    assert abs(sum(counts) - target * layers) <= 0.5 + 1e-9
+    if float(target).is_integer():
+        assert counts == [int(target)] * layers

@@ -32,6 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="with --correction: moment source of the estimate to correct (name, mapping or file)")
     parser.add_argument("--ridge", type=float, default=1.0,
                         help="with --correction: pull of each head's fit toward the identity (slope 1, offset 0)")
+    parser.add_argument("--quantile", type=float, default=None,
+                        help="with --correction: fit each head's offset as this quantile of its residuals (e.g. 0.9: "
+                             "the corrected estimate covers the exact bulk mass in 90%% of the steps) (default: the "
+                             "least-squares mean offset)")
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True,
@@ -59,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"expected --alpha in [0, 1] but got {args.alpha}")
     if not 0.0 <= args.tau_static <= 1.0:
         raise ValueError(f"expected --tau-static in [0, 1] but got {args.tau_static}")
+    if args.quantile is not None and not 0 < args.quantile < 1:
+        raise ValueError(f"expected --quantile in (0, 1) but got {args.quantile}")
     if not (math.isfinite(args.ridge) and args.ridge >= 0):
         raise ValueError(f"expected --ridge to be a finite number >= 0 but got {args.ridge}")
     moments = parse_component_spec(args.moments) if args.correction else None
@@ -87,10 +93,11 @@ def _run_correction(args: argparse.Namespace, model, tokenizer, samples, moments
     from qada.eval.calibrate import calibrate_qada_correction, save_qada_correction_fit
 
     correction, recorded = calibrate_qada_correction(model, tokenizer, samples, moments, args.tau_static,
-                                                     not args.dense_decoding, ridge=args.ridge)
+                                                     not args.dense_decoding, ridge=args.ridge,
+                                                     quantile=args.quantile)
     info = {"tasks": args.tasks, "data": args.data, "length": args.length if args.tasks else None,
             "seed": args.seed, "n": len(samples), "moments": moments, "tau_static": args.tau_static,
-            "decoding": "dense" if args.dense_decoding else "oracle", "ridge": args.ridge,
+            "decoding": "dense" if args.dense_decoding else "oracle", "ridge": args.ridge, "quantile": args.quantile,
             "records": int(recorded.t_bulk.numel())}
     path = save_qada_correction_fit(args.out, correction, model, info)
     before, after = recorded.abs_log_error(), recorded.abs_log_error(correction)

@@ -5,7 +5,7 @@ Importing this package registers the built-in criteria in :data:`CRITERIA`.
 
 from qada.criteria.base import CRITERIA, HeadCriterion, register_criterion
 from qada.criteria.baselines import DenseCriterion, LocalCriterion
-from qada.criteria.budget import BudgetCriterion, top_k_mask
+from qada.criteria.budget import BudgetCriterion, spread_count, top_k_mask
 from qada.criteria.budgeted import BudgetedQAdACriterion
 from qada.criteria.calibrated import CalibratedQAdACriterion
 from qada.criteria.calibration import StaticCalibrator
@@ -38,5 +38,6 @@ __all__ = [
     "StepContext",
     "ThresholdCriterion",
     "register_criterion",
+    "spread_count",
     "top_k_mask",
 ]

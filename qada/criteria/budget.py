@@ -1,7 +1,9 @@
 """:class:`BudgetCriterion`: per row and step, a target number of heads is local, chosen by a per-head score.
 
 A subclass gives a score per head (higher = more reason to be local); the base keeps the ``k`` best heads of
-each row local, ``k = floor(sparsity * H + 1/2)`` unless a subclass gives its own count per layer
+each row local, with ``k`` spread over the layers so that their mean is ``sparsity * H`` (layer ``l`` gets
+``floor(s H (l + 1) + 1/2) - floor(s H l + 1/2)``: a model with 9 heads per layer reaches sparsity 0.85 on
+average instead of rounding every layer to 8/9), unless a subclass gives its own count per layer
 (:meth:`BudgetCriterion.local_count`). Heads with a non-finite score are never local (fail-safe, counted);
 the budget then goes to the best finite heads.
 Equal sparsity makes budgeted criteria directly comparable with each other and with static masks.
@@ -20,7 +22,15 @@ from qada.functional import check_threshold
 from qada.functional.checks import check_head_scores
 from qada.step import DecodeStep
 
-__all__ = ["BudgetCriterion", "top_k_mask"]
+__all__ = ["BudgetCriterion", "spread_count", "top_k_mask"]
+
+
+def spread_count(per_layer: float, layer: int) -> int:
+    """Layer ``layer``'s integer share of a fractional count ``per_layer`` (e.g. ``0.85 * 9``): the counts of layers
+    ``0..l`` add up to ``floor(per_layer * (l + 1) + 1/2)``, so every prefix of layers is within half a head of
+    the target and an integer ``per_layer`` is every layer's count."""
+    layer = max(int(layer), 0)
+    return int(math.floor(per_layer * (layer + 1) + 0.5) - math.floor(per_layer * layer + 0.5))
 
 
 def top_k_mask(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -53,8 +63,9 @@ class BudgetCriterion(HeadCriterion):
         """``[b, H]`` floating score per head: higher = more reason to be local; NaN/inf = never local."""
 
     def local_count(self, step: DecodeStep) -> int:
-        """How many heads of each row are local at this step: ``floor(sparsity * H + 1/2)`` by default."""
-        return int(math.floor(self.sparsity * step.num_heads + 0.5))
+        """How many heads of each row are local at this step: :func:`spread_count` of ``sparsity * H`` over the
+        layers (``floor(sparsity * H + 1/2)`` when that is an integer)."""
+        return spread_count(self.sparsity * step.num_heads, step.layer)
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         score = self.score(step)

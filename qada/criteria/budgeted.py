@@ -7,13 +7,12 @@ sparsity, directly comparable with a static mask of equal sparsity (DESIGN §6, 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from qada.criteria.base import register_criterion
-from qada.criteria.budget import BudgetCriterion, top_k_mask
+from qada.criteria.budget import BudgetCriterion, spread_count, top_k_mask
 from qada.functional.checks import check_head_scores
 from qada.step import DecodeStep
 
@@ -23,7 +22,8 @@ __all__ = ["BudgetedQAdACriterion"]
 @register_criterion("qada_budget")
 @dataclass
 class BudgetedQAdACriterion(BudgetCriterion):
-    """Per row and step, the ``round(sparsity * H)`` heads with the highest estimated local share are local.
+    """Per row and step, the ``sparsity * H`` heads (spread over layers) with the highest estimated local share are
+    local.
 
     The score of a head is QAdA's estimate of how local it is,
 
@@ -60,8 +60,9 @@ class BudgetedQAdACriterion(BudgetCriterion):
         return step.log_local - step.log_bulk_estimate
 
     def group_count(self, step: DecodeStep) -> int:
-        """How many KV groups of each row are local with ``per_group``: ``floor(sparsity * H_kv + 1/2)``."""
-        return int(math.floor(self.sparsity * step.num_kv_heads + 0.5))
+        """How many KV groups of each row are local with ``per_group``: ``sparsity * H_kv`` spread over the layers
+        (:func:`~qada.criteria.budget.spread_count`)."""
+        return spread_count(self.sparsity * step.num_kv_heads, step.layer)
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         score = self.score(step)

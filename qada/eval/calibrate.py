@@ -189,15 +189,17 @@ def calibrate_qada_correction(
     window: dict | None = None,
     ridge: float = 1.0,
     progress: bool = True,
+    quantile: float | None = None,
 ) -> tuple[LogCorrection, LogBulkSamples]:
     """Fit the ``qada_calibrated`` correction (``slope, offset [L, H]``) on ``samples``: ``(correction, samples)``.
 
     See :func:`collect_log_bulk_samples` for the recording and :func:`qada.functional.fit_log_correction` for the
-    fit (``ridge`` pulls each head toward the identity). Evaluate it on prompts the fit never saw.
+    fit (``ridge`` pulls each head toward the identity; ``quantile`` fits a conservative offset instead of the
+    mean one). Evaluate it on prompts the fit never saw.
     """
     recorded = collect_log_bulk_samples(model, tokenizer, samples, moments, tau_static, decode_with_oracle, window,
                                         progress)
-    return fit_log_correction(recorded.estimate, recorded.truth, recorded.log_t_bulk, ridge), recorded
+    return fit_log_correction(recorded.estimate, recorded.truth, recorded.log_t_bulk, ridge, quantile), recorded
 
 
 def save_qada_correction_fit(

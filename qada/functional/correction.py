@@ -49,7 +49,8 @@ def apply_log_correction(
 
 
 def fit_log_correction(
-    estimate: torch.Tensor, truth: torch.Tensor, log_t_bulk: torch.Tensor, ridge: float = 1.0
+    estimate: torch.Tensor, truth: torch.Tensor, log_t_bulk: torch.Tensor, ridge: float = 1.0,
+    quantile: float | None = None,
 ) -> LogCorrection:
     """Fit ``slope, offset`` per head so that the corrected estimate matches the exact ``log A_bulk``.
 
@@ -69,6 +70,11 @@ def fit_log_correction(
         truth: like ``estimate``: the exact ``log A_bulk`` of the same decisions.
         log_t_bulk: ``log T_bulk``, broadcastable to ``estimate`` (e.g. ``[N, 1, 1]``).
         ridge: ``lambda >= 0`` (in squared nats for the slope, in samples for the offset).
+        quantile: ``None`` (least squares, above) or ``q`` in ``(0, 1)``: the offset is then the ``q``-quantile of
+            the residuals ``y - a x`` of the head (shrunk by ``n / (n + lambda)`` like the mean), so that the
+            corrected estimate is at least the exact mass in a fraction ``q`` of the calibration steps. A high
+            ``q`` is conservative: an underestimated bulk makes a head local that needs the context, an
+            overestimated one only costs sparsity, which ``tau`` buys back.
 
     Returns:
         :class:`LogCorrection` with ``[L, H]`` tensors.
@@ -80,6 +86,9 @@ def fit_log_correction(
                          f"{tuple(estimate.shape)} and {tuple(truth.shape)}")
     if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not math.isfinite(ridge) or ridge < 0:
         raise ValueError(f"expected ridge to be a finite float >= 0 but got {ridge!r}")
+    if quantile is not None and (isinstance(quantile, bool) or not isinstance(quantile, (int, float))
+                                 or not 0 < quantile < 1):
+        raise ValueError(f"expected quantile to be None or a number in (0, 1) but got {quantile!r}")
     L, H = estimate.shape[-2:]
     log_t = torch.as_tensor(log_t_bulk, dtype=torch.float64).broadcast_to(estimate.shape).reshape(-1, L, H)
     estimate = estimate.detach().to("cpu", torch.float64).reshape(-1, L, H)
@@ -95,5 +104,9 @@ def fit_log_correction(
     denominator = sxx + ridge
     slope = torch.where(denominator > 0, (sxy + ridge) / denominator.clamp(min=1e-300), torch.ones_like(sxx))
     shrink = torch.where(n + ridge > 0, n / (n + ridge).clamp(min=1e-300), torch.zeros_like(n))
-    offset = shrink * (y_mean - slope * x_mean)
+    if quantile is None:
+        offset = shrink * (y_mean - slope * x_mean)
+    else:
+        residual = torch.where(valid, y - slope * x, float("nan"))
+        offset = shrink * torch.nan_to_num(torch.nanquantile(residual, float(quantile), dim=0), nan=0.0)
     return LogCorrection(slope.float(), offset.float(), n.long())

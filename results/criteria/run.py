@@ -44,12 +44,18 @@ def calibration_artifacts(model, tokenizer, length: int, samples: int, folder: P
         save_static_frequency(out["static"], frequency, model, alpha=0.85, info=info)
     if not correction:
         return out
-    from qada.eval.calibrate import calibrate_qada_correction, save_qada_correction_fit
+    from qada.eval.calibrate import collect_log_bulk_samples, save_qada_correction_fit
+    from qada.functional import fit_log_correction
 
-    out["correction"] = folder / f"correction-{length}.safetensors"
-    if not out["correction"].is_file():
-        fit, _ = calibrate_qada_correction(model, tokenizer, prompts, "stored", TAU_STATIC)
-        save_qada_correction_fit(out["correction"], fit, model, info={**info, "moments": "stored", "ridge": 1.0})
+    fits = {"correction": None, "correction-q90": 0.9}  # least-squares offsets, and conservative 0.9-quantile ones
+    for name in fits:
+        out[name] = folder / f"{name}-{length}.safetensors"
+    if not all(out[name].is_file() for name in fits):
+        recorded = collect_log_bulk_samples(model, tokenizer, prompts, "stored", TAU_STATIC)
+        for name, quantile in fits.items():
+            fit = fit_log_correction(recorded.estimate, recorded.truth, recorded.log_t_bulk, 1.0, quantile)
+            save_qada_correction_fit(out[name], fit, model, info={**info, "moments": "stored", "ridge": 1.0,
+                                                                  "quantile": quantile})
     return out
 
 
@@ -81,7 +87,10 @@ def configs(model, artifacts: dict[str, Path], new_families: bool = True) -> lis
     if "qada_calibrated" in CRITERIA and "correction" in artifacts:
         out += [config(f"qada_calibrated tau={t}", {"name": "qada_calibrated", "tau": t,
                                                     "correction": str(artifacts["correction"])},
-                       "stored", "qada_calibrated") for t in (0.6, 0.8, 0.9)]
+                       "stored", "qada_calibrated") for t in (0.6, 0.9)]
+        out += [config(f"qada_calibrated/q90 tau={t}", {"name": "qada_calibrated", "tau": t,
+                                                        "correction": str(artifacts["correction-q90"])},
+                       "stored", "qada_calibrated/q90") for t in (0.3, 0.6)]
     if "hybrid" in CRITERIA:
         for fraction in (0.1,):
             for s in (0.85, 0.9, 0.95):

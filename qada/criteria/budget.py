@@ -67,12 +67,17 @@ class BudgetCriterion(HeadCriterion):
         layers (``floor(sparsity * H + 1/2)`` when that is an integer)."""
         return spread_count(self.sparsity * step.num_heads, step.layer)
 
-    def decide(self, step: DecodeStep) -> torch.Tensor:
+    def checked_score(self, step: DecodeStep) -> torch.Tensor:
+        """:meth:`score`, checked to be ``[b, H]`` floating (a clear error names the criterion otherwise)."""
         score = self.score(step)
         try:
             check_head_scores("score", score, step.batch_size, step.num_heads)
         except ValueError as error:
             raise ValueError(f"criterion {self.registry_name or type(self).__name__!r}: {error}") from None
+        return score
+
+    def decide(self, step: DecodeStep) -> torch.Tensor:
+        score = self.checked_score(step)
         finite = torch.isfinite(score)
         ranked = torch.where(finite, score, torch.full_like(score, float("-inf")))
         local = top_k_mask(ranked, self.local_count(step)) & finite

@@ -13,7 +13,6 @@ import torch
 
 from qada.criteria.base import register_criterion
 from qada.criteria.budget import BudgetCriterion, spread_count, top_k_mask
-from qada.functional.checks import check_head_scores
 from qada.step import DecodeStep
 
 __all__ = ["BudgetedQAdACriterion"]
@@ -65,11 +64,7 @@ class BudgetedQAdACriterion(BudgetCriterion):
         return spread_count(self.sparsity * step.num_kv_heads, step.layer)
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
-        score = self.score(step)
-        try:
-            check_head_scores("score", score, step.batch_size, step.num_heads)
-        except ValueError as error:
-            raise ValueError(f"criterion {self.registry_name or type(self).__name__!r}: {error}") from None
+        score = self.checked_score(step)
         no_bulk = ~step.has_bulk.to(score.device)[:, None]  # [b, 1]: such rows are local whatever the score
         finite = torch.isfinite(score)
         if self.per_group:

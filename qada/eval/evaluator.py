@@ -133,12 +133,10 @@ class Evaluator:
         return {**fields, "artifacts": artifact_digests(fields)}
 
     def _known_identities(self) -> dict[str, Any]:
+        """Every rank's digest -> identity (only used to explain a mismatch)."""
         known: dict[str, Any] = {}
         for path in sorted(self.out_dir.glob("identities-rank*.json")):
-            try:
-                known.update(json.loads(path.read_text()))
-            except (OSError, json.JSONDecodeError):
-                continue  # only used to explain a mismatch
+            known.update(_read_identities(path))
         return known
 
     def finished(self) -> dict[tuple[str, str], dict]:
@@ -243,7 +241,7 @@ class Evaluator:
             done = self.finished()
             self._check_identity(done, shared, run_digest, config_digests, sample_digests)
             known = {run_digest: shared, **{config_digests[c.label]: self.config_identity(c) for c in self.configs}}
-            write_json(self.identities_path, {**self._read_own_identities(), **known})
+            write_json(self.identities_path, {**_read_identities(self.identities_path), **known})
             for (key, label), row in done.items():  # resume: count this rank's finished work once, on this rank
                 if label in self.metrics and key in token_ids:
                     self._update(row)
@@ -270,12 +268,6 @@ class Evaluator:
                     bar.update(1)
             bar.close()
         return self.compute()
-
-    def _read_own_identities(self) -> dict[str, Any]:
-        try:
-            return json.loads(self.identities_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return {}
 
     def _decode(self, sample: Sample, config: EvalConfig, prefilled: Any, budget: int, eos: set[int]) -> dict:
         """Decode one (sample, configuration) pair from the shared prefill; the results row (without digests)."""
@@ -338,6 +330,14 @@ def _updated(metric: Any) -> bool:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(count)
     return bool(count > 0)
+
+
+def _read_identities(path: Path) -> dict[str, Any]:
+    """An ``identities-rank*.json`` file's digest -> identity mapping; empty if it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def _float(value: torch.Tensor | None) -> float | None:

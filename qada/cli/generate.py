@@ -87,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     inputs = tokenizer(prompt, return_tensors="pt")
     # before any work (a stored reference may be built next): the prompt must fit the model
-    check_generation_length(model, inputs["input_ids"].shape[1], args.max_new_tokens,
-                            wrapped=not isinstance(criterion, DenseCriterion))
+    check_generation_length(model, inputs["input_ids"].shape[1], args.max_new_tokens)
     run = None
     if not isinstance(criterion, DenseCriterion):  # dense: the unmodified model
         run = enable(model, criterion=criterion, moments=moments if moments is not None else "none",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from qada.attention import EXECUTORS
 from qada.criteria import CRITERIA
 from qada.models.attention_function import ATTENTION_NAME, active_runs, qada_attention_forward
+from qada.models.layer_types import layer_types
 from qada.models.observers import Observer
 from qada.models.run import QAdARun, UnsupportedModelError
 from qada.moments import MOMENT_SOURCES
@@ -95,9 +97,8 @@ def check_run_fits(run: QAdARun, model: Any) -> None:
     """Raise ``ValueError`` before any work if ``run``'s criterion cannot serve ``model`` (e.g. a layer override
     beyond its layers, a static mask of another shape): :meth:`~qada.criteria.HeadCriterion.check_model`."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layers = [m.layer_idx for m in attention_modules(model) if isinstance(m.layer_idx, int)]
-    num_layers = max(layers) + 1 if layers else int(config.num_hidden_layers)
-    run.criterion.check_model(num_layers, int(config.num_attention_heads))
+    run.layers = layer_types(model)
+    run.criterion.check_model(run.layers.num_layers, int(config.num_attention_heads))
 
 
 def prepare_run(run: QAdARun, model: Any, tokenizer: Any = None) -> QAdARun:
@@ -119,6 +120,12 @@ def attach(model: Any, run: QAdARun) -> QAdARun:
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:
         raise UnsupportedModelError(f"{type(model).__name__} refused the attention implementation {ATTENTION_NAME!r}")
+    if not run.layers.global_layers:
+        warnings.warn(
+            f"every attention layer of {type(model).__name__} attends over a sliding window "
+            f"({run.layers.describe()}): they pass through untouched and qada has no global layer to decide on",
+            stacklevel=2,
+        )
     for module in modules:
         active_runs[module] = run
 

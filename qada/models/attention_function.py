@@ -1,7 +1,8 @@
 """The one function qada registers with transformers' ``AttentionInterface`` (under the name ``"qada"``).
 
-It only routes: prefill (more than one query) runs transformers' own SDPA attention and feeds the moment
-source; a decode step (one query) goes to the run's criterion and executor. The run of a module is looked up in
+It only routes: a sliding-window layer (hybrid models) runs transformers' own SDPA attention untouched; on a
+global layer, prefill (more than one query) runs SDPA and feeds the moment source, and a decode step (one
+query) goes to the run's criterion and executor. The run of a module is looked up in
 a weak map filled by :func:`qada.apply`; no model class is patched.
 """
 
@@ -47,18 +48,14 @@ def qada_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise UnsupportedModelError(f"{type(module).__name__} has no layer_idx: qada needs one per attention layer")
+    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if sliding is not None:  # a sliding-window layer is already local: its own mask and cache, untouched
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     T = run.filled_length(layer, query.shape[2], attention_mask, key.shape[2])
     if T < key.shape[2]:  # a preallocated cache (StaticCache): only its first T slots hold tokens
         key, value = key[:, :, :T], value[:, :, :T]
-    q_len, seen = query.shape[2], run.guard.length(layer)
-    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    # a sliding-window cache keeps only the last keys: the sequence length is what qada has seen plus this step
-    length = T if q_len > 1 or seen is None else seen + q_len
-    if sliding is not None and length > sliding:
-        raise UnsupportedModelError(
-            f"layer {layer} attends over a sliding window of {sliding} tokens and the sequence reached {length} "
-            f"tokens: qada supports full attention only, so keep prompt + new tokens <= {sliding}"
-        )
+    q_len = query.shape[2]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     start = run.starts(attention_mask, T)

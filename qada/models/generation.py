@@ -32,25 +32,11 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"expected a cache kind in {CACHE_KINDS} but got {kind!r}")
 
 
-def _sliding_window(model: Any) -> int | None:
-    """The shortest sliding window of ``model``'s attention layers (``None``: full attention everywhere)."""
-    from qada.models.apply import attention_modules
-
-    windows = []
-    for module in attention_modules(model):
-        if hasattr(module, "sliding_window"):  # set per layer (Qwen2: None on full-attention layers)
-            windows.append(module.sliding_window)
-        else:  # Mistral passes its config's window to the attention function
-            windows.append(getattr(getattr(module, "config", None), "sliding_window", None))
-    windows = [w for w in windows if isinstance(w, int)]
-    return min(windows) if windows else None
-
-
-def check_generation_length(model: Any, prompt_tokens: int, max_new_tokens: int, wrapped: bool | None = None) -> None:
+def check_generation_length(model: Any, prompt_tokens: int, max_new_tokens: int) -> None:
     """Raise ``ValueError`` before any work when a prompt of ``prompt_tokens`` plus ``max_new_tokens`` does not fit.
 
-    Refused: an empty prompt; more tokens than the model's maximum positions (``max_position_embeddings``); and,
-    when qada wraps the model (``wrapped``; default: qada is enabled on it), more than its sliding window.
+    Refused: an empty prompt; more tokens than the model's maximum positions (``max_position_embeddings``).
+    Sliding-window layers set no limit: qada passes them through.
     """
     if prompt_tokens < 1:
         raise ValueError("expected a prompt of at least one token but got an empty prompt")
@@ -61,17 +47,6 @@ def check_generation_length(model: Any, prompt_tokens: int, max_new_tokens: int,
         raise ValueError(
             f"expected prompt + new tokens <= the model's {limit} positions (max_position_embeddings) but got "
             f"{prompt_tokens} + {max_new_tokens} = {total}"
-        )
-    if wrapped is None:
-        from qada.models.apply import attention_modules
-        from qada.models.attention_function import active_runs
-
-        wrapped = any(m in active_runs for m in attention_modules(model))
-    sliding = _sliding_window(model) if wrapped else None
-    if sliding is not None and total > sliding:
-        raise ValueError(
-            f"expected prompt + new tokens <= the model's sliding window of {sliding} tokens (qada supports full "
-            f"attention only) but got {prompt_tokens} + {max_new_tokens} = {total}"
         )
 
 
@@ -88,19 +63,53 @@ def make_cache(model: Any, kind: str = "static", capacity: int | None = None) ->
 
 
 def copy_to_cache(model: Any, source: Any, kind: str = "static", capacity: int | None = None) -> Any:
-    """A new cache of ``kind`` holding a copy of ``source``'s filled K/V (``source`` stays intact)."""
+    """A new cache of ``kind`` holding a copy of ``source``'s filled K/V (``source`` stays intact).
+
+    A sliding-window layer (hybrid models) keeps only its last keys; its copy keeps them too and continues from
+    the true sequence length (:func:`_copy_sliding_layer`).
+    """
     layers = []
     for layer in source.layers:
         filled = int(layer.get_seq_length())
-        layers.append((layer.keys[:, :, :filled], layer.values[:, :, :filled]))
-    length = layers[0][0].shape[2] if layers else 0
+        held = min(filled, layer.keys.shape[2]) if layer.is_initialized else 0
+        layers.append((layer.keys[:, :, :held], layer.values[:, :, :held], filled, bool(getattr(layer, "is_sliding",
+                                                                                                   False))))
+    length = max((filled for *_, filled, _ in layers), default=0)
     cache = make_cache(model, kind, capacity if capacity is not None else length)
     if capacity is not None and capacity < length:
         raise ValueError(f"expected a capacity >= the cached length {length} but got {capacity}")
-    for index, (keys, values) in enumerate(layers):
-        cache.update(keys.clone() if kind == "dynamic" else keys, values.clone() if kind == "dynamic" else values,
-                     index)
+    for index, (keys, values, filled, sliding) in enumerate(layers):
+        if kind == "dynamic":
+            keys, values = keys.clone(), values.clone()
+        if sliding or getattr(cache.layers[index], "is_sliding", False):
+            _copy_sliding_layer(cache.layers[index], keys, values, filled)
+        else:
+            cache.update(keys, values, index)
     return cache
+
+
+def _copy_sliding_layer(target: Any, keys: torch.Tensor, values: torch.Tensor, filled: int) -> None:
+    """Fill a fresh sliding-window cache layer from the last ``keys/values [b, H_kv, n, d]`` of a sequence of
+    ``filled`` tokens, so that its next update continues the sequence exactly as the original would.
+
+    A dynamic layer keeps the last ``window - 1`` keys; a static one a buffer of ``M = min(window, capacity)``
+    slots that, once full, rolls left by one at every decode step, so before a step its slots ``1..M-1`` must
+    hold the last ``M - 1`` keys (slot 0 is rolled out unread).
+    """
+    size = getattr(target, "max_cache_len", None)
+    if size is None or filled < size:  # a dynamic layer, or a static one not yet full: the plain update
+        if keys.shape[2]:
+            target.update(keys, values)
+        if hasattr(target, "cumulative_length") and isinstance(target.cumulative_length, int):
+            target.cumulative_length = filled
+        return
+    if keys.shape[2] < size - 1:
+        raise ValueError(f"a sliding-window layer of {size} slots needs the last {size - 1} keys but the source "
+                         f"holds {keys.shape[2]}")
+    if keys.shape[2] < size:  # pad slot 0 (never read) with a copy of the oldest key
+        keys, values = torch.cat([keys[:, :, :1], keys], 2), torch.cat([values[:, :, :1], values], 2)
+    target.update(keys[:, :, -size:], values[:, :, -size:])
+    target.cumulative_length_int = filled
 
 
 @dataclass

@@ -18,13 +18,29 @@ import torch
 from qada.attention.base import AttentionExecutor
 from qada.criteria.base import HeadCriterion
 from qada.models.guards import CacheGuard, StaleStateError, UnsupportedModelError, mask_filled_length, row_starts
+from qada.models.layer_types import LayerTypes
 from qada.models.observers import Observer, ObserverFanout
 from qada.models.statistics import DecodeStatistics
 from qada.moments.base import MomentSource
 from qada.step import DecodeStep
 from qada.window import Window
 
-__all__ = ["QAdARun", "StaleStateError", "UnsupportedModelError", "row_starts"]
+__all__ = ["QAdARun", "StaleStateError", "UnsupportedModelError", "all_layer_sparsity", "row_starts"]
+
+
+def all_layer_sparsity(summary: dict[str, Any], layers: LayerTypes) -> dict[str, Any]:
+    """``sparsity_all_layers`` / ``kv_sparsity_all_layers``: the per-layer means of ``summary`` (global layers)
+    averaged with 1.0 for every sliding-window layer (all of its heads are local), plus ``global_layers`` and
+    ``sliding_layers``. ``None`` where no global layer decoded (and the model has global layers)."""
+    result: dict[str, Any] = {"global_layers": layers.global_layers, "sliding_layers": layers.sliding}
+    for name in ("sparsity", "kv_sparsity"):
+        per_layer = summary.get(f"{name}_per_layer") or {}
+        decided = [per_layer[layer] for layer in layers.global_layers if layer in per_layer]
+        if layers.global_layers and not decided:
+            result[f"{name}_all_layers"] = None
+            continue
+        result[f"{name}_all_layers"] = (sum(decided) + len(layers.sliding)) / (len(decided) + len(layers.sliding))
+    return result
 
 
 class QAdARun:
@@ -33,7 +49,10 @@ class QAdARun:
     Attributes:
         criterion, moments, executor, window: the components.
         observers: callbacks that see every decision (none by default: recording costs nothing when off).
-        stats: the run's :class:`~qada.models.statistics.DecodeStatistics`.
+        stats: the run's :class:`~qada.models.statistics.DecodeStatistics` (global layers only).
+        layers: the model's :class:`~qada.models.layer_types.LayerTypes`, set when the run is attached
+            (``None`` before): sliding-window layers pass through and are counted as local in the all-layer
+            summary.
     """
 
     def __init__(
@@ -51,6 +70,7 @@ class QAdARun:
         self.fanout = ObserverFanout(observers)
         self.stats = DecodeStatistics()
         self.guard = CacheGuard(track_row_order=self.uses_moments and self.moments.per_row_state)
+        self.layers: LayerTypes | None = None
         self._remove: Any = None
         self._mask_cache: dict[str, tuple[Any, tuple, Any]] = {}
 
@@ -69,8 +89,15 @@ class QAdARun:
         self.guard.reset()
 
     def summary(self) -> dict[str, Any]:
-        """Mean sparsity and kv_sparsity over all decoded (layer, step) pairs, per layer, and fail-safe count."""
-        return self.stats.compute()
+        """Decode statistics: mean ``sparsity`` and ``kv_sparsity`` over the decoded (layer, step) pairs of the
+        global layers (the ones qada decides on), per layer, the fail-safe count, and for a hybrid model the
+        same two means over all layers, ``sparsity_all_layers`` and ``kv_sparsity_all_layers``, where a
+        sliding-window layer counts as local (every head reads at most its window), with the layer lists.
+        """
+        summary = self.stats.compute()
+        if self.layers is None:
+            return summary
+        return {**summary, **all_layer_sparsity(summary, self.layers)}
 
     def starts(self, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
         """Each row's first real token from the 4D mask ``[b, 1, q, >= length]`` (only its first ``length`` keys
@@ -112,6 +139,9 @@ class QAdARun:
         Feeds every layer's cached keys ``[b, H_kv, T, d]`` to :meth:`prefill`, as a dense prefill would have.
         """
         for layer, cache_layer in enumerate(cache.layers):
+            if getattr(cache_layer, "is_sliding", False) or (self.layers is not None and
+                                                              self.layers.is_sliding(layer)):
+                continue  # a sliding-window layer passes through: no moments, no guard
             keys = cache_layer.keys
             filled = int(cache_layer.get_seq_length())  # a preallocated cache holds fewer tokens than slots
             if filled < keys.shape[2]:

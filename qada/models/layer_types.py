@@ -1,0 +1,86 @@
+"""Which attention layers of a model are global (full attention) and which attend over a sliding window.
+
+Hybrid models interleave sliding-window layers with global ones (Gemma-3: five sliding layers per global one;
+Qwen2 with ``use_sliding_window``: the layers from ``max_window_layers`` on; Mistral with a ``sliding_window``:
+every layer). A sliding layer is already local, so qada passes it through untouched (its own mask, its own
+cache) and criteria, moment sources and statistics only see the global layers.
+
+The window of a layer is read from its attention module, as the model's own forward reads it: the module's
+``sliding_window`` attribute (``None`` on a full-attention layer; Gemma-2/3, Qwen2/3, Cohere-2) or, for models
+that pass their config's window to every layer (Mistral, Mixtral), ``module.config.sliding_window``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LayerTypes", "layer_types", "module_window"]
+
+
+def module_window(module: Any) -> int | None:
+    """The sliding window of one attention module (``None``: full attention)."""
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    else:
+        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    return window if isinstance(window, int) and not isinstance(window, bool) else None
+
+
+@dataclass(frozen=True)
+class LayerTypes:
+    """The global and sliding-window layers of a model.
+
+    Attributes:
+        num_layers: number of attention layers ``L``.
+        windows: ``{layer: window}`` of the sliding-window layers.
+    """
+
+    num_layers: int
+    windows: dict[int, int]
+
+    @property
+    def sliding(self) -> list[int]:
+        """Sliding-window layers, ascending."""
+        return sorted(self.windows)
+
+    @property
+    def global_layers(self) -> list[int]:
+        """Full-attention layers (the ones qada decides on), ascending."""
+        return [layer for layer in range(self.num_layers) if layer not in self.windows]
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are sliding and some global."""
+        return bool(self.windows) and len(self.windows) < self.num_layers
+
+    def is_sliding(self, layer: int) -> bool:
+        return layer in self.windows
+
+    def describe(self) -> str:
+        """One line, e.g. ``"18 layers: 3 global [5, 11, 17], 15 sliding (window 512)"``."""
+        if not self.windows:
+            return f"{self.num_layers} layers, all global"
+        sizes = sorted(set(self.windows.values()))
+        window = ", ".join(str(size) for size in sizes)
+        return (f"{self.num_layers} layers: {len(self.global_layers)} global {self.global_layers}, "
+                f"{len(self.windows)} sliding (window {window})")
+
+
+def layer_types(model: Any) -> LayerTypes:
+    """The :class:`LayerTypes` of a transformers model (from its attention modules)."""
+    from qada.models.apply import attention_modules
+
+    windows: dict[int, int] = {}
+    indices = []
+    for module in attention_modules(model):
+        layer = module.layer_idx
+        if not isinstance(layer, int):
+            continue
+        indices.append(layer)
+        window = module_window(module)
+        if window is not None:
+            windows[layer] = window
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_layers = max(indices) + 1 if indices else int(config.num_hidden_layers)
+    return LayerTypes(num_layers, windows)

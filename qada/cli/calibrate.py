@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, HelpFormatter, existing_file, positive_int
+from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, existing_file, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="with --correction: fit each head's offset as this quantile of its residuals (e.g. 0.9: "
                              "the corrected estimate covers the exact bulk mass in 90%% of the steps) (default: the "
                              "least-squares mean offset)")
-    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True,
                         help=".safetensors file (mask + frequencies + model fingerprint; use it with --static FILE), "

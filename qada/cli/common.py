@@ -43,6 +43,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+#: The help of every ``--model`` option (the embedded names are those of qada.models.loading.EMBEDDED_MODELS).
+MODEL_HELP = ("an embedded model, smollm2-135m or gemma3-270m, a model directory or a .gguf file "
+              "(default: smollm2-135m)")
+
 #: The parent parser every subcommand gets: ``--import MODULE`` (repeatable), imported before the command runs.
 IMPORTS = argparse.ArgumentParser(add_help=False)
 IMPORTS.add_argument(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, HelpFormatter, positive_int
+from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="qada-demo", help="results folder; a rerun reuses its finished results")
     parser.add_argument("--samples", type=positive_int, default=3, help="samples per task")
     parser.add_argument("--length", type=positive_int, default=2048, help="prompt length in tokens")
-    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings for a smoke test: 1 sample, 1024 tokens, one tau and alpha")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, HelpFormatter, existing_file, positive_int
+from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, existing_file, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="attention executor: a name, mapping or file (default: the --config file's, else sdpa)")
     parser.add_argument("--template", default="base", choices=["base", "chat"], help="prompt template of --task")
     parser.add_argument("--record-oracle", action="store_true", help="also measure agreement with the oracle")
-    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True, help="JSON file to write (per-sample results go to OUT.parts/)")
     parser.set_defaults(run=run)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, HelpFormatter, existing_file, positive_int
+from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, existing_file, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -14,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--prompt-file", required=True, type=existing_file,
                         help="text file with the prompt (completion style)")
-    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--config", default=None, metavar="FILE", type=existing_file,
                         help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override "
                              "(default: none)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, HelpFormatter, positive_int
+from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--out", required=True, help="output .safetensors file")
     build.add_argument("--buckets", type=positive_int, default=None, metavar="SIZE",
                        help="save moments every SIZE tokens (default: save the keys themselves)")
-    build.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    build.add_argument("--model", default=None, help=MODEL_HELP)
     build.add_argument("--seed", type=int, default=0, help="prompt seed")
     build.add_argument("--chunk-size", type=positive_int, default=1024, help="tokens per forward")
     build.add_argument("--t-sink", type=int, default=16, help="bulk start for --buckets")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, HelpFormatter, existing_file, positive_int
+from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, existing_file, positive_int
 
 #: The static-mask families ``--static`` takes (see :func:`qada.eval.sweep.run_sweep`).
 STATIC_FAMILIES = ("static_oracle", "static_ruler")
@@ -95,7 +95,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="samples per other task for static_ruler calibration (default: --samples)")
     parser.add_argument("--record-oracle", action="store_true", help="also measure agreement with the oracle")
     parser.add_argument("--template", default="base", choices=["base", "chat"], help="prompt template")
-    parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True, help="results folder; a rerun reuses its finished results")
     parser.add_argument("--devices", type=positive_int, default=1,

@@ -32,6 +32,8 @@ from qada.eval.identity import (
 from qada.eval.metrics import ConfigMetrics, OracleAgreement, agreement_summary
 from qada.eval.results_file import ResultsFile, read_rows, write_json
 from qada.eval.tasks import Sample, score
+from qada.models.layer_types import layer_types
+from qada.models.run import all_layer_sparsity
 
 __all__ = ["Evaluator", "answer_budget", "sample_key"]
 
@@ -41,6 +43,9 @@ def sample_key(sample: Sample) -> str:
 
 
 #: The fields every results row has (a resumed row without them is refused).
+#: Sparsity over all layers, sliding-window layers (hybrid models) counted as local; ``sparsity`` and
+#: ``kv_sparsity`` are over the global layers qada decides on.
+ALL_LAYER_FIELDS = ("sparsity_all_layers", "kv_sparsity_all_layers")
 ROW_FIELDS = ("sample", "config", "task", "score", "sparsity", "kv_sparsity", "seconds", "new_tokens")
 
 #: Tokens generated beyond the reference answer's length (part of the run identity).
@@ -87,6 +92,7 @@ class Evaluator:
             raise ValueError(f"expected unique configuration labels but got duplicates in {labels}")
         self.fabric = fabric or Fabric(accelerator="cpu", devices=1)
         self.model = model
+        self.layers = layer_types(model)
         self.tokenizer = tokenizer
         self.configs = list(configs)
         self.out_dir = Path(out_dir)
@@ -179,6 +185,9 @@ class Evaluator:
         if row["sparsity"] is not None:
             metrics["sparsity"].update(torch.tensor(row["sparsity"], dtype=torch.float32))
             metrics["kv_sparsity"].update(torch.tensor(row["kv_sparsity"], dtype=torch.float32))
+        for name in ALL_LAYER_FIELDS:
+            if row.get(name) is not None:
+                metrics[name].update(torch.tensor(row[name], dtype=torch.float32))
         self.wall_time[row["config"]] += row["seconds"]
         self.decode_steps[row["config"]] += max(int(row.get("new_tokens", 1)) - 1, 0)  # the first comes from prefill
 
@@ -278,15 +287,24 @@ class Evaluator:
         tokens = decode_greedy(self.model, prefilled, budget, eos, run)
         seconds = time.perf_counter() - start
         prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        summary = run.summary() if run is not None else {"sparsity": 0.0, "kv_sparsity": 0.0, "fail_safe": 0}
+        if run is not None:
+            summary = run.summary()
+        else:  # the model as it is: no global head is local, every sliding-window head is
+            summary = {"sparsity": 0.0, "kv_sparsity": 0.0, "fail_safe": 0,
+                       "sparsity_per_layer": dict.fromkeys(self.layers.global_layers, 0.0),
+                       "kv_sparsity_per_layer": dict.fromkeys(self.layers.global_layers, 0.0)}
+            summary.update(all_layer_sparsity(summary, self.layers))
         if len(tokens) == 1:  # no decode step ran: the first token comes from the dense prefill
-            summary = {**summary, "sparsity": None, "kv_sparsity": None}
+            summary = {**summary, "sparsity": None, "kv_sparsity": None,
+                       **dict.fromkeys(ALL_LAYER_FIELDS, None)}
         return {
             "sample": sample_key(sample), "config": config.label, "task": sample.task, "length": sample.length,
             "index": sample.index, "prediction": prediction, "outputs": sample.outputs,
             "score": score(sample.task, [prediction], [sample.outputs]),
             "sparsity": summary["sparsity"], "kv_sparsity": summary["kv_sparsity"],
             "fail_safe": summary.get("fail_safe", 0), "new_tokens": len(tokens), "seconds": seconds,
+            # over all layers, sliding-window layers counted as local (equal to the above without them)
+            **{name: summary.get(name) for name in ALL_LAYER_FIELDS},
         }
 
     def compute(self) -> dict[str, dict]:
@@ -295,7 +313,7 @@ class Evaluator:
         for config in self.configs:
             metrics = self.metrics[config.label]
             values = {name: metrics[name].compute() if _updated(metrics[name]) else None
-                      for name in ("score", "sparsity", "kv_sparsity")}
+                      for name in ("score", "sparsity", "kv_sparsity", *ALL_LAYER_FIELDS)}
             values["oracle"] = metrics["oracle"].compute() if _updated(metrics["oracle"]) else torch.zeros(5)
             missing = {}
             if values["score"] is None:
@@ -309,6 +327,7 @@ class Evaluator:
                 "score": _float(values["score"]),
                 "sparsity": _float(values["sparsity"]),
                 "kv_sparsity": _float(values["kv_sparsity"]),
+                **{name: _float(values[name]) for name in ALL_LAYER_FIELDS},
                 "decode_seconds": self.wall_time[config.label],
                 # decode only (the prefill is timed apart): steps after the first token, cache copy and moment
                 # set-up included; None when no decode step ran

@@ -19,7 +19,8 @@ __all__ = ["ConfigMetrics", "OracleAgreement", "agreement_summary"]
 
 
 class ConfigMetrics(MetricCollection):
-    """Per-configuration means over samples: ``score`` (0-100), ``sparsity``, ``kv_sparsity``; plus ``oracle``
+    """Per-configuration means over samples: ``score`` (0-100), ``sparsity``, ``kv_sparsity`` (global layers) and
+    the same two over all layers (``*_all_layers``, sliding-window layers counted as local); plus ``oracle``
     stat scores (local = positive) when the oracle is recorded alongside. Synced across processes by torchmetrics.
     """
 
@@ -29,6 +30,8 @@ class ConfigMetrics(MetricCollection):
                 "score": MeanMetric(),
                 "sparsity": MeanMetric(),
                 "kv_sparsity": MeanMetric(),
+                "sparsity_all_layers": MeanMetric(),
+                "kv_sparsity_all_layers": MeanMetric(),
                 "oracle": BinaryStatScores(),
             },
             compute_groups=False,

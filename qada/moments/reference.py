@@ -1,7 +1,8 @@
 """Reference keys: a reference prompt run once through the model, its post-RoPE keys per layer and KV head.
 
 The keys come from the model's own cache (``DynamicCache.layers[i].keys``, ``[1, H_kv, T, d]``), so they are
-exactly what decoding would see. The prompt runs in chunks with the cache, which bounds memory and lets a
+exactly what decoding would see. On a hybrid model the cache keeps every key of the sliding-window layers too
+(they are never used: those layers pass through qada), so the format stays one tensor over all layers. The prompt runs in chunks with the cache, which bounds memory and lets a
 progress bar move; chunked and unchunked runs give the same keys.
 
 This module holds the model-running I/O of the ``stored`` and ``bucketed`` sources:
@@ -120,7 +121,11 @@ def collect_reference_keys(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=N, unit="tok", desc="reference keys")
-    cache = DynamicCache(config=model.config)
+    # No config: every layer is a plain DynamicLayer that keeps all its keys, sliding-window layers of a hybrid
+    # model included (a config'd cache keeps only their last window - 1). The model still builds its sliding
+    # masks from positions, so every layer's keys are the same as with its own cache; the sliding layers' keys
+    # are never read by a moment source, they only keep the [L, H_kv, N, d] format.
+    cache = DynamicCache()
     for lo in range(0, N, step):
         hi = min(N, lo + step)
         position = torch.arange(lo, hi, device=device)[None]

@@ -35,7 +35,7 @@ COMMANDS = dict(subparsers(build_parser()))
 
 def test_every_subcommand_is_walked():
     assert {"qada eval", "qada generate", "qada sweep", "qada moments build", "qada moments info"} <= set(COMMANDS)
-    assert len(COMMANDS) == 10
+    assert len(COMMANDS) == 11
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

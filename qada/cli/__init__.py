@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from qada.version import __version__
 
 # Subcommand modules, imported only when the command line is parsed (no work at import of qada).
-SUBCOMMANDS = ("analyze", "calibrate", "criteria", "demo", "eval", "generate", "moments", "sweep")
+SUBCOMMANDS = ("analyze", "calibrate", "criteria", "demo", "eval", "generate", "models", "moments", "sweep")
 
 
 _MODULES = {"eval": "evaluate"}  # subcommand -> module, where the name is a Python builtin

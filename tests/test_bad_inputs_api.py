@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,6 @@ import torch
 import qada
 from qada.attention import EXECUTORS, decode_attention
 from qada.criteria import CRITERIA, Not
-from qada.models import UnsupportedModelError
 from qada.models.apply import build_run
 from qada.models.generation import generate_timed
 from qada.moments import MOMENT_SOURCES
@@ -74,6 +74,44 @@ def generate_with_qada(model, ids_: torch.Tensor, new: int, timed: bool = False)
             else:
                 out = model.generate(ids_, max_new_tokens=new, do_sample=False)
     return out, run.summary()
+
+
+ALL_SLIDING = "every attention layer of MistralForCausalLM attends over a sliding window"
+
+
+def beyond_sliding_window(model, timed: bool):
+    """10 + 10 tokens on a model whose window is shorter: native tokens, qada's (oracle), its summary and the
+    warnings raised while qada was attached."""
+    ids_ = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        native = generate_timed(model, ids_, 10, cache="static")[0] if timed else model.generate(
+            ids_, max_new_tokens=10, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, summary = generate_with_qada(model, ids_, 10, timed)
+    return native, out, summary, [str(w.message) for w in caught]
+
+
+def check_passes_through(all_sliding: bool):
+    """The sliding layers pass through: with no global layer the tokens are the native ones and qada warns; on a
+    hybrid model the sliding layers count as local in ``sparsity_all_layers``."""
+
+    def check(result) -> None:
+        native, out, summary, caught = result
+        assert out.shape == (1, 20)
+        warned = any(ALL_SLIDING in message for message in caught)
+        if all_sliding:
+            assert torch.equal(out, native), (out, native)
+            assert warned, caught
+            assert summary["decode_steps"] == 0 and summary["sparsity_all_layers"] == 1.0
+            assert summary["global_layers"] == [] and summary["sliding_layers"] == [0, 1]
+        else:
+            assert not any("sliding window" in message for message in caught), caught
+            assert summary["decode_steps"] == 9 and summary["global_layers"] == [2, 5]
+            per_layer = summary["sparsity_per_layer"]
+            assert summary["sparsity_all_layers"] == pytest.approx((sum(per_layer.values()) + 4) / 6)
+
+    return check
 
 
 def one_token_prompt(timed: bool):
@@ -200,16 +238,17 @@ CASES = [
     # --- the model wrapper and generation ----------------------------------------------------------------------
     Case("api_one_token_prompt", lambda tmp: one_token_prompt(timed=False), check=check_one_token),
     Case("api_one_token_prompt_static_cache", lambda tmp: one_token_prompt(timed=True), check=check_one_token),
+    # sliding-window layers pass through untouched (no longer refused beyond the window); qada decides on the
+    # global layers only, and warns when there is none
     Case("api_mistral_beyond_sliding_window",
-         lambda tmp: generate_with_qada(tiny_model("mistral", sliding_window=16), torch.randint(0, 128, (1, 10)), 10),
-         UnsupportedModelError, r"sliding window of 16 tokens and the sequence reached 17 tokens"),
-    Case("api_mistral_within_sliding_window",
-         lambda tmp: generate_with_qada(tiny_model("mistral", sliding_window=16), torch.randint(0, 128, (1, 10)), 5),
-         check=holds(lambda result: result[0].shape == (1, 15) and result[1]["sparsity"] > 0)),
+         lambda tmp: beyond_sliding_window(tiny_model("mistral", sliding_window=16), timed=False),
+         check=check_passes_through(all_sliding=True)),
     Case("api_generate_beyond_sliding_window",
-         lambda tmp: generate_with_qada(tiny_model("mistral", sliding_window=16), torch.randint(0, 128, (1, 10)), 10,
-                                        timed=True),
-         ValueError, r"prompt \+ new tokens <= the model's sliding window of 16 tokens .* 10 \+ 10 = 20"),
+         lambda tmp: beyond_sliding_window(tiny_model("mistral", sliding_window=16), timed=True),
+         check=check_passes_through(all_sliding=True)),
+    Case("api_hybrid_beyond_sliding_window",
+         lambda tmp: beyond_sliding_window(tiny_model("gemma3", window=8), timed=True),
+         check=check_passes_through(all_sliding=False)),
     Case("api_generate_beyond_max_positions",
          lambda tmp: generate_timed(tiny_model("llama", max_position_embeddings=32), torch.randint(0, 128, (1, 30)), 4),
          ValueError, r"prompt \+ new tokens <= the model's 32 positions \(max_position_embeddings\) .* = 34"),

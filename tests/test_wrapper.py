@@ -181,15 +181,24 @@ def test_unsupported_models_get_a_clear_error():
 
     with pytest.raises(UnsupportedModelError, match="does not route its attention"):
         enable(NotRouted(), criterion="dense", moments=None)
-    short_window = tiny_model("mistral", sliding_window=50)
-    with apply(short_window, criterion="dense", moments=None):
-        with pytest.raises(UnsupportedModelError, match="sliding window of 50 tokens and the sequence reached 80"):
-            greedy(short_window, torch.randint(1, 128, (1, 80)), steps=2)
-    long_window = tiny_model("mistral", sliding_window=4096)
+
+
+@pytest.mark.parametrize("sliding_window", [50, 4096])
+def test_mistral_with_a_sliding_window_passes_through(sliding_window):
+    """Mistral passes its window to every layer: all of them pass through untouched (also beyond the window,
+    no longer refused), qada warns that it has no global layer, and the tokens and logits are the native ones."""
+    model = tiny_model("mistral", sliding_window=sliding_window)
     ids = torch.randint(1, 128, (1, 80))
-    reference = greedy(long_window, ids, steps=5).sequences
-    with apply(long_window, criterion="dense", moments=None):
-        assert torch.equal(greedy(long_window, ids, steps=5).sequences, reference)
+    reference = greedy(model, ids, steps=5)
+    with pytest.warns(UserWarning, match="every attention layer of MistralForCausalLM attends over a sliding window"):
+        with apply(model, criterion="dense", moments=None) as run:
+            wrapped = greedy(model, ids, steps=5)
+    assert torch.equal(wrapped.sequences, reference.sequences)
+    for ref, got in zip(reference.logits, wrapped.logits, strict=True):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    summary = run.summary()
+    assert summary["global_layers"] == [] and summary["sliding_layers"] == [0, 1]
+    assert summary["decode_steps"] == 0 and summary["sparsity_all_layers"] == 1.0
 
 
 def test_cache_cropping_is_refused():

@@ -90,9 +90,10 @@ class QAdARun:
 
     def summary(self) -> dict[str, Any]:
         """Decode statistics: mean ``sparsity`` and ``kv_sparsity`` over the decoded (layer, step) pairs of the
-        global layers (the ones qada decides on), per layer, the fail-safe count, and for a hybrid model the
-        same two means over all layers, ``sparsity_all_layers`` and ``kv_sparsity_all_layers``, where a
-        sliding-window layer counts as local (every head reads at most its window), with the layer lists.
+        global layers (the ones qada decides on), per layer, the fail-safe count, and (once attached) the same
+        two means over all layers, ``sparsity_all_layers`` and ``kv_sparsity_all_layers``, where a sliding-window
+        layer of a hybrid model counts as local (every head reads at most its window), with the layer lists
+        ``global_layers`` and ``sliding_layers`` (equal to the global-layer means without sliding layers).
         """
         summary = self.stats.compute()
         if self.layers is None:

@@ -2,8 +2,9 @@
 
 The keys come from the model's own cache (``DynamicCache.layers[i].keys``, ``[1, H_kv, T, d]``), so they are
 exactly what decoding would see. On a hybrid model the cache keeps every key of the sliding-window layers too
-(they are never used: those layers pass through qada), so the format stays one tensor over all layers. The prompt runs in chunks with the cache, which bounds memory and lets a
-progress bar move; chunked and unchunked runs give the same keys.
+(they are never used: those layers pass through qada), so the format stays one tensor over all layers. The
+prompt runs in chunks with the cache, which bounds memory and lets a progress bar move; chunked and unchunked
+runs give the same keys.
 
 This module holds the model-running I/O of the ``stored`` and ``bucketed`` sources:
 :func:`load_or_build_reference` builds the reference prompt, runs the model and caches the keys under

@@ -47,7 +47,7 @@ NEEDS_MODEL = {"cli_generate_static_other_model"}
 CLI_CASES = [
     CliCase("cli_unknown_subcommand", lambda tmp: ["bogus"], r"invalid choice: 'bogus'"),
     CliCase("cli_unknown_option", lambda tmp: ["criteria", "--bogus"], r"unrecognized arguments: --bogus"),
-    CliCase("cli_missing_required_flag", lambda tmp: ["eval", "--task", "niah_single_1"],
+    CliCase("cli_missing_required_flag", lambda tmp: ["sweep", "--tasks", "niah_single_1"],
             r"the following arguments are required: --out"),
     CliCase("cli_exclusive_task_and_data", lambda tmp: _eval(tmp, "--data", _file(tmp, "d.jsonl", "")),
             r"argument --data: not allowed with argument --task"),

@@ -117,3 +117,15 @@ def test_every_subcommand_takes_import(capsys):
 def test_a_failed_import_is_a_clean_error(capsys):
     assert main(["criteria", "--import", "no_such_qada_module"]) == 2
     assert "could not import module 'no_such_qada_module'" in capsys.readouterr().err
+
+
+def test_eval_out_defaults_to_a_named_file_under_qada_eval():
+    import argparse
+
+    from qada.cli.evaluate import default_out
+
+    args = argparse.Namespace(model="gemma3-270m", data=None, task="niah_single_2", length=8192)
+    expected = "qada-eval/gemma3-270m-niah_single_2-8192-qada_stored_tau=0.6.json"
+    assert default_out(args, "qada/stored tau=0.6") == expected
+    args = argparse.Namespace(model=None, data="/a/b/ruler.jsonl", task=None, length=4096)
+    assert default_out(args, "dense") == "qada-eval/smollm2-135m-ruler-dense.json"

@@ -38,7 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--record-oracle", action="store_true", help="also measure agreement with the oracle")
     parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
-    parser.add_argument("--out", required=True, help="JSON file to write (per-sample results go to OUT.parts/)")
+    parser.add_argument("--out", default=None,
+                        help="JSON file to write (per-sample results go to OUT.parts/) (default: "
+                             "qada-eval/MODEL-TASK-LENGTH-CRITERION.json in the current folder)")
     parser.set_defaults(run=run)
 
 
@@ -63,6 +65,18 @@ def eval_config(args: argparse.Namespace):
     return build_eval_config(spec, args.tau, args.moments, args.executor, file_config, label=label)
 
 
+def default_out(args: argparse.Namespace, label: str) -> str:
+    """``qada-eval/<model>-<task or data file>-<length>-<configuration>.json``, names made path-safe."""
+    import re
+    from pathlib import Path
+
+    model = args.model if args.model is not None else "smollm2-135m"
+    what = Path(args.data).stem if args.data else f"{args.task}-{args.length}"
+    name = "-".join(re.sub(r"[^A-Za-z0-9_.=-]+", "_", Path(part).name if part == model else part).strip("_")
+                    for part in (model, what, label))
+    return str(Path("qada-eval") / f"{name}.json")
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -77,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     # everything that can be checked before the model loads: a bad input fails in a second, not after the run
     config = eval_config(args)
     check_count(args.samples, "--samples")
-    out = check_output_file(args.out, "--out")
+    out = check_output_file(args.out if args.out is not None else default_out(args, config.label), "--out")
     parts = check_output_dir(out.with_suffix(".parts"), "the results folder of --out")
     ResultsFile(parts / "results-rank0.jsonl").probe()
     if args.data:

@@ -83,9 +83,19 @@ def run(args: argparse.Namespace) -> int:
     frequency = calibrate_static(model, tokenizer, samples, args.tau_static, not args.dense_decoding)
     path = save_static_frequency(args.out, frequency, model, args.alpha,
                                  info={"tau_static": args.tau_static, "n": len(samples)})
-    local = int(round(args.alpha * frequency.numel()))
-    print(f"calibrated on {len(samples)} prompts; mean oracle local frequency {frequency.mean():.3f}")
-    print(f"saved {path}: static mask with {local} of {frequency.numel()} heads local (alpha {args.alpha})")
+    from qada.criteria import StaticCriterion
+    from qada.functional.static import undecided_layers
+
+    sliding = undecided_layers(frequency)  # a hybrid model's sliding-window layers: never decided, NaN rows
+    decided = frequency[~sliding]
+    local = int(StaticCriterion.from_frequency(frequency, args.alpha).mask[~sliding].sum())
+    print(f"calibrated on {len(samples)} prompts; mean oracle local frequency {decided.mean():.3f}")
+    where = ""
+    if sliding.any():
+        layers = (~sliding).nonzero().flatten().tolist()
+        where = (f" of the {len(layers)} global layers {layers} (the {int(sliding.sum())} sliding-window layers pass "
+                 "through qada)")
+    print(f"saved {path}: static mask with {local} of {decided.numel()} heads local{where} (alpha {args.alpha})")
     return 0
 
 
@@ -103,6 +113,10 @@ def _run_correction(args: argparse.Namespace, model, tokenizer, samples, moments
     before, after = recorded.abs_log_error(), recorded.abs_log_error(correction)
     print(f"calibrated on {len(samples)} prompts ({info['records']} decode steps with a bulk); mean abs log error "
           f"of the estimate on them {before:.3f} -> {after:.3f} corrected (evaluate on other prompts)")
+    unfitted = (correction.count == 0).all(-1).nonzero().flatten().tolist()
+    if unfitted:  # a hybrid model's sliding-window layers are never decided
+        print(f"layer(s) {unfitted} had no decode decisions (sliding-window layers pass through qada): identity "
+              "correction (slope 1, offset 0)")
     print(f"saved {path}: per-head correction [{correction.slope.shape[0]}, {correction.slope.shape[1]}]; use it "
           f"with --criterion '{{name: qada_calibrated, correction: {path}}}'")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -46,6 +47,16 @@ class HeadCriterion(Component, abc.ABC):
     def check_model(self, num_layers: int, num_heads: int) -> None:
         """Raise ``ValueError`` if this criterion cannot serve a model of ``num_layers`` layers with ``num_heads``
         query heads (e.g. an override of a layer it does not have); called once, when a run is bound to a model."""
+
+    def bind_layers(self, global_layers: Sequence[int]) -> None:
+        """Learn which layers are decided: the model's global layers, ascending (on a hybrid model the
+        sliding-window layers pass through and never reach a criterion); called once, after :meth:`check_model`,
+        when a run is bound to a model. The default does nothing itself and passes the call to the criterion's
+        ``children()``, if it has any (composites); e.g. budget criteria spread their per-layer counts over the
+        global layers only."""
+        children = getattr(self, "children", None)
+        for child in children() if callable(children) else ():
+            child.bind_layers(global_layers)
 
     def __call__(self, step: DecodeStep) -> torch.Tensor:
         local = self.decide(step)

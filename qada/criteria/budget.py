@@ -4,7 +4,10 @@ A subclass gives a score per head (higher = more reason to be local); the base k
 each row local, with ``k`` spread over the layers so that their mean is ``sparsity * H`` (layer ``l`` gets
 ``floor(s H (l + 1) + 1/2) - floor(s H l + 1/2)``: a model with 9 heads per layer reaches sparsity 0.85 on
 average instead of rounding every layer to 8/9), unless a subclass gives its own count per layer
-(:meth:`BudgetCriterion.local_count`). Heads with a non-finite score are never local (fail-safe, counted);
+(:meth:`BudgetCriterion.local_count`). On a hybrid model only the global layers are decided: once the criterion knows
+them (:meth:`~qada.criteria.HeadCriterion.bind_layers`, called when a run is bound to a model) the count is spread
+over the global layers' ordinals ``0..G-1`` instead of the raw layer indices, so the global layers' mean is the
+target. Heads with a non-finite score are never local (fail-safe, counted);
 the budget then goes to the best finite heads.
 Equal sparsity makes budgeted criteria directly comparable with each other and with static masks.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,14 +62,24 @@ class BudgetCriterion(HeadCriterion):
     def __post_init__(self) -> None:
         check_threshold("sparsity", self.sparsity)
 
+    def bind_layers(self, global_layers: Sequence[int]) -> None:
+        """Spread the per-layer counts over ``global_layers`` (their ordinals) instead of the raw layer indices."""
+        self._layer_ordinal = {int(layer): index for index, layer in enumerate(sorted(global_layers))}
+
+    def layer_ordinal(self, layer: int) -> int:
+        """The position of ``layer`` among the decided layers (after :meth:`bind_layers`; else ``layer`` itself):
+        the index :func:`spread_count` spreads over."""
+        ordinals = getattr(self, "_layer_ordinal", None)
+        return layer if ordinals is None else ordinals.get(layer, layer)
+
     @abc.abstractmethod
     def score(self, step: DecodeStep) -> torch.Tensor:
         """``[b, H]`` floating score per head: higher = more reason to be local; NaN/inf = never local."""
 
     def local_count(self, step: DecodeStep) -> int:
         """How many heads of each row are local at this step: :func:`spread_count` of ``sparsity * H`` over the
-        layers (``floor(sparsity * H + 1/2)`` when that is an integer)."""
-        return spread_count(self.sparsity * step.num_heads, step.layer)
+        (global) layers (``floor(sparsity * H + 1/2)`` when that is an integer)."""
+        return spread_count(self.sparsity * step.num_heads, self.layer_ordinal(step.layer))
 
     def checked_score(self, step: DecodeStep) -> torch.Tensor:
         """:meth:`score`, checked to be ``[b, H]`` floating (a clear error names the criterion otherwise)."""

@@ -59,9 +59,9 @@ class BudgetedQAdACriterion(BudgetCriterion):
         return step.log_local - step.log_bulk_estimate
 
     def group_count(self, step: DecodeStep) -> int:
-        """How many KV groups of each row are local with ``per_group``: ``sparsity * H_kv`` spread over the layers
-        (:func:`~qada.criteria.budget.spread_count`)."""
-        return spread_count(self.sparsity * step.num_kv_heads, step.layer)
+        """How many KV groups of each row are local with ``per_group``: ``sparsity * H_kv`` spread over the (global)
+        layers (:func:`~qada.criteria.budget.spread_count`, :meth:`layer_ordinal`)."""
+        return spread_count(self.sparsity * step.num_kv_heads, self.layer_ordinal(step.layer))
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         score = self.checked_score(step)

@@ -41,7 +41,8 @@ class CalibratedQAdACriterion(ThresholdCriterion):
     i.e. eq. 7's per-key term ``mu_s + sigma_s^2/2`` scaled by ``slope[l, h]`` and shifted by ``offset[l, h]``;
     the ``log T_bulk`` term is kept, so a correction fitted at one prompt length carries to others. The identity
     (``slope = 1, offset = 0``) decides exactly as ``qada``; a NaN/inf estimate makes the head dense and is
-    counted in ``step.fail_safe``.
+    counted in ``step.fail_safe``. A correction fitted on a hybrid model has the identity in its sliding-window
+    layers' rows (never decided, never used).
 
     Args:
         tau: threshold in ``[0, 1]``; higher means fewer local heads.

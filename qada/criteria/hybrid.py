@@ -46,8 +46,12 @@ def load_always_dense(path: str | os.PathLike, dense_fraction: float) -> torch.T
     with the lowest oracle local frequency, ties by ``(layer, head)`` order.
 
     The artifact is a ``head_mask`` file holding a ``frequency`` tensor; the model fingerprint is checked later,
-    by shape, in :meth:`HybridCriterion.check_model`.
+    by shape, in :meth:`HybridCriterion.check_model`. A hybrid model's artifact has NaN rows for its sliding-window
+    layers (never decided): only the ``G`` global layers are ranked (``round(dense_fraction G H)`` heads) and the
+    sliding rows are False (those layers pass through qada untouched).
     """
+    from qada.functional.static import check_local_frequency
+
     tensors, info = load_artifact(path, "head_mask", required=("frequency",))
     frequency = tensors["frequency"]
     if frequency.ndim != 2 or not frequency.dtype.is_floating_point:
@@ -55,8 +59,14 @@ def load_always_dense(path: str | os.PathLike, dense_fraction: float) -> torch.T
             f"artifact {info.path!r} holds frequencies {frequency.dtype} {list(frequency.shape)}; "
             "expected a floating [layers, heads] tensor"
         )
+    try:
+        sliding = check_local_frequency(frequency)
+    except ValueError as error:
+        raise ValueError(f"artifact {info.path!r} holds broken frequencies: {error}") from None
     # the lowest frequencies ranked first; a stable sort keeps ties in (layer, head) order
-    return calibrate_static_mask(-frequency.double(), dense_fraction).cpu()
+    always_dense = calibrate_static_mask(-frequency.double(), dense_fraction).cpu()
+    always_dense[sliding.cpu()] = False
+    return always_dense
 
 
 @register_criterion("hybrid")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ class StaticCriterion(BudgetCriterion):
     """
 
     mask: Any
-    sparsity: float = field(default=0.0, init=False)  # derived from the mask, not a parameter
+    sparsity: float = field(default=0.0, init=False)  # derived from the mask (global layers once bound)
     needs_calibration = True
 
     def __post_init__(self) -> None:
@@ -55,8 +56,19 @@ class StaticCriterion(BudgetCriterion):
 
     @classmethod
     def from_frequency(cls, local_frequency: torch.Tensor, alpha: float) -> StaticCriterion:
-        """Calibrate from ``[L, H]`` oracle local frequencies: the ``round(alpha L H)`` most local heads."""
+        """Calibrate from ``[L, H]`` oracle local frequencies: the ``round(alpha L H)`` most local heads.
+
+        On a hybrid model the sliding-window layers' rows are NaN (never decided): only the ``G`` global layers are
+        ranked, ``round(alpha G H)`` of their heads made local, and the sliding rows are True (never used: those
+        layers pass through). See :func:`qada.functional.calibrate_static_mask`."""
         return cls(calibrate_static_mask(local_frequency, alpha))
+
+    def bind_layers(self, global_layers: Sequence[int]) -> None:
+        """Also make :attr:`sparsity` the fraction of the global layers' heads that are local."""
+        super().bind_layers(global_layers)
+        rows = [layer for layer in global_layers if 0 <= layer < self.mask.shape[0]]
+        if rows and self.mask.shape[1]:
+            self.sparsity = float(self.mask[rows].float().mean())
 
     def check_model(self, num_layers: int, num_heads: int) -> None:
         if tuple(self.mask.shape) != (num_layers, num_heads):

@@ -19,6 +19,7 @@ from qada.eval.evaluator import answer_budget
 from qada.eval.tasks import Sample
 from qada.functional import LogCorrection, fit_log_correction
 from qada.models.apply import build_run, prepare_run
+from qada.models.layer_types import layer_types
 from qada.models.observers import DecisionEvent, Observer
 
 __all__ = [
@@ -57,9 +58,12 @@ def calibrate_static(
 
     As in App. A: on RULER prompts (``decode_with_oracle=True``) the calibration run decodes with the
     oracle-approximated attention; otherwise it decodes densely while recording the oracle's labels.
+    On a hybrid model the rows of the sliding-window layers are NaN: they pass through qada and are never decided
+    (see :class:`~qada.criteria.StaticCalibrator`).
     """
-    config = model.config
-    calibrator = StaticCalibrator(config.num_hidden_layers, config.num_attention_heads, tau_static)
+    layers = layer_types(model)
+    calibrator = StaticCalibrator(layers.num_layers, _num_heads(model), tau_static,
+                                  layers.global_layers if layers.windows else None)
     observer = CalibrationObserver(calibrator)
     criterion = calibrator.criterion()
     if decode_with_oracle:
@@ -79,6 +83,11 @@ def calibrate_static(
         run = build_run(DenseCriterion(), "none", "sdpa", window, [_RecordOracle()])
     _decode_samples(model, tokenizer, samples, prepare_run(run, model, tokenizer), progress)
     return calibrator.compute()
+
+
+def _num_heads(model: Any) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.num_attention_heads)
 
 
 def _decode_samples(model: Any, tokenizer: Any, samples: Sequence[Sample], run: Any, progress: bool) -> None:
@@ -128,30 +137,51 @@ class LogBulkSamples:
 
 class LogBulkRecorder(Observer):
     """Keeps ``log A_bulk``, ``log Â_bulk`` and ``T_bulk`` of every decision of rows with a bulk (``wants_oracle``);
-    :meth:`samples` stacks them to ``[N, L, H]``."""
+    :meth:`samples` stacks them to ``[N, L, H]``.
+
+    Args:
+        num_layers: model layers ``L``.
+        global_layers: the layers that are decided (``None``: all); on a hybrid model the sliding-window layers are
+            never decided, and their entries of :meth:`samples` are NaN (a fit gives them the identity).
+    """
 
     wants_oracle = True
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, global_layers: Sequence[int] | None = None) -> None:
         self.num_layers = num_layers
+        self.global_layers = list(range(num_layers)) if global_layers is None else sorted(set(global_layers))
+        if not self.global_layers:
+            raise ValueError("expected at least one global layer to record but got none (every layer attends over "
+                             "a sliding window and passes through qada untouched)")
         self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
-            layer: [] for layer in range(num_layers)}
+            layer: [] for layer in self.global_layers}
 
     def on_decision(self, event: DecisionEvent) -> None:
         if event.log_bulk_estimate is None:
             raise RuntimeError("recording the lognormal estimate needs a moment source (e.g. moments='stored')")
+        if event.layer not in self.rows:
+            raise RuntimeError(f"expected decisions of the global layers {self.global_layers} but got layer "
+                               f"{event.layer}")
         keep = (event.t_bulk > 0).cpu()
         self.rows[event.layer].append((event.log_bulk_estimate.detach().float().cpu()[keep],
                                        event.log_bulk.detach().float().cpu()[keep], event.t_bulk.cpu()[keep]))
 
     def samples(self) -> LogBulkSamples:
         counts = {layer: sum(len(r[2]) for r in rows) for layer, rows in self.rows.items()}
-        if len(set(counts.values())) != 1 or counts[0] == 0:
-            raise RuntimeError(f"expected the same number (> 0) of recorded decode steps with a bulk in every layer "
-                               f"but got {counts}")
-        estimate = torch.stack([torch.cat([r[0] for r in self.rows[layer]]) for layer in range(self.num_layers)], 1)
-        truth = torch.stack([torch.cat([r[1] for r in self.rows[layer]]) for layer in range(self.num_layers)], 1)
-        return LogBulkSamples(estimate, truth, torch.cat([r[2] for r in self.rows[0]]))
+        first = self.global_layers[0]
+        if len(set(counts.values())) != 1 or counts[first] == 0:
+            raise RuntimeError(f"expected the same number (> 0) of recorded decode steps with a bulk in every "
+                               f"{'global ' if len(self.global_layers) < self.num_layers else ''}layer but got "
+                               f"{counts}")
+        recorded = {layer: (torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]))
+                    for layer, rows in self.rows.items()}
+        N, H = recorded[first][0].shape
+        missing = torch.full((N, H), float("nan"))  # a sliding-window layer: no samples
+        estimate = torch.stack([recorded[layer][0] if layer in recorded else missing
+                                for layer in range(self.num_layers)], 1)
+        truth = torch.stack([recorded[layer][1] if layer in recorded else missing
+                             for layer in range(self.num_layers)], 1)
+        return LogBulkSamples(estimate, truth, torch.cat([r[2] for r in self.rows[first]]))
 
 
 def collect_log_bulk_samples(
@@ -169,11 +199,13 @@ def collect_log_bulk_samples(
 
     Decodes with the oracle at ``tau_static`` (``decode_with_oracle``, as :func:`calibrate_static` on RULER
     prompts) or densely; the moment source is prepared for the model first (a stored reference is built or loaded).
+    On a hybrid model the sliding-window layers' entries are NaN (never decided).
     """
     if moments is None or moments == "none":
         raise ValueError("expected a moment source for the lognormal estimate but got moments: none")
     criterion = OracleCriterion(tau=tau_static) if decode_with_oracle else DenseCriterion()
-    recorder = LogBulkRecorder(model.config.num_hidden_layers)
+    layers = layer_types(model)
+    recorder = LogBulkRecorder(layers.num_layers, layers.global_layers)
     run = prepare_run(build_run(criterion, moments, "sdpa", window, [recorder]), model, tokenizer)
     _decode_samples(model, tokenizer, samples, run, progress)
     return recorder.samples()
@@ -195,7 +227,8 @@ def calibrate_qada_correction(
 
     See :func:`collect_log_bulk_samples` for the recording and :func:`qada.functional.fit_log_correction` for the
     fit (``ridge`` pulls each head toward the identity; ``quantile`` fits a conservative offset instead of the
-    mean one). Evaluate it on prompts the fit never saw.
+    mean one). Evaluate it on prompts the fit never saw. On a hybrid model the sliding-window layers have no samples
+    and get the identity (slope 1, offset 0, count 0).
     """
     recorded = collect_log_bulk_samples(model, tokenizer, samples, moments, tau_static, decode_with_oracle, window,
                                         progress)
@@ -216,18 +249,49 @@ def save_qada_correction_fit(
 def save_static_frequency(
     path: str | os.PathLike, frequency: torch.Tensor, model: Any, alpha: float, info: dict | None = None
 ) -> Path:
-    """Save the calibrated frequencies and the static mask at ``alpha`` (safetensors, model fingerprint)."""
-    from qada.artifacts import model_fingerprint, save_artifact
+    """Save the calibrated frequencies and the static mask at ``alpha`` (safetensors, model fingerprint).
 
+    A hybrid model's frequencies have NaN rows for its sliding-window layers (never decided); they are saved as
+    NaN, and the mask makes ``round(alpha G H)`` of the ``G`` global layers' heads local (sliding rows True).
+    """
+    from qada.artifacts import model_fingerprint, save_artifact
+    from qada.functional.static import check_local_frequency
+
+    check_local_frequency(frequency, in_unit_interval=True)
     mask = StaticCriterion.from_frequency(frequency, alpha).mask
     return save_artifact(path, "head_mask", {"mask": mask, "frequency": frequency.float()},
                          model_fingerprint(model.config), info={"alpha": alpha, **(info or {})})
 
 
 def load_static_frequency(path: str | os.PathLike, model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(frequency [L, H], mask [L, H])`` from :func:`save_static_frequency` (fingerprint checked with a model)."""
-    from qada.artifacts import load_artifact, model_fingerprint
+    """``(frequency [L, H], mask [L, H])`` from :func:`save_static_frequency` (fingerprint checked with a model).
+
+    Checked: ``frequency`` floating with each row in ``[0, 1]`` or entirely NaN (a hybrid model's sliding-window
+    layer) and ``mask`` bool, both of the model's shape; with ``model`` also that every NaN row is a sliding-window
+    layer of it. Raises :class:`~qada.artifacts.ArtifactError`.
+    """
+    from qada.artifacts import ArtifactError, load_artifact, model_fingerprint
+    from qada.functional.static import check_local_frequency
 
     fingerprint = model_fingerprint(model.config) if model is not None else None
-    tensors, _ = load_artifact(path, "head_mask", required=("mask", "frequency"), fingerprint=fingerprint)
-    return tensors["frequency"], tensors["mask"]
+    tensors, info = load_artifact(path, "head_mask", required=("mask", "frequency"), fingerprint=fingerprint)
+    frequency, mask = tensors["frequency"], tensors["mask"]
+    L, H = info.model.get("num_layers"), info.model.get("num_heads")
+    shape = tuple(frequency.shape)
+    if (mask.dtype != torch.bool or tuple(mask.shape) != shape
+            or (L is not None and H is not None and shape != (L, H))):
+        raise ArtifactError(f"artifact {info.path!r} holds frequency {frequency.dtype} {list(frequency.shape)} and "
+                            f"mask {mask.dtype} {list(mask.shape)}; expected a floating and a bool tensor of shape "
+                            f"[{L}, {H}]")
+    try:
+        undecided = check_local_frequency(frequency, in_unit_interval=True)
+    except ValueError as error:
+        raise ArtifactError(f"artifact {info.path!r} holds broken frequencies: {error}") from None
+    if model is not None and bool(undecided.any()) and hasattr(model, "modules"):
+        layers = layer_types(model)
+        wrong = [layer for layer in undecided.nonzero().flatten().tolist() if not layers.is_sliding(layer)]
+        if wrong:
+            raise ArtifactError(f"artifact {info.path!r} has no frequencies (NaN) for layer(s) {wrong}, which are "
+                                f"global layers of this model ({layers.describe()}); it was calibrated for a model "
+                                "with other sliding-window layers")
+    return frequency, mask

@@ -62,8 +62,9 @@ def fit_log_correction(
         b = \\frac{n}{n + \\lambda}\\,(\\bar y - a \\bar x),
 
     with ``S_xx = sum (x - x̄)^2`` and ``S_xy = sum (x - x̄)(y - ȳ)``. A perfect estimator (``y = x``) gives
-    exactly ``a = 1, b = 0``; a head without samples gives the identity; a head whose ``x`` does not vary keeps
-    ``a = 1`` and only corrects the mean error. Sums are taken in float64.
+    exactly ``a = 1, b = 0``; a head without samples gives the identity (``count`` 0: e.g. every head of a hybrid
+    model's sliding-window layer, whose samples are all NaN since it is never decided); a head whose ``x`` does not
+    vary keeps ``a = 1`` and only corrects the mean error. Sums are taken in float64.
 
     Args:
         estimate: ``[N, L, H]`` lognormal estimates ``log Â_bulk`` (any leading sample dims, last two ``L, H``).

@@ -99,6 +99,7 @@ def check_run_fits(run: QAdARun, model: Any) -> None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     run.layers = layer_types(model)
     run.criterion.check_model(run.layers.num_layers, int(config.num_attention_heads))
+    run.criterion.bind_layers(run.layers.global_layers)
 
 
 def prepare_run(run: QAdARun, model: Any, tokenizer: Any = None) -> QAdARun:

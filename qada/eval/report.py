@@ -42,6 +42,8 @@ def result_record(entry: dict, task: str, length: int | None, n: int, model: Any
         "score": entry["score"],
         "sparsity": entry["sparsity"],
         "kv_sparsity": entry["kv_sparsity"],
+        # over all layers, sliding-window layers (hybrid models) counted as local
+        **{k: entry[k] for k in ("sparsity_all_layers", "kv_sparsity_all_layers") if k in entry},
         **{k: v for k, v in entry.items() if k.startswith("oracle_")},
         "decode_seconds": entry["decode_seconds"],
         "decode_tokens_per_s": entry.get("decode_tokens_per_s"),
@@ -101,8 +103,8 @@ def write_results(
                                     + worst_case_markdown(worst_case_drop(records)) + "\n" + _fitted_section(records))
     json_path = write_json(out / f"{name}.json", list(records))
     csv_path = out / f"{name}.csv"
-    columns = ["task", "length", "n", "family", "label", "score", "sparsity", "kv_sparsity", "oracle_agreement",
-               "decode_seconds", "decode_tokens_per_s"]
+    columns = ["task", "length", "n", "family", "label", "score", "sparsity", "kv_sparsity", "sparsity_all_layers",
+               "kv_sparsity_all_layers", "oracle_agreement", "decode_seconds", "decode_tokens_per_s"]
     with csv_path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

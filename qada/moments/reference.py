@@ -13,6 +13,7 @@ This module holds the model-running I/O of the ``stored`` and ``bucketed`` sourc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -181,6 +182,12 @@ def reference_cache_file(
     return resolve_cache_dir(cache_dir) / name
 
 
+@functools.lru_cache(maxsize=2)
+def _load_shared(path: str, stamp: tuple[int, int], fingerprint: str) -> ReferenceKeys:
+    """One loaded copy per cached file (``stamp``: its mtime and size), shared by the sources that use it."""
+    return ReferenceKeys.load(path, json.loads(fingerprint))
+
+
 def load_or_build_reference(
     model: Any,
     tokenizer: Any,
@@ -209,7 +216,8 @@ def load_or_build_reference(
     file = reference_cache_file("reference", fingerprint, prompt, length, seed, cache_dir)
     if file.exists():
         try:
-            return ReferenceKeys.load(file, fingerprint)
+            stat = file.stat()
+            return _load_shared(str(file), (stat.st_mtime_ns, stat.st_size), json.dumps(fingerprint, sort_keys=True))
         except ArtifactError as error:
             warnings.warn(f"rebuilding the cached reference: {error}", stacklevel=2)
     if tokenizer is None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from qada.artifacts import model_fingerprint
 from qada.moments.base import MomentSource, register_moment_source
@@ -30,6 +31,10 @@ from qada.window import Window
 __all__ = ["ReferenceMomentSource", "StoredMoments", "reference_bulk_end"]
 
 MAX_CHECKPOINT_BYTES = 256 * 2**20  # prefix-sum checkpoints of the reference, all layers
+
+# What is derived from a reference's keys (float32 copy per device, shift, prefix-sum checkpoints), shared by every
+# source that uses the same keys tensor: a sweep's many stored-moment configurations hold one copy, not one each.
+_DERIVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def reference_bulk_end(
@@ -177,10 +182,7 @@ class StoredMoments(ReferenceMomentSource):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._reference: ReferenceKeys | None = None
-        self._keys: dict[torch.device, torch.Tensor] = {}
-        self._shift: dict[torch.device, torch.Tensor] = {}
         self._state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
-        self._prefix: dict[tuple[int, torch.device], tuple[int, torch.Tensor, torch.Tensor]] = {}
 
     # --- reference ---------------------------------------------------------------------------------------
     def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:
@@ -192,9 +194,6 @@ class StoredMoments(ReferenceMomentSource):
     def set_reference(self, reference: ReferenceKeys) -> None:
         """Use ``reference`` (keys ``[L, H_kv, N, d]``) from now on; per-sequence state is reset."""
         self._reference = reference
-        self._keys.clear()
-        self._shift.clear()
-        self._prefix.clear()
         self.reset()
 
     @property
@@ -203,12 +202,20 @@ class StoredMoments(ReferenceMomentSource):
             raise RuntimeError("stored moments have no reference: call prepare(model, tokenizer) or set_reference")
         return self._reference
 
+    def _derived(self) -> dict:
+        """The tensors derived from this reference's keys, shared with every source using the same keys."""
+        keys = self.reference.keys
+        if keys not in _DERIVED:
+            _DERIVED[keys] = {}
+        return _DERIVED[keys]
+
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._keys:
+        derived = self._derived()
+        if ("keys", device) not in derived:
             keys = self.reference.keys.to(device=device, dtype=torch.float32)
-            self._keys[device] = keys
-            self._shift[device] = keys.double().mean(2)  # [L, H_kv, d]: sums around it keep their precision
-        return self._keys[device], self._shift[device]
+            # [L, H_kv, d]: sums around it keep their precision
+            derived["keys", device] = (keys, keys.double().mean(2))
+        return derived["keys", device]
 
     # --- MomentSource --------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -243,8 +250,9 @@ class StoredMoments(ReferenceMomentSource):
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """``(C, P1 [H_kv, J+1, d], P2 [H_kv, J+1, d, d])``: float64 shifted sums of the reference's first
         ``j * C`` keys of ``layer``, computed once (the whole reference's checkpoints fit in 256 MiB)."""
-        key = (layer, ref.device)
-        if key not in self._prefix:
+        derived = self._derived()
+        key = ("checkpoints", layer, ref.device)
+        if key not in derived:
             H_kv, N, d = ref.shape
             per_checkpoint = self.reference.keys.shape[0] * H_kv * d * d * 8  # float64 P2 over all layers
             J = max(1, min(max(N // 64, 1), MAX_CHECKPOINT_BYTES // per_checkpoint))
@@ -254,8 +262,8 @@ class StoredMoments(ReferenceMomentSource):
             zeros1, zeros2 = x.new_zeros(H_kv, 1, d), x.new_zeros(H_kv, 1, d, d)
             p1 = torch.cat([zeros1, x.sum(2).cumsum(1)], 1)
             p2 = torch.cat([zeros2, (x.transpose(-1, -2) @ x).cumsum(1)], 1)
-            self._prefix[key] = (every, p1, p2)
-        return self._prefix[key]
+            derived[key] = (every, p1, p2)
+        return derived[key]
 
     @staticmethod
     def _prefix_sums(ref, shift, every: int, p1, p2, upto: int) -> tuple[float, torch.Tensor, torch.Tensor]:

@@ -7,8 +7,9 @@ budgeted QAdA, on niah_single_1, niah_single_2 and niah_multikey_1. qada decides
 or task was seen by it.
 
 Each length runs in its own process, so its peak memory (``ru_maxrss``) and wall time are its own; they are
-written to ``resources.json`` with every prefill's time. Per-sample rows resume (identity-checked), so the
-command can be rerun to finish an interrupted run:
+written to ``resources-<length>.json`` (collected in ``resources.json``) with every prefill's time; a length
+whose resources file exists is finished and not rerun (delete the file to rerun it). Per-sample rows resume
+(identity-checked), so the command can be rerun to finish an interrupted run:
 
     .venv/bin/python results/long_context/run.py [--lengths 8192,16384,32736] [--samples 8192:3,16384:2,32736:1]
 
@@ -149,6 +150,38 @@ def report(lengths: list[int], samples: dict[int, int], args) -> None:
     resources = [json.loads((out / f"resources-{n}.json").read_text()) for n in lengths
                  if (out / f"resources-{n}.json").is_file()]
     (out / "resources.json").write_text(json.dumps(resources, indent=2) + "\n")
+    (out / "summary.md").write_text(
+        "Score (global-layer sparsity / kv_sparsity) per configuration; sparsity over all 18 layers is "
+        "(3 x sparsity + 15) / 18 (`sparsity_all_layers` in results.json).\n\n"
+        f"Command: `{command.strip()}`\n\n" + compact_table(records, resources))
+
+
+def compact_table(records: list[dict], resources: list[dict]) -> str:
+    """Markdown: score (global-layer sparsity / kv_sparsity) of each configuration per (task, length), and the
+    resources of each length."""
+    cells = sorted({(r["length"], r["task"]) for r in records})
+    labels = list(dict.fromkeys(r["label"] for r in records))
+    by = {(r["length"], r["task"], r["label"]): r for r in records}
+
+    def cell(r):
+        if r is None:
+            return ""
+        sparsity = "–" if r["sparsity"] is None else f"{r['sparsity']:.2f}"
+        kv = "–" if r["kv_sparsity"] is None else f"{r['kv_sparsity']:.2f}"
+        return f"{r['score']:.0f} ({sparsity} / {kv})"
+
+    lines = ["| configuration | " + " | ".join(f"{task} {length} (n={by[length, task, labels[0]]['n']})"
+                                             for length, task in cells) + " |",
+             "|---|" + "---|" * len(cells)]
+    lines += [f"| {label} | " + " | ".join(cell(by.get((length, task, label))) for length, task in cells) + " |"
+              for label in labels]
+    lines += ["", "| prompt tokens | samples per task | prefill s (each prompt) | peak memory GB | wall time s |",
+              "|---|---|---|---|---|"]
+    for res in resources:
+        prefills = sorted(x for values in res["prefill_seconds"].values() for x in values)
+        lines.append(f"| {res['length']} | {res['samples']} | {prefills[0]:.0f}-{prefills[-1]:.0f} | "
+                     f"{res['peak_rss_gb']:.1f} | {res['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -171,6 +204,8 @@ def main(argv=None) -> int:
         return 0
     start = time.time()
     for length in lengths:  # one process per length: its own peak memory
+        if (Path(args.out) / f"resources-{length}.json").is_file():  # finished: keep its measured resources
+            continue
         command = [sys.executable, __file__, "--one-length", str(length), "--samples", args.samples,
                    "--calibration-length", str(args.calibration_length),
                    "--calibration-samples", str(args.calibration_samples), "--out", args.out]

@@ -71,9 +71,9 @@ def copy_to_cache(model: Any, source: Any, kind: str = "static", capacity: int |
     layers = []
     for layer in source.layers:
         filled = int(layer.get_seq_length())
-        held = min(filled, layer.keys.shape[2]) if layer.is_initialized else 0
-        layers.append((layer.keys[:, :, :held], layer.values[:, :, :held], filled, bool(getattr(layer, "is_sliding",
-                                                                                                   False))))
+        held = min(filled, layer.keys.shape[2]) if layer.is_initialized else 0  # a sliding layer holds fewer
+        sliding = bool(getattr(layer, "is_sliding", False))
+        layers.append((layer.keys[:, :, :held], layer.values[:, :, :held], filled, sliding))
     length = max((filled for *_, filled, _ in layers), default=0)
     cache = make_cache(model, kind, capacity if capacity is not None else length)
     if capacity is not None and capacity < length:

@@ -206,7 +206,8 @@ def main(argv=None) -> int:
     for length in lengths:  # one process per length: its own peak memory
         if (Path(args.out) / f"resources-{length}.json").is_file():  # finished: keep its measured resources
             continue
-        command = [sys.executable, __file__, "--one-length", str(length), "--samples", args.samples,
+        command = [sys.executable, __file__, "--one-length", str(length), "--lengths", args.lengths,
+                   "--samples", args.samples,
                    "--calibration-length", str(args.calibration_length),
                    "--calibration-samples", str(args.calibration_samples), "--out", args.out]
         subprocess.run(command, check=True)

@@ -31,6 +31,7 @@ __all__ = [
     "ArtifactError",
     "ArtifactInfo",
     "check_fingerprint",
+    "file_sha256",
     "load_artifact",
     "load_head_mask",
     "load_qada_correction",
@@ -39,6 +40,7 @@ __all__ = [
     "save_artifact",
     "save_head_mask",
     "save_qada_correction",
+    "text_config",
     "verify_artifact",
 ]
 
@@ -49,6 +51,20 @@ KINDS = ("reference_keys", "bucketed_moments", "head_mask", "qada_correction")
 
 class ArtifactError(ValueError):
     """An artifact cannot be used: unreadable, corrupted, incomplete, or made for another model or window."""
+
+
+def text_config(config: Any) -> Any:
+    """The text part of a transformers config (a multimodal config's text config; any other config itself)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 (64 hex digits) of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def model_fingerprint(config: Any, model: Any = None) -> dict[str, Any]:
@@ -64,8 +80,7 @@ def model_fingerprint(config: Any, model: Any = None) -> dict[str, Any]:
         ``hidden_size``, ``max_positions`` and ``rope`` (``rope_parameters``, else ``rope_theta`` and
         ``rope_scaling``).
     """
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
+    config = text_config(config)
     heads = int(config.num_attention_heads)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

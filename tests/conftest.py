@@ -32,10 +32,10 @@ def tiny_model_dir(tmp_path_factory):
     """``(path, tokenizer)``: a tiny random Llama saved with the embedded model's tokenizer (for CLI tests)."""
     from transformers import AutoTokenizer
 
-    from qada.models.loading import _resolve
+    from qada.models.loading import model_directory
     from tests.tiny_models import tiny_model
 
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(None))
+    tokenizer = AutoTokenizer.from_pretrained(model_directory(None))
     path = tmp_path_factory.mktemp("tiny")
     tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
     tokenizer.save_pretrained(path)

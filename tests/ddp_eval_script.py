@@ -13,13 +13,13 @@ def main(out_dir: str, devices: int) -> None:
     from qada.eval.configs import EvalConfig
     from qada.eval.evaluator import Evaluator
     from qada.eval.tasks import TASKS
-    from qada.models.loading import _resolve
+    from qada.models.loading import model_directory
     from tests.tiny_models import tiny_model
 
     torch.set_num_threads(1)
     fabric = Fabric(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto")
     fabric.launch()
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(None))
+    tokenizer = AutoTokenizer.from_pretrained(model_directory(None))
     model = tiny_model("llama", vocab_size=len(tokenizer))
     samples = TASKS.build("niah_single_2").generate(tokenizer, 400, 4, seed=0)
     window = {"t_local": 96, "t_sink": 4}

@@ -266,9 +266,9 @@ def tiny_model_path() -> str:
     """A tiny Llama with 64 positions saved with the embedded tokenizer (once per session, for the CLI rows)."""
     from transformers import AutoTokenizer
 
-    from qada.models.loading import _resolve
+    from qada.models.loading import model_directory
 
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(None))
+    tokenizer = AutoTokenizer.from_pretrained(model_directory(None))
     folder = tempfile.TemporaryDirectory(prefix="qada-tiny-")
     tiny_model_path.folder = folder  # type: ignore[attr-defined] - kept alive (and removed) with the function
     tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=64).save_pretrained(folder.name)

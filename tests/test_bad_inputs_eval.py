@@ -29,9 +29,9 @@ WINDOW = {"t_local": 64, "t_sink": 4}
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from qada.models.loading import _resolve
+    from qada.models.loading import model_directory
 
-    return AutoTokenizer.from_pretrained(_resolve(None))
+    return AutoTokenizer.from_pretrained(model_directory(None))
 
 
 @lru_cache(maxsize=4)

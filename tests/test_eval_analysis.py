@@ -72,9 +72,9 @@ def test_analyze_cli_writes_every_output(tmp_path):
     from transformers import AutoTokenizer
 
     from qada.cli import main
-    from qada.models.loading import _resolve
+    from qada.models.loading import model_directory
 
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(None))
+    tokenizer = AutoTokenizer.from_pretrained(model_directory(None))
     model_dir = tmp_path / "tiny"
     tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)

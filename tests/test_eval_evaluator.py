@@ -19,9 +19,9 @@ WINDOW = {"t_local": 96, "t_sink": 4}  # random models attend almost uniformly: 
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from qada.models.loading import _resolve
+    from qada.models.loading import model_directory
 
-    return AutoTokenizer.from_pretrained(_resolve(None))
+    return AutoTokenizer.from_pretrained(model_directory(None))
 
 
 @pytest.fixture(scope="module")

@@ -58,9 +58,9 @@ def hybrid():
     synthetic prompts of about 260 tokens (longer than the default 128-token window: every decode has a bulk)."""
     from transformers import AutoTokenizer
 
-    from qada.models.loading import _resolve
+    from qada.models.loading import model_directory
 
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(None))
+    tokenizer = AutoTokenizer.from_pretrained(model_directory(None))
     model = _gemma3(len(tokenizer))
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     g = torch.Generator().manual_seed(0)

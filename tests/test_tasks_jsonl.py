@@ -39,9 +39,9 @@ NIAH_LINE = {
 
 @pytest.fixture(scope="module")
 def tokenizer_dir():
-    from qada.models.loading import _resolve
+    from qada.models.loading import model_directory
 
-    return _resolve(None)
+    return model_directory(None)
 
 
 @pytest.fixture(scope="module")

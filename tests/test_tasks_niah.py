@@ -24,9 +24,9 @@ NIAH = [
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from qada.models.loading import _resolve
+    from qada.models.loading import model_directory
 
-    return AutoTokenizer.from_pretrained(_resolve(None))
+    return AutoTokenizer.from_pretrained(model_directory(None))
 
 
 def tolerance(length: int) -> int:

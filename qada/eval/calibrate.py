@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from qada.artifacts import text_config
 from qada.criteria import DenseCriterion, OracleCriterion, StaticCalibrator, StaticCriterion
 from qada.eval.decode import decode_greedy, prefill
 from qada.eval.evaluator import answer_budget
@@ -86,8 +87,7 @@ def calibrate_static(
 
 
 def _num_heads(model: Any) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(config.num_attention_heads)
+    return int(text_config(model.config).num_attention_heads)
 
 
 def _decode_samples(model: Any, tokenizer: Any, samples: Sequence[Sample], run: Any, progress: bool) -> None:

@@ -18,6 +18,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from qada.artifacts import file_sha256
+
 __all__ = [
     "ResultsMismatchError",
     "artifact_digests",
@@ -60,11 +62,7 @@ def file_digest(path: str | os.PathLike) -> str:
 
 @lru_cache(maxsize=256)
 def _file_digest(path: str, size: int, mtime: int) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()[:16]
+    return file_sha256(path)[:16]
 
 
 def artifact_digests(spec: Any) -> dict[str, str]:

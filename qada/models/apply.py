@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from qada.artifacts import text_config
 from qada.attention import EXECUTORS
 from qada.criteria import CRITERIA
 from qada.models.attention_function import ATTENTION_NAME, active_runs, qada_attention_forward
@@ -96,7 +97,7 @@ def build_run(
 def check_run_fits(run: QAdARun, model: Any) -> None:
     """Raise ``ValueError`` before any work if ``run``'s criterion cannot serve ``model`` (e.g. a layer override
     beyond its layers, a static mask of another shape): :meth:`~qada.criteria.HeadCriterion.check_model`."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     run.layers = layer_types(model)
     run.criterion.check_model(run.layers.num_layers, int(config.num_attention_heads))
     run.criterion.bind_layers(run.layers.global_layers)

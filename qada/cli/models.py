@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from qada.cli.common import IMPORTS, HelpFormatter
+from qada.eval.report import number_cell
 
 _COLUMNS = ("kv_best", "kv_independent", "kv_worst")
 
@@ -166,10 +167,6 @@ def card_config(spec: str) -> Any:
 
 # ------------------------------------------------------------------------------------------------ printing cards
 
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
 def _theta(value: float | None) -> str:
     return "-" if value is None else (f"{int(value)}" if float(value).is_integer() else f"{value:g}")
 
@@ -193,8 +190,8 @@ def format_card(card, sparsities: tuple[float, ...]) -> str:
     for row in card.table(sparsities):
         values = [row[key] for key in _COLUMNS]
         everywhere = [row[f"{key}_all_layers"] for key in ("sparsity", *_COLUMNS)]
-        lines.append(f"  {row['sparsity']:>6.2f}  " + " ".join(f"{_number(v):>6}" for v in values) + "  "
-                     + " ".join(f"{_number(v):>6}" for v in everywhere))
+        lines.append(f"  {row['sparsity']:>6.2f}  " + " ".join(f"{number_cell(v):>6}" for v in values) + "  "
+                     + " ".join(f"{number_cell(v):>6}" for v in everywhere))
     return "\n".join(lines)
 
 
@@ -206,8 +203,8 @@ def format_card_markdown(card, sparsities: tuple[float, ...]) -> str:
              "| kv independent, all layers | kv worst, all layers |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in card.table(sparsities):
-        cells = [f"{row['sparsity']:.2f}"] + [_number(row[key]) for key in _COLUMNS] + [
-            _number(row[f"{key}_all_layers"]) for key in ("sparsity", *_COLUMNS)]
+        cells = [f"{row['sparsity']:.2f}"] + [number_cell(row[key]) for key in _COLUMNS] + [
+            number_cell(row[f"{key}_all_layers"]) for key in ("sparsity", *_COLUMNS)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ __all__ = [
     "fitted_on_markdown",
     "format_table",
     "markdown_table",
+    "number_cell",
     "plot_score_vs_sparsity",
     "records_from_rows",
     "worst_case_drop",
@@ -66,14 +67,14 @@ def format_table(records: Sequence[dict]) -> str:
     for r in records:
         agree, rate = r.get("oracle_agreement"), r.get("decode_tokens_per_s")
         lines.append(
-            f"{r['task']:<16} {r['length'] or 0:>5} {r['n']:>3} {r['label']:<28} {_number(r['score'], 1):>6} "
-            f"{_number(r['sparsity'], 3):>8} {_number(r['kv_sparsity'], 3):>6} {_number(agree, 3):>6} "
-            f"{_number(rate, 2):>9}"
+            f"{r['task']:<16} {r['length'] or 0:>5} {r['n']:>3} {r['label']:<28} {number_cell(r['score'], 1):>6} "
+            f"{number_cell(r['sparsity'], 3):>8} {number_cell(r['kv_sparsity'], 3):>6} {number_cell(agree, 3):>6} "
+            f"{number_cell(rate, 2):>9}"
         )
     return "\n".join(lines)
 
 
-def _number(value: float | None, digits: int) -> str:
+def number_cell(value: float | None, digits: int = 3) -> str:
     """A table cell: ``value`` with ``digits`` decimals, ``-`` when there is none (see the record's ``missing``)."""
     return "-" if value is None or value != value else f"{value:.{digits}f}"
 
@@ -83,8 +84,8 @@ def markdown_table(records: Sequence[dict]) -> str:
     lines = ["| task | length | n | configuration | score | sparsity | kv_sparsity |",
              "|---|---:|---:|---|---:|---:|---:|"]
     for r in records:
-        lines.append(f"| {r['task']} | {r['length']} | {r['n']} | {r['label']} | {_number(r['score'], 1)} | "
-                     f"{_number(r['sparsity'], 3)} | {_number(r['kv_sparsity'], 3)} |")
+        lines.append(f"| {r['task']} | {r['length']} | {r['n']} | {r['label']} | {number_cell(r['score'], 1)} | "
+                     f"{number_cell(r['sparsity'], 3)} | {number_cell(r['kv_sparsity'], 3)} |")
     return "\n".join(lines)
 
 

@@ -52,6 +52,9 @@ class DecodeStep:
         layer: layer index.
         step: decode step since the prefill (for observers).
         start: ``[b]`` integer index of each row's first real token (left padding), ``None`` for no padding.
+        end: ``[b]`` integer one past each row's last token on a preallocated cache (``keys`` is then the whole
+            buffer, ``T`` its slots, and the slots ``>= end_r`` hold no token of row ``r``); ``None``: every row
+            ends at ``T``. A device tensor, never read on the host: shapes stay fixed while the cache fills.
         moments: bulk key moments, or a zero-argument callable returning them (called at most once).
         values: ``[b, H_kv, T, d]`` the cached values (executors need them; criteria do not).
 
@@ -68,6 +71,7 @@ class DecodeStep:
     layer: int = 0
     step: int = 0
     start: torch.Tensor | None = None
+    end: torch.Tensor | None = None
     moments: BulkMoments | Callable[[], BulkMoments] | None = None
     values: torch.Tensor | None = None
     fail_safe: torch.Tensor | None = field(default=None, init=False)
@@ -101,6 +105,15 @@ class DecodeStep:
             if self.start.shape != (b,):
                 raise ValueError(f"expected start of shape [{b}] but got {tuple(self.start.shape)}")
             self.start = self.start.to(device=self.query.device, dtype=torch.long)
+        if self.end is not None:
+            if not isinstance(self.end, torch.Tensor) or self.end.dtype.is_floating_point or (
+                self.end.dtype == torch.bool
+            ):
+                got = self.end.dtype if isinstance(self.end, torch.Tensor) else type(self.end).__name__
+                raise ValueError(f"expected end to be an integer tensor of shape [{b}] but got {got}")
+            if self.end.shape != (b,):
+                raise ValueError(f"expected end of shape [{b}] but got {tuple(self.end.shape)}")
+            self.end = self.end.to(device=self.query.device, dtype=torch.long)
 
     @classmethod
     def from_attention(
@@ -148,8 +161,13 @@ class DecodeStep:
 
     @property
     def length(self) -> int:
-        """Cache length ``T`` (padding included)."""
+        """Cache length ``T`` (padding included; the buffer's slots on a preallocated cache)."""
         return self.keys.shape[2]
+
+    @property
+    def full_rows(self) -> bool:
+        """Whether every row is the whole cache (no left padding, no unfilled slots): masks change nothing."""
+        return self.start is None and self.end is None
 
     @property
     def device(self) -> torch.device:
@@ -165,10 +183,10 @@ class DecodeStep:
     @cached_property
     def t_bulk(self) -> torch.Tensor:
         """``[b]`` bulk size of each row."""
-        if self.start is None:  # every row is the whole cache: one fill, no index arithmetic
+        if self.full_rows:  # every row is the whole cache: one fill, no index arithmetic
             size = max(self.length - self.window.t_local, 0)
             return torch.full((self.batch_size,), size, dtype=torch.long, device=self.device)
-        return bulk_count(self.length, self.window.t_local, self.window.t_sink, self.starts)
+        return bulk_count(self.length, self.window.t_local, self.window.t_sink, self.starts, end=self.end)
 
     @cached_property
     def has_bulk(self) -> torch.Tensor:
@@ -177,15 +195,17 @@ class DecodeStep:
 
     @cached_property
     def real(self) -> torch.Tensor | None:
-        """``[b, T]`` bool, True on real (not padding) tokens; ``None`` without padding."""
-        if self.start is None:
+        """``[b, T]`` bool, True on real tokens (not padding, not an unfilled slot); ``None`` for full rows."""
+        if self.full_rows:
             return None
-        return torch.arange(self.length, device=self.device)[None, :] >= self.start[:, None]
+        position = torch.arange(self.length, device=self.device)[None, :]
+        real = position >= self.starts[:, None]
+        return real if self.end is None else real & (position < self.end[:, None])
 
     # --- local window (gathered once per step) -----------------------------------------------------------
     @cached_property
     def _window_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return gather_window(self.keys, self.window.t_local, self.window.t_sink, self.start)
+        return gather_window(self.keys, self.window.t_local, self.window.t_sink, self.start, self.end)
 
     @property
     def window_keys(self) -> torch.Tensor:
@@ -202,7 +222,7 @@ class DecodeStep:
         """``[b, H_kv, W, d]`` values of the local window (needs ``values``)."""
         if self.values is None:
             raise RuntimeError("this step has no values: build it with values=... (executors need them)")
-        return gather_window(self.values, self.window.t_local, self.window.t_sink, self.start)[0]
+        return gather_window(self.values, self.window.t_local, self.window.t_sink, self.start, self.end)[0]
 
     @cached_property
     def local_scores(self) -> torch.Tensor:
@@ -212,20 +232,21 @@ class DecodeStep:
     @cached_property
     def log_local(self) -> torch.Tensor:
         """``[b, H]`` ``log A_local``."""
-        if self.start is None:  # every window slot is valid: the mask would change nothing
+        if self.full_rows:  # every window slot is valid: the mask would change nothing
             return torch.logsumexp(self.local_scores, dim=-1)
         return log_local_mass(self.local_scores, self.window_valid)
 
     # --- exact bulk (oracle) -----------------------------------------------------------------------------
     @cached_property
     def scores(self) -> torch.Tensor:
-        """``[b, H, T]`` float32 scores over the whole cache (O(T d)): only the oracle asks for them."""
+        """``[b, H, T]`` float32 scores over the whole cache (O(T d)): only the oracle asks for them (slots that
+        hold no token of the row are not masked here: ``bulk_mask`` and ``window_valid`` exclude them)."""
         return grouped_scores_unchecked(self.query, self.keys, self.scale)
 
     @cached_property
     def bulk_mask(self) -> torch.Tensor:
         """``[b, T]`` bool, True on each row's bulk."""
-        return bulk_mask(self.length, self.window.t_local, self.window.t_sink, self.starts)
+        return bulk_mask(self.length, self.window.t_local, self.window.t_sink, self.starts, end=self.end)
 
     @cached_property
     def log_bulk(self) -> torch.Tensor:

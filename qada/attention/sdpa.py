@@ -58,7 +58,7 @@ class SDPAExecutor(AttentionExecutor):
 
     def _chunks(self, step: DecodeStep) -> int:
         """How many key chunks one read group is split into (1: none)."""
-        if step.device.type != "cpu" or step.start is not None or _FLASH_CPU is None:
+        if step.device.type != "cpu" or not step.full_rows or _FLASH_CPU is None:
             return 1
         if step.query.dtype not in (torch.float32, torch.bfloat16) or step.keys.stride(-1) != 1:
             return 1
@@ -79,7 +79,7 @@ class SDPAExecutor(AttentionExecutor):
             valid = step.window_valid
             out = F.scaled_dot_product_attention(
                 rows, step.window_keys, step.window_values,
-                attn_mask=None if start is None else valid[:, None, None, :], scale=scale,
+                attn_mask=None if step.full_rows else valid[:, None, None, :], scale=scale,
             ).view(b, H, 1, d)
             if T <= step.window.t_local:  # the window is the whole cache: nothing else to read
                 return out, None

@@ -50,7 +50,7 @@ class QAdACriterion(ThresholdCriterion):
             self._compiled = torch.compile(qada_threshold_decision, dynamic=False)
         mean, cov = step.bulk_moments
         log_tau = math.log(self.tau) if self.tau > 0 else float("-inf")
-        valid = None if step.start is None else step.window_valid
+        valid = None if step.full_rows else step.window_valid
         local, broken = self._compiled(step.query, step.window_keys, valid, mean, cov, step.t_bulk, float(step.scale),
                                        log_tau)
         step.note_fail_safe(broken)

@@ -22,6 +22,8 @@ class ReferenceExecutor(AttentionExecutor):
     Computes every score ``[b, H, T]`` in float32 (float64 for float64 inputs): O(T) per head, never cheap.
     """
 
+    static_shapes = True
+
     def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, None]:
         real = _real(step)  # [b, T]
         allowed = torch.where(

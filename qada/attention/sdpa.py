@@ -56,6 +56,12 @@ class SDPAExecutor(AttentionExecutor):
         if self.host_skip not in (None, True, False):
             raise ValueError(f"expected host_skip in (None, True, False) but got {self.host_skip!r}")
 
+    @property
+    def static_shapes(self) -> bool:  # type: ignore[override]
+        """On a preallocated buffer without host syncs unless ``host_skip=True`` is forced: the default reads the
+        decision on the host only on the CPU, where that is no round trip (there is no device queue to drain)."""
+        return self.host_skip is not True
+
     def _chunks(self, step: DecodeStep) -> int:
         """How many key chunks one read group is split into (1: none)."""
         if step.device.type != "cpu" or not step.full_rows or _FLASH_CPU is None:

@@ -29,11 +29,16 @@ class HeadCriterion(Component, abc.ABC):
       prepared for it (a stored reference prompt is built or loaded).
     * ``needs_full_scores``: reads ``step.log_bulk`` (all ``T`` scores, e.g. the oracle): an O(T) analysis tool.
     * ``needs_calibration``: its configuration comes from a calibration run or artifact (e.g. a static mask).
+    * ``static_shapes``: decides on a step over a whole preallocated buffer (``step.end``, see
+      :class:`~qada.step.DecodeStep`) without host syncs, so the wrapper may run it on ``StaticCache`` buffers
+      and inside CUDA graphs. False by default: a criterion that does not say so gets the filled part of the
+      cache, sliced on the host. Every built-in criterion sets it.
     """
 
     needs_full_scores: ClassVar[bool] = False
     needs_moments: ClassVar[bool] = False
     needs_calibration: ClassVar[bool] = False
+    static_shapes: ClassVar[bool] = False
 
     @abc.abstractmethod
     def decide(self, step: DecodeStep) -> torch.Tensor:

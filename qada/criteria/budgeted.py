@@ -47,6 +47,8 @@ class BudgetedQAdACriterion(BudgetCriterion):
         per_group: decide per KV group instead of per query head.
     """
 
+    static_shapes = True
+
     per_group: bool = False
     needs_moments = True
 

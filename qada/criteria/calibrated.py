@@ -52,6 +52,8 @@ class CalibratedQAdACriterion(ThresholdCriterion):
         slope, offset: ``[L, H]`` nested lists or tensors (finite), instead of ``correction``.
     """
 
+    static_shapes = True
+
     correction: str | os.PathLike | None = None
     slope: Any = None
     offset: Any = None

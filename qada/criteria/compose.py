@@ -85,6 +85,10 @@ class _Composite(HeadCriterion):
     def needs_calibration(self) -> bool:  # type: ignore[override]
         return any(child.needs_calibration for child in self.children())
 
+    @property
+    def static_shapes(self) -> bool:  # type: ignore[override]
+        return all(getattr(child, "static_shapes", False) for child in self.children())
+
 
 @dataclass
 class _Combination(_Composite):

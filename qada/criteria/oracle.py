@@ -22,6 +22,8 @@ class OracleCriterion(ThresholdCriterion):
         tau: threshold in ``[0, 1]``; higher means fewer local heads.
     """
 
+    static_shapes = True
+
     needs_full_scores = True
 
     def log_bulk(self, step: DecodeStep) -> torch.Tensor:

@@ -33,6 +33,7 @@ class QAdACriterion(ThresholdCriterion):
 
     compile: bool = False
     needs_moments = True
+    static_shapes = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

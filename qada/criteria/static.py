@@ -29,6 +29,8 @@ class StaticCriterion(BudgetCriterion):
             :meth:`from_frequency` (calibrated oracle frequencies, paper App. A).
     """
 
+    static_shapes = True
+
     mask: Any
     sparsity: float = field(default=0.0, init=False)  # derived from the mask (global layers once bound)
     needs_calibration = True

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CacheGuard", "StaleStateError", "UnsupportedModelError", "mask_filled_length", "row_starts"]
+__all__ = ["CacheGuard", "StaleStateError", "UnsupportedModelError", "mask_filled_length", "row_bounds", "row_starts"]
 
 
 class UnsupportedModelError(ValueError):
@@ -37,6 +37,27 @@ def row_starts(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor
             f"expected a 4D attention mask [batch, 1, q, {length}] but got shape {tuple(attention_mask.shape)}"
         )
     return _last_query_allowed(attention_mask).to(torch.int8).argmax(-1)
+
+
+def row_bounds(
+    attention_mask: torch.Tensor | None, key_len: int, position_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """``(start [b], end [b])`` of each row's tokens in a preallocated cache of ``key_len`` slots, as device
+    tensors (no host sync): the first and one past the last key the row's last query may attend to, from a 4D
+    mask ``[b, 1, q, >= key_len]`` (bool or additive). Without a mask (no padding) ``start`` is ``None`` and
+    ``end = position_ids[:, -1] + 1``; ``None`` when neither is given."""
+    if attention_mask is None:
+        if position_ids is None:
+            return None
+        return None, position_ids[:, -1].to(torch.long) + 1
+    if attention_mask.ndim != 4:
+        raise UnsupportedModelError(
+            f"expected a 4D attention mask [batch, 1, q, {key_len}] but got shape {tuple(attention_mask.shape)}"
+        )
+    allowed = _last_query_allowed(attention_mask[..., :key_len]).to(torch.int8)  # [b, key_len]
+    start = allowed.argmax(-1)
+    end = key_len - allowed.flip(-1).argmax(-1)
+    return start, end
 
 
 def mask_filled_length(attention_mask: torch.Tensor | None) -> int | None:
@@ -65,6 +86,49 @@ class CacheGuard:
         self._step: dict[int, int] = {}
         self._newest_key: dict[int, torch.Tensor] = {}
         self._capacity: dict[int, int] = {}
+        self._last_end: torch.Tensor | None = None  # buffer decoding: the first layer's row ends, on the device
+        self._stale: torch.Tensor | None = None  # 0-d bool on the device: a row did not grow by one key
+
+    # --- decoding on a preallocated buffer (no host sync) --------------------------------------------------
+    def buffer_capacity(self, layer: int) -> int | None:
+        """Slots of ``layer``'s preallocated cache as seen at its prefill (``None``: a growing cache)."""
+        return self._capacity.get(layer)
+
+    def start_buffer(self, end: torch.Tensor) -> None:
+        """Decoding on a preallocated buffer starts: the rows end at ``end [b]`` (after the prefill)."""
+        self._last_end = end.detach().to(torch.long).clone()
+        self._stale = torch.zeros((), dtype=torch.bool, device=end.device)
+
+    def decode_buffer(self, layer: int, end: torch.Tensor, first_layer: bool) -> int:
+        """One decode step of ``layer`` on a preallocated buffer whose rows now end at ``end [b]`` (device).
+
+        Checked on the device, never on the host: at the first decided layer every row must have grown by exactly
+        one key since the previous step; a violation sets a device flag that :meth:`check` raises at the next
+        host point (a summary, the next prefill). Returns the step index, a Python counter kept for observers
+        only (observers read the host; a replayed CUDA graph does not run Python, so it stops there)."""
+        if self._length.get(layer) is None:
+            raise StaleStateError(
+                f"layer {layer} decodes without a prefill seen by qada: enable qada before the prompt is processed"
+            )
+        if first_layer and self._last_end is not None:
+            if self._last_end.shape != end.shape:
+                raise StaleStateError(f"the batch changed from {self._last_end.shape[0]} to {end.shape[0]} rows "
+                                      "between decode steps")
+            self._stale |= (end != self._last_end + 1).any()
+            self._last_end.copy_(end)
+        step = self._step.get(layer, 0)
+        self._step[layer] = step + 1
+        return step
+
+    def check(self) -> None:
+        """Raise :class:`StaleStateError` if a buffer decode step saw a row that did not grow by one key."""
+        if self._stale is not None and bool(self._stale):
+            self._stale.zero_()
+            raise StaleStateError(
+                "a row of the preallocated cache did not grow by exactly one key per decode step (cache cropping, "
+                "assisted decoding, or decoding without a prefill seen by qada): qada's moment state cannot follow "
+                "that, and the decisions of those steps are not trustworthy"
+            )
 
     def note_capacity(self, layer: int, capacity: int) -> None:
         """``layer``'s cache is preallocated with ``capacity`` slots (its decode steps then need no sync)."""

@@ -5,7 +5,10 @@
 * :class:`~qada.models.observers.ObserverFanout`: events for observers.
 
 :meth:`QAdARun.decode` builds the layer's :class:`~qada.step.DecodeStep` and passes it to the criterion
-and the executor.
+and the executor. On a preallocated cache (transformers' ``StaticCache``) whose parts all declare
+``static_shapes``, :meth:`QAdARun.decode_buffer` does the same over the whole buffer with the rows' ends as device
+tensors: no host round trip, fixed shapes, state updated in place (DESIGN §7), so the step can be compiled and
+replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ import torch
 
 from qada.attention.base import AttentionExecutor
 from qada.criteria.base import HeadCriterion
-from qada.models.guards import CacheGuard, StaleStateError, UnsupportedModelError, mask_filled_length, row_starts
+from qada.models.guards import (
+    CacheGuard,
+    StaleStateError,
+    UnsupportedModelError,
+    mask_filled_length,
+    row_bounds,
+    row_starts,
+)
 from qada.models.layer_types import LayerTypes
 from qada.models.observers import Observer, ObserverFanout
 from qada.models.statistics import DecodeStatistics
@@ -73,6 +83,15 @@ class QAdARun:
         self.layers: LayerTypes | None = None
         self._remove: Any = None
         self._mask_cache: dict[str, tuple[Any, tuple, Any]] = {}
+        self._first_layer: int | None = None  # the first global layer prefilled: it checks the rows' growth
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether every part decodes on a preallocated buffer without host syncs (``static_shapes`` of the
+        criterion, the executor and, if fed, the moment source): then steps on a ``StaticCache`` take
+        :meth:`decode_buffer`; otherwise each step slices the filled part of the cache."""
+        parts = [self.criterion, self.executor] + ([self.moments] if self.uses_moments else [])
+        return all(getattr(part, "static_shapes", False) for part in parts)
 
     @property
     def observers(self) -> list[Observer]:
@@ -87,6 +106,12 @@ class QAdARun:
         """Forget the accumulated statistics and the cache bookkeeping (a new prefill follows)."""
         self.stats.reset()
         self.guard.reset()
+        self._first_layer = None
+
+    def check(self) -> None:
+        """Raise :class:`StaleStateError` if a decode step on a preallocated buffer saw a row that did not grow by
+        one key (checked on the device during decoding, read here: a host sync)."""
+        self.guard.check()
 
     def summary(self) -> dict[str, Any]:
         """Decode statistics: mean ``sparsity`` and ``kv_sparsity`` over the decoded (layer, step) pairs of the
@@ -95,6 +120,7 @@ class QAdARun:
         layer of a hybrid model counts as local (every head reads at most its window), with the layer lists
         ``global_layers`` and ``sliding_layers`` (equal to the global-layer means without sliding layers).
         """
+        self.check()
         summary = self.stats.compute()
         if self.layers is None:
             return summary
@@ -116,22 +142,42 @@ class QAdARun:
                                                           lambda: mask_filled_length(attention_mask))
         )
 
-    def _per_mask(self, what: str, attention_mask: torch.Tensor | None, length: int, compute):
-        version = None if attention_mask is None else attention_mask._version
-        key = (what, length, version)
+    def bounds(self, attention_mask: torch.Tensor | None, length: int,
+               position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """``(start [b] or None, end [b])`` of each row's tokens in a preallocated cache of ``length`` slots, as
+        device tensors (:func:`~qada.models.guards.row_bounds`), derived once per forward."""
+        return self._per_mask("bounds", attention_mask, length,
+                              lambda: row_bounds(attention_mask, length, position_ids), also=position_ids)
+
+    def _per_mask(self, what: str, attention_mask: torch.Tensor | None, length: int, compute, also=None):
+        """``compute()`` once per mask object (and ``also``, another per-forward tensor): the layers share it."""
+        key = (what, length, _version(attention_mask), _version(also))
         cached = self._mask_cache.get(what)
-        if cached is not None and cached[0] is attention_mask and cached[1] == key:
-            return cached[2]
+        if cached is not None and cached[0] is attention_mask and cached[1] is also and cached[2] == key:
+            return cached[3]
         value = compute()
-        self._mask_cache[what] = (attention_mask, key, value)
+        self._mask_cache[what] = (attention_mask, also, key, value)
         return value
 
     # --- the two phases ----------------------------------------------------------------------------------
-    def prefill(self, layer: int, key: torch.Tensor, start: torch.Tensor | None) -> None:
-        """After the dense prefill of ``layer`` (its cache is ``key [b, H_kv, T, d]``)."""
+    def prefill(self, layer: int, key: torch.Tensor, start: torch.Tensor | None, capacity: int | None = None) -> None:
+        """After the dense prefill of ``layer`` (its cache holds ``key [b, H_kv, T, d]``; ``capacity``: the slots
+        of a preallocated cache, ``None`` for a growing one). May read the host: prefill is not a decode step."""
+        if self._first_layer is None or layer <= self._first_layer:  # a new sequence starts at the first layer
+            self._first_layer = layer
+            self.stats.prepare(self.layers.num_layers if self.layers is not None else layer + 1, key.device)
         self.guard.prefill(layer, key)
+        buffered = capacity is not None and self.static_shapes
+        if capacity is not None:
+            self.guard.note_capacity(layer, capacity)
+            if layer == self._first_layer:
+                self.guard.start_buffer(torch.full((key.shape[0],), key.shape[2], dtype=torch.long,
+                                                   device=key.device))
         if self.uses_moments:
-            self.moments.prefill(layer, key, start, self.window)
+            if buffered:
+                self.moments.prefill(layer, key, start, self.window, capacity=capacity)
+            else:
+                self.moments.prefill(layer, key, start, self.window)
         self.fanout.prefill(layer, key.shape[2])
 
     def prefill_from_cache(self, cache: Any, start: torch.Tensor | None = None) -> None:
@@ -145,10 +191,10 @@ class QAdARun:
                 continue  # a sliding-window layer passes through: no moments, no guard
             keys = cache_layer.keys
             filled = int(cache_layer.get_seq_length())  # a preallocated cache holds fewer tokens than slots
+            capacity = None
             if filled < keys.shape[2]:
-                keys = keys[:, :, :filled]
-                self.guard.note_capacity(layer, cache_layer.keys.shape[2])
-            self.prefill(layer, keys, start)
+                keys, capacity = keys[:, :, :filled], keys.shape[2]
+            self.prefill(layer, keys, start, capacity)
 
     def decode(
         self,
@@ -159,15 +205,50 @@ class QAdARun:
         scale: float,
         start: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One decode step of ``layer``: ``query [b, H, 1, d]`` -> output ``[b, H, 1, d]``."""
+        """One decode step of ``layer`` on its filled cache ``key, value [b, H_kv, T, d]``: ``query [b, H, 1, d]``
+        -> output ``[b, H, 1, d]``."""
         step_index = self.guard.decode(layer, key)
+        return self._decide_and_attend(layer, query, key, value, scale, start, None, step_index)
+
+    def uses_buffer(self, layer: int, key_len: int) -> bool:
+        """Whether a decode step of ``layer`` over ``key_len`` slots runs on the whole preallocated buffer."""
+        return self.guard.buffer_capacity(layer) == key_len and self.static_shapes
+
+    def decode_buffer(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decode step of ``layer`` over the whole preallocated buffer ``key, value [b, H_kv, C, d]``: the
+        rows' bounds come from the mask (or the positions) as device tensors. No host sync, no shape that depends
+        on data: a pure function of device tensors and of state updated in place."""
+        bounds = self.bounds(attention_mask, key.shape[2], position_ids)
+        if bounds is None:
+            raise UnsupportedModelError(
+                "a decode step on a preallocated cache came without an attention mask and without position_ids: "
+                "qada cannot tell where the rows end"
+            )
+        start, end = bounds
+        step_index = self.guard.decode_buffer(layer, end, first_layer=layer == self._first_layer)
+        return self._decide_and_attend(layer, query, key, value, scale, start, end, step_index)
+
+    def _decide_and_attend(self, layer, query, key, value, scale, start, end, step_index) -> torch.Tensor:
         moments = None
         if self.uses_moments:
-            self.moments.append(layer, key, start, self.window)
             source, window = self.moments, self.window
-            moments = lambda: source.moments(layer, key, start, window)  # noqa: E731 - lazy
+            if end is None:
+                source.append(layer, key, start, window)
+                moments = lambda: source.moments(layer, key, start, window)  # noqa: E731 - lazy
+            else:
+                source.append(layer, key, start, window, end=end)
+                moments = lambda: source.moments(layer, key, start, window, end=end)  # noqa: E731 - lazy
         step = DecodeStep(query[:, :, 0], key, scale, self.window, layer=layer, step=step_index, start=start,
-                          moments=moments, values=value)
+                          end=end, moments=moments, values=value)
         local = self.criterion(step)
         result = self.executor(step, local)
         self.stats.update(layer, result.sparsity, result.kv_sparsity, step.fail_safe)
@@ -179,3 +260,10 @@ class QAdARun:
         if self._remove is not None:
             self._remove()
             self._remove = None
+
+
+def _version(tensor: torch.Tensor | None) -> int | None:
+    """The in-place version counter of ``tensor`` (``None`` for none, or an inference tensor, which has none)."""
+    if tensor is None or tensor.is_inference():
+        return None
+    return tensor._version

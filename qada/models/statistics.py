@@ -1,7 +1,8 @@
 """Decode statistics of a run, torchmetrics-style: ``update`` per (layer, step) on the device, ``compute`` once.
 
-Nothing in :meth:`DecodeStatistics.update` synchronises with the host: sums stay 0-d tensors on the device and
-only :meth:`DecodeStatistics.compute` reads them.
+Nothing in :meth:`DecodeStatistics.update` synchronises with the host or allocates: the sums live in one
+preallocated device tensor updated in place, so a decode step replayed from a CUDA graph updates them too
+(a Python counter would silently stop). Only :meth:`DecodeStatistics.compute` reads them.
 """
 
 from __future__ import annotations
@@ -12,18 +13,40 @@ import torch
 
 __all__ = ["DecodeStatistics"]
 
+_SPARSITY, _KV_SPARSITY, _STEPS = 0, 1, 2
+
 
 class DecodeStatistics:
-    """Per-layer sums of sparsity and kv_sparsity over decode steps, and the fail-safe count."""
+    """Per-layer sums of sparsity and kv_sparsity over decode steps, step counts and the fail-safe count.
+
+    State: ``sums [L, 3]`` float64 (sparsity, kv_sparsity, steps per layer) and ``fail_safe`` (0-d int64), on the
+    device of the first :meth:`prepare` or :meth:`update`.
+    """
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.sparsity: dict[int, torch.Tensor] = {}
-        self.kv_sparsity: dict[int, torch.Tensor] = {}
-        self.steps: dict[int, int] = {}
+        """Forget the sums (the buffers are kept and zeroed in place, so a captured graph keeps writing them)."""
+        if getattr(self, "sums", None) is not None:
+            self.sums.zero_()
+            self.fail_safe.zero_()
+            return
+        self.sums: torch.Tensor | None = None
         self.fail_safe: torch.Tensor | None = None
+
+    def prepare(self, num_layers: int, device: torch.device | str) -> None:
+        """Allocate the sums for ``num_layers`` layers on ``device`` (before decoding: no allocation later)."""
+        device = torch.device(device)
+        if self.sums is not None and self.sums.shape[0] >= num_layers and self.sums.device == device:
+            return
+        old = self.sums
+        self.sums = torch.zeros(num_layers, 3, dtype=torch.float64, device=device)
+        fail_safe = torch.zeros((), dtype=torch.long, device=device)
+        if old is not None:  # a later, larger or moved preparation keeps what was counted
+            self.sums[: old.shape[0]] += old.to(device)
+            fail_safe += self.fail_safe.to(device)
+        self.fail_safe = fail_safe
 
     def update(
         self,
@@ -33,46 +56,44 @@ class DecodeStatistics:
         fail_safe: torch.Tensor | None = None,
     ) -> None:
         """Add one decode step of ``layer`` (0-d tensors from the executor; ``fail_safe``: heads forced dense)."""
-        sparsity = sparsity.detach().float()
-        kv_sparsity = kv_sparsity.detach().float()
-        if layer in self.sparsity:
-            self.sparsity[layer] = self.sparsity[layer] + sparsity
-            self.kv_sparsity[layer] = self.kv_sparsity[layer] + kv_sparsity
-        else:
-            self.sparsity[layer], self.kv_sparsity[layer] = sparsity, kv_sparsity
-        self.steps[layer] = self.steps.get(layer, 0) + 1
+        if self.sums is None or layer >= self.sums.shape[0]:
+            self.prepare(layer + 1, sparsity.device)  # eager use without a prefill: allocate once
+        one = torch.ones((), dtype=torch.float64, device=self.sums.device)
+        self.sums[layer].add_(torch.stack([sparsity.detach().to(torch.float64), kv_sparsity.detach().to(torch.float64),
+                                           one]))
         if fail_safe is not None:
-            fail_safe = fail_safe.detach()
-            self.fail_safe = fail_safe if self.fail_safe is None else self.fail_safe + fail_safe.to(self.fail_safe)
+            self.fail_safe.add_(fail_safe.detach().to(self.fail_safe.dtype))
 
     def merge(self, other: DecodeStatistics) -> None:
         """Add ``other``'s sums (e.g. from another run or process)."""
-        for layer, steps in other.steps.items():
-            if layer in self.sparsity:
-                self.sparsity[layer] = self.sparsity[layer] + other.sparsity[layer].to(self.sparsity[layer])
-                self.kv_sparsity[layer] = self.kv_sparsity[layer] + other.kv_sparsity[layer].to(
-                    self.kv_sparsity[layer]
-                )
-            else:
-                self.sparsity[layer], self.kv_sparsity[layer] = other.sparsity[layer], other.kv_sparsity[layer]
-            self.steps[layer] = self.steps.get(layer, 0) + steps
-        if other.fail_safe is not None:
-            theirs = other.fail_safe
-            self.fail_safe = theirs if self.fail_safe is None else self.fail_safe + theirs.to(self.fail_safe)
+        if other.sums is None:
+            return
+        self.prepare(other.sums.shape[0], other.sums.device if self.sums is None else self.sums.device)
+        self.sums[: other.sums.shape[0]] += other.sums.to(self.sums.device)
+        self.fail_safe += other.fail_safe.to(self.fail_safe.device)
+
+    @property
+    def steps(self) -> dict[int, int]:
+        """Decode steps per layer that saw at least one (a host read)."""
+        if self.sums is None:
+            return {}
+        counts = self.sums[:, _STEPS].tolist()
+        return {layer: int(n) for layer, n in enumerate(counts) if n > 0}
 
     def compute(self) -> dict[str, Any]:
         """Mean sparsity and kv_sparsity over all decoded (layer, step) pairs, per layer, and fail-safe count.
 
-        Without any decode step the means are ``nan``.
+        Without any decode step the means are ``nan``. Reads the device sums once (a host sync).
         """
-        layers = sorted(self.steps)
-        per_layer = {layer: (self.sparsity[layer] / self.steps[layer]).item() for layer in layers}
-        per_layer_kv = {layer: (self.kv_sparsity[layer] / self.steps[layer]).item() for layer in layers}
-        steps = sum(self.steps.values())
+        sums = self.sums.tolist() if self.sums is not None else []
+        decoded = [(layer, row) for layer, row in enumerate(sums) if row[_STEPS] > 0]
+        steps = sum(row[_STEPS] for _, row in decoded)
+        per_layer = {layer: row[_SPARSITY] / row[_STEPS] for layer, row in decoded}
+        per_layer_kv = {layer: row[_KV_SPARSITY] / row[_STEPS] for layer, row in decoded}
         return {
-            "decode_steps": max(self.steps.values(), default=0),
-            "sparsity": sum(self.sparsity[layer].item() for layer in layers) / steps if steps else float("nan"),
-            "kv_sparsity": sum(self.kv_sparsity[layer].item() for layer in layers) / steps if steps else float("nan"),
+            "decode_steps": int(max((row[_STEPS] for _, row in decoded), default=0)),
+            "sparsity": sum(row[_SPARSITY] for _, row in decoded) / steps if steps else float("nan"),
+            "kv_sparsity": sum(row[_KV_SPARSITY] for _, row in decoded) / steps if steps else float("nan"),
             "sparsity_per_layer": per_layer,
             "kv_sparsity_per_layer": per_layer_kv,
             "fail_safe": int(self.fail_safe.item()) if self.fail_safe is not None else 0,

@@ -48,6 +48,10 @@ class MomentSource(Component, abc.ABC):
     needs_model: ClassVar[bool] = False
     per_row_state: ClassVar[bool] = False
     layer_state: ClassVar[tuple[str, ...]] = ()
+    static_shapes: ClassVar[bool] = False
+    """Follows a preallocated buffer: ``prefill(..., capacity=C)`` then ``append``/``moments`` with ``end=[b]``
+    (device tensors) without host syncs, state updated in place (see
+    :attr:`qada.criteria.HeadCriterion.static_shapes`); False by default."""
 
     def needs(self) -> dict[str, bool]:
         """What this source needs before decoding, by name (``model``: a run of the model in :meth:`prepare`;

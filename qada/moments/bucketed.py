@@ -11,7 +11,7 @@ import torch
 from qada.artifacts import ArtifactError, model_fingerprint
 from qada.moments.base import register_moment_source
 from qada.moments.reference import BucketedMomentsData, compute_bucketed_moments
-from qada.moments.stored import ReferenceMomentSource
+from qada.moments.stored import ReferenceMomentSource, reference_bulk_end
 from qada.step import BulkMoments
 from qada.window import Window
 
@@ -31,6 +31,8 @@ class BucketedMoments(ReferenceMomentSource):
         bucket_size: spacing of the grid in tokens (plus a geometric ladder below it, see
             :func:`~qada.moments.reference.bucket_ends`). Other arguments as for ``stored``.
     """
+
+    static_shapes = True
 
     bucket_size: int = 512
     layer_state = ()  # a stateless lookup: the bucket depends on the length only
@@ -78,11 +80,38 @@ class BucketedMoments(ReferenceMomentSource):
         """Stateless per sequence apart from a CPU copy of ``start``."""
         self._starts_cpu = None
 
-    def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+    def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+                capacity: int | None = None) -> None:
+        """Nothing to keep: the lookup depends on the current length only. With ``capacity`` (a preallocated
+        buffer) the device copies are made and a too-short reference is reported here, not during decoding."""
+        if capacity is not None:
+            if self.data.first != self.first(window):
+                raise ValueError(
+                    f"expected bucketed moments whose bulk starts at {self.first(window)} ({window}) but got "
+                    f"moments built from {self.data.first}"
+                )
+            self._device_data(keys.device)
+            b, T = keys.shape[0], keys.shape[2]
+            self._ends(keys[:, :, :1].expand(b, keys.shape[1], capacity, keys.shape[3]), start, window,
+                       int(self.data.ends[-1]))  # warns once if the longest prompt needs more than the reference
+
+    def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+               end: torch.Tensor | None = None) -> None:
         """Nothing to do: the lookup depends on the current length only."""
 
-    def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
-        """Nothing to do: the lookup depends on the current length only."""
+    def _device_data(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(mean [L, J+1, H_kv, d], cov [L, J+1, H_kv, d, d], ends [J])`` on ``device``; slot 0 holds zeros for
+        rows without a bulk, bucket ``j`` lives in slot ``j + 1``."""
+        data = self.data
+        if device not in self._on_device:
+            zero_mean = torch.zeros_like(data.mean[:, :1])
+            zero_cov = torch.zeros_like(data.cov[:, :1])
+            self._on_device[device] = (
+                torch.cat([zero_mean, data.mean], 1).to(device, torch.float32),
+                torch.cat([zero_cov, data.cov], 1).to(device, torch.float32),
+                data.ends.to(device=device, dtype=torch.long),
+            )
+        return self._on_device[device]
 
     def bucket_index(self, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> torch.Tensor:
         """``[b]`` index of the chosen bucket per row, ``-1`` for rows without a bulk."""
@@ -97,7 +126,10 @@ class BucketedMoments(ReferenceMomentSource):
         index = torch.searchsorted(ends, target, right=True) - 1
         return torch.where(target > data.first, index.clamp(min=0), torch.full_like(index, -1))
 
-    def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> BulkMoments:
+    def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+                end: torch.Tensor | None = None) -> BulkMoments:
+        if end is not None:
+            return self._moments_on_buffer(layer, start, window, end)
         data = self.data
         if not 0 <= layer < data.mean.shape[0]:
             raise ValueError(f"expected a layer in [0, {data.mean.shape[0]}) but got {layer}")
@@ -106,16 +138,18 @@ class BucketedMoments(ReferenceMomentSource):
                 f"expected keys with {data.mean.shape[2]} KV heads of dim {data.mean.shape[3]} but got "
                 f"{tuple(keys.shape)}"
             )
-        device = keys.device
-        if device not in self._on_device:
-            zero_mean = torch.zeros_like(data.mean[:, :1])
-            zero_cov = torch.zeros_like(data.cov[:, :1])
-            # Slot 0 holds zeros for rows without a bulk; bucket j lives in slot j + 1.
-            self._on_device[device] = (
-                torch.cat([zero_mean, data.mean], 1).to(device, torch.float32),
-                torch.cat([zero_cov, data.cov], 1).to(device, torch.float32),
-                data.ends.to(device),
-            )
-        mean, cov, _ = self._on_device[device]
-        slot = (self.bucket_index(keys, start, window) + 1).to(device)
+        mean, cov, _ = self._device_data(keys.device)
+        slot = (self.bucket_index(keys, start, window) + 1).to(keys.device)
+        return BulkMoments(mean[layer, slot], cov[layer, slot])
+
+    def _moments_on_buffer(self, layer: int, start: torch.Tensor | None, window: Window,
+                           end: torch.Tensor) -> BulkMoments:
+        """The lookup for rows ending at ``end [b]`` on a preallocated buffer, on the device (no host read):
+        the largest bucket whose end is ``<=`` the row's reference end (:func:`reference_bulk_end`)."""
+        mean, cov, ends = self._device_data(end.device)
+        first = self.first(window)
+        n = end if start is None else end - start
+        target = reference_bulk_end(n, window, self.offset, first, self.min_bulk_keys).clamp(max=ends[-1])
+        index = torch.searchsorted(ends, target, right=True) - 1
+        slot = torch.where(target > first, index.clamp(min=0) + 1, 0)
         return BulkMoments(mean[layer, slot], cov[layer, slot])

@@ -35,6 +35,7 @@ class CurrentMoments(MomentSource):
     freeze: bool = False
     update_every: int = 1
     per_row_state = True
+    static_shapes = True  # per step (update_every = 1) or frozen; blocks of update_every > 1 slice on the host
     layer_state = ("float64 count, mean and co-moment of each row's bulk keys", "the cache length they cover")
 
     def __post_init__(self) -> None:
@@ -45,11 +46,15 @@ class CurrentMoments(MomentSource):
         self._states: dict[int, MomentState] = {}
         self._lengths: dict[int, int] = {}
         self._cached: dict[int, BulkMoments] = {}
+        self._buffered: set[int] = set()  # layers prefilled on a preallocated buffer: state updated in place
+        if self.update_every > 1 and not self.freeze:
+            self.static_shapes = False  # a block's size depends on how many keys entered: sliced on the host
 
     def reset(self) -> None:
         self._states.clear()
         self._lengths.clear()
         self._cached.clear()
+        self._buffered.clear()
 
     def state(self, layer: int) -> MomentState:
         """The float64 :class:`MomentState` ``[b, H_kv]`` of ``layer`` (count = ``T_bulk`` per row)."""
@@ -57,15 +62,47 @@ class CurrentMoments(MomentSource):
             raise RuntimeError(f"layer {layer} has no moments yet: call prefill first")
         return self._states[layer]
 
-    def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+    def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+                capacity: int | None = None) -> None:
+        """Moments of the prefilled cache ``keys [b, H_kv, T, d]``; with ``capacity`` (a preallocated buffer) the
+        decode steps that follow update them in place, sync-free (:meth:`append` with ``end``)."""
         b, _, T, _ = keys.shape
         starts = _row_starts(start, b, keys.device)
         mask = bulk_mask(T, window.t_local, window.t_sink, starts)  # [b, T]
         self._states[layer] = block_moments(keys, mask[:, None, :])
         self._lengths[layer] = T
         self._cached.pop(layer, None)
+        self._buffered.discard(layer)
+        if capacity is not None:
+            self._buffered.add(layer)
+            mean, cov = to_bulk_moments(self._states[layer])
+            self._cached[layer] = BulkMoments(mean.clone(), cov.clone())  # buffers the steps write in place
 
-    def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+    def _append_buffer(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+                       end: torch.Tensor) -> None:
+        """One decode step on a preallocated buffer: rows now end at ``end [b]`` (device; each grew by one key).
+        The key at ``end - 1 - T_recent`` enters the bulk of the rows whose bulk grew; Welford's rank-1 update,
+        written in place (state and the float32 moments handed to criteria). No host sync."""
+        if self.freeze:
+            return
+        b, H_kv, _, d = keys.shape
+        starts = _row_starts(start, b, keys.device)
+        index = (end - 1 - window.t_recent).clamp(min=0)  # [b]
+        entering = keys.gather(2, index[:, None, None, None].expand(b, H_kv, 1, d))[:, :, 0]  # [b, H_kv, d]
+        before = (end - 1 - starts - window.t_local).clamp(min=0)
+        weight = (end - starts - window.t_local > before).to(torch.float64)[:, None]
+        state = self._states[layer]
+        new = add_key(state, entering, weight)
+        for target, value in zip(state, new, strict=True):
+            target.copy_(value)
+        mean, cov = to_bulk_moments(state)
+        self._cached[layer].mean.copy_(mean)
+        self._cached[layer].cov.copy_(cov)
+
+    def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+               end: torch.Tensor | None = None) -> None:
+        if end is not None and layer in self._buffered:
+            return self._append_buffer(layer, keys, start, window, end)
         if layer not in self._states:
             raise RuntimeError(f"append on layer {layer} before prefill: call prefill on the prefilled cache")
         old, new = self._lengths[layer], keys.shape[2]
@@ -98,7 +135,10 @@ class CurrentMoments(MomentSource):
             self._states[layer] = merge_moments(state, block_moments(keys[:, :, lo:hi], mask[:, None, :]))
         self._cached.pop(layer, None)
 
-    def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> BulkMoments:
+    def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+                end: torch.Tensor | None = None) -> BulkMoments:
+        if end is not None and layer in self._buffered:
+            return self._cached[layer]  # brought up to date by append(..., end=...)
         if layer not in self._states:
             self.prefill(layer, keys, start, window)
         elif keys.shape[2] != self._lengths[layer]:

@@ -11,7 +11,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -120,7 +120,7 @@ class ReferenceMomentSource(MomentSource):
         """``start`` on the CPU, copied once per tensor (no device sync on every step and layer)."""
         if start is None:
             return torch.zeros(b, dtype=torch.long)
-        key = (start.data_ptr(), str(start.device), tuple(start.shape), start._version)
+        key = (start.data_ptr(), str(start.device), tuple(start.shape), None if start.is_inference() else start._version)
         if self._starts_cpu is None or self._starts_cpu[0] != key:
             self._starts_cpu = (key, start.detach().to("cpu", torch.long))
         return self._starts_cpu[1]
@@ -178,11 +178,13 @@ class StoredMoments(ReferenceMomentSource):
     """
 
     layer_state = ("float64 shifted sums of each row's reference range", "the range's ends")
+    static_shapes = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._reference: ReferenceKeys | None = None
         self._state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+        self._buffers: dict[int, _BufferState] = {}
 
     # --- reference ---------------------------------------------------------------------------------------
     def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:
@@ -220,15 +222,27 @@ class StoredMoments(ReferenceMomentSource):
     # --- MomentSource --------------------------------------------------------------------------------------
     def reset(self) -> None:
         self._state.clear()
+        self._buffers.clear()
         self._starts_cpu = None
 
-    def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
+    def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+                capacity: int | None = None) -> None:
+        """Forget ``layer``'s range; with ``capacity`` (a preallocated buffer of that many slots) set up the
+        in-place state its decode steps update without host syncs (:meth:`append` with ``end``)."""
         self._state.pop(layer, None)
+        self._buffers.pop(layer, None)
+        if capacity is not None:
+            self._buffers[layer] = self._prefill_buffer(layer, keys, start, window, capacity)
 
-    def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> None:
-        """Nothing to do: :meth:`moments` moves each row's range to the current length."""
+    def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+               end: torch.Tensor | None = None) -> None:
+        """On a growing cache nothing: :meth:`moments` moves each row's range to the current length. On a
+        preallocated buffer (``end [b]``, device) one step of the in-place state (:meth:`_step_buffer`)."""
+        if end is not None and layer in self._buffers:
+            self._step_buffer(layer, start, window, end)
 
-    def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window) -> BulkMoments:
+    def _layer_reference(self, layer: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ref [H_kv, N, d] float32, shift [H_kv, d] float64)`` of ``layer`` on the keys' device, checked."""
         ref, shift = self._on(keys.device)
         if not 0 <= layer < ref.shape[0]:
             raise ValueError(f"expected a layer in [0, {ref.shape[0]}) but got {layer}")
@@ -237,7 +251,79 @@ class StoredMoments(ReferenceMomentSource):
                 f"expected keys with {ref.shape[1]} KV heads of dim {ref.shape[3]} (the reference) but got "
                 f"{tuple(keys.shape)}"
             )
-        ref, shift = ref[layer], shift[layer]  # [H_kv, N, d], [H_kv, d]
+        return ref[layer], shift[layer]
+
+    def _prefill_buffer(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+                        capacity: int) -> _BufferState:
+        """The state of ``layer`` at the prefill (``keys [b, H_kv, T, d]``, the filled part) and, for every later
+        length up to ``capacity`` at which a row's reference range jumps by more than one key (the short-prompt
+        rule of :func:`reference_bulk_end` switching, a bulk appearing), the sums it jumps to: computed here, on
+        the host's schedule, so that each decode step is a rank-1 update or a select, never a host read."""
+        ref, shift = self._layer_reference(layer, keys)
+        b, T, N = keys.shape[0], keys.shape[2], ref.shape[1]
+        first = self.first(window)
+        n = (T - self._cpu_starts(start, b))[:, None] + torch.arange(capacity - T + 1)  # [b, steps + 1] lengths
+        ends = reference_bulk_end(n.flatten(), window, self.offset, first, self.min_bulk_keys).view(n.shape)
+        if bool((ends > N).any()) and not self._warned_short:
+            self._warned_short = True
+            warnings.warn(
+                f"the reference ({N} keys) is shorter than this prompt may need (up to {int(ends.max())} keys at "
+                f"the cache's capacity): using all of it. Build a longer reference (length=...) to avoid this.",
+                stacklevel=4,
+            )
+        ends = ends.clamp(max=N)
+        self._move(layer, ref, shift, first, ends[:, 0].clone())
+        count, s1, s2, _, _ = self._state.pop(layer)
+        jumps = (ends[:, 1:] - ends[:, :-1]).abs() > 1  # [b, steps]: where a rank-1 update is not enough
+        K = max(1, int(jumps.sum(1).max()))
+        f64 = dict(dtype=torch.float64, device=ref.device)
+        H_kv, d = ref.shape[0], ref.shape[2]
+        jump_n = torch.full((b, K), -1, dtype=torch.long)
+        jump_sums = (torch.zeros(b, K, H_kv, **f64), torch.zeros(b, K, H_kv, d, **f64),
+                     torch.zeros(b, K, H_kv, d, d, **f64))
+        every, p1, p2 = self._checkpoints(layer, ref, shift)
+        for r, j in jumps.nonzero().tolist():
+            k = int((jump_n[r] >= 0).sum())
+            target = int(ends[r, j + 1])
+            n1, t1, u1 = self._prefix_sums(ref, shift, every, p1, p2, target)
+            n0, t0, u0 = self._prefix_sums(ref, shift, every, p1, p2, first)
+            jump_n[r, k] = int(n[r, j + 1])
+            jump_sums[0][r, k], jump_sums[1][r, k], jump_sums[2][r, k] = max(n1 - n0, 0.0), t1 - t0, u1 - u0
+        device = ref.device
+        mean, cov = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
+        return _BufferState(count.clone(), s1.clone(), s2.clone(), ends[:, 0].to(device), jump_n.to(device),
+                            jump_sums, first, BulkMoments(mean.clone(), cov.clone()))
+
+    def _step_buffer(self, layer: int, start: torch.Tensor | None, window: Window, end: torch.Tensor) -> None:
+        """One decode step on a preallocated buffer, in place: each row's reference range follows its length
+        ``end - start`` by one key (added or removed, Welford-free shifted sums) or jumps to the sums prepared
+        at the prefill. A few small device operations, no host read."""
+        state = self._buffers[layer]
+        ref, shift = self._on(end.device)
+        ref, shift = ref[layer], shift[layer]
+        n = end if start is None else end - start
+        new_end = reference_bulk_end(n, window, self.offset, state.first, self.min_bulk_keys).clamp(max=ref.shape[1])
+        delta = new_end - state.old_end
+        w = torch.where(delta.abs() <= 1, delta, 0).to(torch.float64)[:, None]  # [b, 1]
+        index = torch.where(delta > 0, state.old_end, new_end).clamp(0, ref.shape[1] - 1)
+        x = ref[:, index].transpose(0, 1).double() - shift  # [b, H_kv, d]
+        state.count.add_(w)
+        state.s1.add_(w[..., None] * x)
+        state.s2.add_(w[..., None, None] * (x[..., :, None] * x[..., None, :]))
+        for k in range(state.jump_n.shape[1]):
+            hit = n == state.jump_n[:, k]  # [b]
+            for target, value in zip((state.count, state.s1, state.s2), state.jump_sums, strict=True):
+                target.copy_(torch.where(hit.view(-1, *[1] * (target.ndim - 1)), value[:, k], target))
+        state.old_end.copy_(new_end)
+        mean, cov = to_bulk_moments(state_from_shifted_sums(state.count, state.s1, state.s2, shift))
+        state.moments.mean.copy_(mean)
+        state.moments.cov.copy_(cov)
+
+    def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+                end: torch.Tensor | None = None) -> BulkMoments:
+        if end is not None and layer in self._buffers:
+            return self._buffers[layer].moments  # brought up to date by append(..., end=...)
+        ref, shift = self._layer_reference(layer, keys)  # [H_kv, N, d], [H_kv, d]
         first = self.first(window)
         end = self._ends(keys, start, window, ref.shape[1])
         self._move(layer, ref, shift, first, end)
@@ -311,3 +397,19 @@ class StoredMoments(ReferenceMomentSource):
                 s1[r] += sign * t1
                 s2[r] += sign * t2
         self._state[layer] = (count, s1, s2, end, first)
+
+
+class _BufferState(NamedTuple):
+    """In-place state of one layer on a preallocated buffer: float64 shifted sums ``count [b, H_kv]``,
+    ``s1 [b, H_kv, d]``, ``s2 [b, H_kv, d, d]`` of each row's reference range ``[first, old_end)``, the lengths
+    ``jump_n [b, K]`` (``-1``: none) at which a row's range jumps and the sums it jumps to (``[b, K, ...]``), and
+    the float32 moments handed to criteria (rewritten in place every step)."""
+
+    count: torch.Tensor
+    s1: torch.Tensor
+    s2: torch.Tensor
+    old_end: torch.Tensor
+    jump_n: torch.Tensor
+    jump_sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    first: int
+    moments: BulkMoments

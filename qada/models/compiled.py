@@ -1,0 +1,59 @@
+"""qada's decode step as one opaque operator for ``torch.compile`` (and CUDA graphs).
+
+When ``torch.compile`` traces a model that qada wraps, the decode step of a global layer on a preallocated cache
+becomes one call of the custom operator ``qada::decode_buffer`` (:func:`decode_op`): the compiler never traces
+qada's Python (its registries, dataclasses and state), so the model's step compiles with ``fullgraph=True``.
+At run time the operator runs :meth:`~qada.models.run.QAdARun.decode_buffer`, which is a pure function of
+device tensors and of state updated in place (DESIGN §7): recorded into a CUDA graph
+(``mode="reduce-overhead"``), its kernels replay with the state they update.
+
+The operator is registered on first use (no global side effect at import).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["decode_op"]
+
+# id(run) -> run, for the operator's integer argument (a run is not a tensor); weak: runs are not kept alive.
+_RUNS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+@functools.cache
+def _operator():
+    @torch.library.custom_op("qada::decode_buffer", mutates_args=())
+    def decode_buffer(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        run_id: int,
+        layer: int,
+        scaling: float,
+    ) -> torch.Tensor:
+        run = _RUNS.get(run_id)
+        if run is None:
+            raise RuntimeError("the qada run of this compiled model was removed: compile the model again")
+        output = run.decode_buffer(layer, query, key, value, scaling, attention_mask, position_ids)
+        return output if output._base is None else output.clone()  # an operator's output must not alias
+
+    @decode_buffer.register_fake
+    def _(query, key, value, attention_mask, position_ids, run_id, layer, scaling):
+        return torch.empty_like(query)  # [b, H, 1, d]
+
+    return decode_buffer
+
+
+def decode_op(run: Any, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float,
+              position_ids: torch.Tensor | None) -> torch.Tensor:
+    """``run.decode_buffer(...)`` through the ``qada::decode_buffer`` operator: ``query [b, H, 1, d]``,
+    ``key, value [b, H_kv, C, d]`` (the whole buffer) -> ``[b, H, 1, d]``."""
+    _RUNS[id(run)] = run
+    return _operator()(query, key, value, attention_mask, position_ids, id(run), layer, float(scaling))

@@ -1,0 +1,235 @@
+"""Decoding on a preallocated cache (issue 22): the whole buffer, the rows' ends as device tensors.
+
+* the buffer path (``StaticCache``) equals the sliced path (``DynamicCache``) in tokens, logits and statistics,
+  for every built-in criterion, moment source and sync-free executor, with left padding and a stored range that
+  jumps (the short-prompt rule switching) during decoding;
+* no host read inside a decode step of qada's parts (``item``, ``tolist``, ``nonzero``, ``bool``, ``int``,
+  ``float`` fail there);
+* ``torch.inference_mode()`` works with every configuration, on both caches;
+* a row that does not grow by one key is reported at the next summary, not silently decided on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from qada.models import attach, build_run
+from qada.models.guards import StaleStateError
+from qada.models.run import QAdARun
+from qada.moments import BucketedMoments, StoredMoments
+from qada.moments.reference import collect_reference_keys, compute_bucketed_moments
+from tiny_models import tiny_model
+
+WINDOW = {"t_local": 8, "t_sink": 2}
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7))
+    return collect_reference_keys(model, ids, chunk_size=16)
+
+
+def moments(kind: str, reference):
+    """Sources whose short-prompt rule switches while row 1 (15 real tokens) decodes: at 18 tokens."""
+    if kind == "stored":
+        source = StoredMoments(offset=12, min_bulk_keys=4)
+        source.set_reference(reference)
+        return source
+    if kind == "bucketed":
+        source = BucketedMoments(offset=12, min_bulk_keys=4, bucket_size=4)
+        source.set_data(compute_bucketed_moments(reference, bucket_size=4, first=WINDOW["t_sink"], min_keys=4))
+        return source
+    return kind
+
+
+CONFIGS = [
+    ("dense", "none"),
+    ("local", "none"),
+    ({"name": "oracle", "tau": 0.3}, "none"),
+    ({"name": "qada", "tau": 0.3}, "current"),
+    ({"name": "qada", "tau": 0.3}, {"name": "current", "freeze": True}),
+    ({"name": "qada", "tau": 0.3}, "stored"),
+    ({"name": "qada", "tau": 0.3}, "bucketed"),
+    ({"name": "qada", "tau": 0.3, "compile": False}, "stored"),
+    ({"name": "qada_budget", "sparsity": 0.6}, "stored"),
+    ({"name": "static", "mask": [[True, False, True, False], [False, False, True, True]]}, "none"),
+    ({"name": "any_of", "criteria": [{"name": "qada", "tau": 0.3}, "local"]}, "stored"),
+    ({"name": "layer_override", "base": {"name": "qada", "tau": 0.3}, "overrides": {0: "dense"}}, "stored"),
+]
+EXECUTORS = [{"name": "sdpa", "host_skip": False}, "sdpa", "reference"]
+
+
+def prompt():
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: row 1 holds 15 real tokens
+    return ids, mask
+
+
+def make_run(criterion, source, executor, reference) -> QAdARun:
+    return build_run(criterion=criterion, moments=moments(source, reference) if isinstance(source, str) else source,
+                     executor=executor, window=WINDOW)
+
+
+def greedy(model, run: QAdARun, cache_kind: str, steps: int = STEPS, step_context=contextlib.nullcontext):
+    """Greedy decoding of :func:`prompt`: ``(tokens [2, steps], last logits, summary)``."""
+    ids, mask = prompt()
+    if cache_kind == "static":
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 3)
+    else:
+        cache = DynamicCache(config=model.config)
+    attach(model, run)
+    run.reset_stats()
+    try:
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        tokens = []
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(steps):
+            tokens.append(token)
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            with step_context():
+                out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        return torch.cat(tokens, 1), out.logits, run.summary()
+    finally:
+        run.remove()
+
+
+@contextlib.contextmanager
+def count_buffer_steps(counter: list):
+    original = QAdARun.decode_buffer
+
+    def spy(self, *args, **kwargs):
+        counter.append(1)
+        return original(self, *args, **kwargs)
+
+    QAdARun.decode_buffer = spy
+    try:
+        yield
+    finally:
+        QAdARun.decode_buffer = original
+
+
+@pytest.mark.parametrize("executor", EXECUTORS, ids=["sdpa-no-host-skip", "sdpa", "reference"])
+@pytest.mark.parametrize("criterion, source", CONFIGS, ids=[f"config{i}" for i in range(len(CONFIGS))])
+def test_buffer_path_equals_sliced_path(model, reference, criterion, source, executor):
+    sliced = greedy(model, make_run(criterion, source, executor, reference), "dynamic")
+    calls: list = []
+    with count_buffer_steps(calls):
+        buffered = greedy(model, make_run(criterion, source, executor, reference), "static")
+    assert len(calls) == STEPS * model.config.num_hidden_layers  # every decode step took the buffer path
+    assert torch.equal(sliced[0], buffered[0])
+    torch.testing.assert_close(buffered[1], sliced[1], atol=1e-5, rtol=1e-5)
+    for key in ("sparsity", "kv_sparsity"):
+        assert buffered[2][key] == pytest.approx(sliced[2][key], abs=1e-9)
+    assert buffered[2]["decode_steps"] == sliced[2]["decode_steps"] == STEPS
+    assert buffered[2]["fail_safe"] == sliced[2]["fail_safe"]
+
+
+def test_the_configurations_decide_both_ways(model, reference):
+    """The equality above is not vacuous: QAdA with stored moments makes some heads local and some dense."""
+    summary = greedy(model, make_run({"name": "qada", "tau": 0.3}, "stored", "sdpa", reference), "static")[2]
+    assert 0.2 < summary["sparsity"] < 0.9 and 0.0 < summary["kv_sparsity"] < 1.0
+
+
+def test_stored_range_jumps_during_decoding(model, reference):
+    """Row 1 starts with 15 tokens: its reference range switches rule at 18 (a jump prepared at the prefill)."""
+    run = make_run({"name": "qada", "tau": 0.3}, "stored", "sdpa", reference)
+    greedy(model, run, "static", steps=1)
+    state = run.moments._buffers[0]
+    assert state.jump_n[1].tolist() == [18] and state.jump_n[0].tolist() == [-1]
+
+
+HOST_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_host_reads_in_decode_steps():
+    """Fail every host read of a tensor while qada's decode step of a layer runs (transformers' own code
+    around it may read the host: dense has its one sync too)."""
+    original = QAdARun.decode_buffer
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def guarded(self, *args, **kwargs):
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read in a decode step: {_n}"))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for name, function in saved.items():
+                setattr(torch.Tensor, name, function)
+
+    QAdARun.decode_buffer = guarded
+    try:
+        yield
+    finally:
+        QAdARun.decode_buffer = original
+
+
+@pytest.mark.parametrize("executor", [EXECUTORS[0], "reference"], ids=["sdpa-no-host-skip", "reference"])
+@pytest.mark.parametrize("criterion, source", CONFIGS, ids=[f"config{i}" for i in range(len(CONFIGS))])
+def test_decode_steps_never_read_the_host(model, reference, criterion, source, executor):
+    run = make_run(criterion, source, executor, reference)
+    calls: list = []
+    with count_buffer_steps(calls):
+        tokens, _, summary = greedy(model, run, "static", steps=4, step_context=no_host_reads_in_decode_steps)
+    assert len(calls) == 4 * model.config.num_hidden_layers
+    assert summary["decode_steps"] == 4
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+@pytest.mark.parametrize("criterion, source", CONFIGS, ids=[f"config{i}" for i in range(len(CONFIGS))])
+def test_inference_mode(model, reference, criterion, source, cache_kind):
+    """Inputs, cache and run all made inside ``torch.inference_mode()``, as most inference code does."""
+    expected = greedy(model, make_run(criterion, source, "sdpa", reference), cache_kind, steps=4)
+    with torch.inference_mode():
+        got = greedy(model, make_run(criterion, source, "sdpa", reference), cache_kind, steps=4)
+    assert torch.equal(got[0], expected[0])
+    assert got[2]["sparsity"] == pytest.approx(expected[2]["sparsity"])
+
+
+def test_generate_with_a_static_cache_under_inference_mode(model, reference):
+    ids, mask = prompt()
+    run = make_run({"name": "qada", "tau": 0.3}, "stored", "sdpa", reference)
+    attach(model, run)
+    try:
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                 cache_implementation="static", pad_token_id=0)
+    finally:
+        run.remove()
+    assert out.shape == (2, 25)
+    assert run.summary()["decode_steps"] == 4
+
+
+def test_a_row_that_does_not_grow_by_one_is_reported():
+    """Checked on the device during decoding (no sync), raised at the next host point (the summary)."""
+    from qada.models.guards import CacheGuard
+
+    guard = CacheGuard()
+    guard.prefill(0, torch.zeros(2, 1, 20, 4))
+    guard.start_buffer(torch.tensor([20, 20]))
+    guard.decode_buffer(0, torch.tensor([21, 21]), first_layer=True)
+    guard.check()  # fine so far
+    guard.decode_buffer(0, torch.tensor([23, 22]), first_layer=True)  # row 0 grew by two keys
+    with pytest.raises(StaleStateError, match="did not grow by exactly one key"):
+        guard.check()
+    guard.check()  # reported once
+
+
+def test_a_decode_step_without_a_prefill_is_refused():
+    from qada.models.guards import CacheGuard
+
+    with pytest.raises(StaleStateError, match="without a prefill"):
+        CacheGuard().decode_buffer(0, torch.tensor([21]), first_layer=True)

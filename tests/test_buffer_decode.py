@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -233,3 +234,98 @@ def test_a_decode_step_without_a_prefill_is_refused():
 
     with pytest.raises(StaleStateError, match="without a prefill"):
         CacheGuard().decode_buffer(0, torch.tensor([21]), first_layer=True)
+
+
+def greedy_compiled(model, run: QAdARun, steps: int, compile_kwargs: dict, device="cpu"):
+    """Eager prefill, then ``steps`` decode steps through ``torch.compile(model.forward, **compile_kwargs)``."""
+    ids, mask = (t.to(device) for t in prompt())
+    capacity = ids.shape[1] + steps + 3
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    full_mask = torch.cat([mask, torch.ones(2, capacity - ids.shape[1], dtype=mask.dtype, device=device)], 1)
+    forward = torch.compile(model.forward, **compile_kwargs)
+    attach(model, run)
+    run.reset_stats()
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            tokens = []
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(steps):
+                tokens.append(token)
+                # the future slots are masked by causality: one 2D mask of the cache's size, no recompile
+                out = forward(input_ids=token, attention_mask=full_mask, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+        return torch.cat(tokens, 1), run.summary()
+    finally:
+        run.remove()
+
+
+COMPILED = [({"name": "qada", "tau": 0.3}, "stored", {"name": "sdpa", "host_skip": False})]
+COMPILED_SLOW = [
+    ({"name": "qada", "tau": 0.3}, "current", "sdpa"),
+    ({"name": "qada", "tau": 0.3}, "bucketed", "reference"),
+    ({"name": "qada_budget", "sparsity": 0.6}, "stored", {"name": "sdpa", "host_skip": False}),
+    ({"name": "oracle", "tau": 0.3}, "none", "reference"),
+]
+
+
+@pytest.mark.parametrize("criterion, source, executor",
+                         COMPILED + [pytest.param(*c, marks=pytest.mark.slow) for c in COMPILED_SLOW])
+def test_a_decode_step_compiles_with_fullgraph_and_equals_eager(model, reference, criterion, source, executor):
+    """``torch.compile(model.forward, fullgraph=True)`` with qada attached: no graph break (qada's step is one
+    ``qada::decode_buffer`` operator), the same tokens and the same statistics as eager decoding; the state it
+    updates in place (moments, statistics) is what a replayed step updates too."""
+    torch._dynamo.reset()
+    eager = greedy_compiled(model, make_run(criterion, source, executor, reference), 6, {"backend": "eager",
+                                                                                          "disable": True})
+    compiled = greedy_compiled(model, make_run(criterion, source, executor, reference), 6, {"fullgraph": True})
+    assert torch.equal(compiled[0], eager[0])
+    for key in ("sparsity", "kv_sparsity", "decode_steps", "fail_safe"):
+        assert compiled[1][key] == pytest.approx(eager[1][key])
+    assert 0.0 < compiled[1]["sparsity"] < 1.0
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("executor", ["sdpa", "triton"])
+@pytest.mark.parametrize("source", ["current", "stored", "bucketed"])
+def test_gpu_decode_steps_never_sync(model, reference, source, executor):
+    """On a GPU, with ``torch.cuda.set_sync_debug_mode("error")`` around qada's decode steps."""
+    on_gpu = copy.deepcopy(model).cuda()
+    run = make_run({"name": "qada", "tau": 0.3}, source, executor, reference)
+    original = QAdARun.decode_buffer
+
+    def strict(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    QAdARun.decode_buffer = strict
+    try:
+        got = greedy_compiled(on_gpu, run, 6, {"disable": True}, device="cuda")
+    finally:
+        QAdARun.decode_buffer = original
+    expected = greedy_compiled(model, make_run({"name": "qada", "tau": 0.3}, source, "sdpa", reference), 6,
+                               {"disable": True})
+    assert torch.equal(got[0].cpu(), expected[0])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("executor", ["sdpa", "triton"])
+def test_gpu_cuda_graphs_replay_equals_eager(model, reference, executor):
+    """``mode="reduce-overhead"`` (CUDA graphs): replayed steps give the eager tokens and statistics."""
+    on_gpu = copy.deepcopy(model).cuda()
+    torch._dynamo.reset()
+    eager = greedy_compiled(on_gpu, make_run({"name": "qada", "tau": 0.3}, "stored", executor, reference), 8,
+                            {"disable": True}, device="cuda")
+    graphs = greedy_compiled(on_gpu, make_run({"name": "qada", "tau": 0.3}, "stored", executor, reference), 8,
+                             {"mode": "reduce-overhead", "fullgraph": True}, device="cuda")
+    assert torch.equal(graphs[0], eager[0])
+    for key in ("sparsity", "kv_sparsity", "decode_steps"):
+        assert graphs[1][key] == pytest.approx(eager[1][key])

@@ -53,6 +53,14 @@ class HeadCriterion(Component, abc.ABC):
         """Raise ``ValueError`` if this criterion cannot serve a model of ``num_layers`` layers with ``num_heads``
         query heads (e.g. an override of a layer it does not have); called once, when a run is bound to a model."""
 
+    def to_device(self, device: torch.device) -> None:
+        """Copy what the criterion reads at every step (masks, corrections) to ``device`` now, before decoding:
+        called at the prefill, so that no tensor is first created inside a decode step (a CUDA graph's memory
+        pool would own it). The default does nothing itself and passes the call to ``children()``, if any."""
+        children = getattr(self, "children", None)
+        for child in children() if callable(children) else ():
+            child.to_device(device)
+
     def bind_layers(self, global_layers: Sequence[int]) -> None:
         """Learn which layers are decided: the model's global layers, ascending (on a hybrid model the
         sliding-window layers pass through and never reach a criterion); called once, after :meth:`check_model`,

@@ -95,6 +95,12 @@ class CalibratedQAdACriterion(ThresholdCriterion):
             raise ValueError(f"expected a correction of shape [{num_layers}, {num_heads}] for this model but got "
                              f"{list(self.correction_shape)}")
 
+    def to_device(self, device: torch.device) -> None:
+        for dtype in (torch.float32, torch.float64):  # the estimate's dtype: float64 only for float64 inputs
+            key = (torch.device(device), dtype)
+            if key not in self._on_device:
+                self._on_device[key] = (self._slope.to(*key), self._offset.to(*key))
+
     def log_bulk(self, step: DecodeStep) -> torch.Tensor:
         L, H = self.correction_shape
         if not 0 <= step.layer < L or step.num_heads != H:

@@ -143,6 +143,11 @@ class HybridCriterion(_Composite):
             )
         super().check_model(num_layers, num_heads)
 
+    def to_device(self, device: torch.device) -> None:
+        super().to_device(device)
+        if device not in self._on_device:
+            self._on_device[device] = ~self.always_dense.to(device)
+
     def decide(self, step: DecodeStep) -> torch.Tensor:
         L, H = self.always_dense.shape
         if not 0 <= step.layer < L or step.num_heads != H:
@@ -152,6 +157,5 @@ class HybridCriterion(_Composite):
             )
         if self._all_dense[step.layer]:
             return torch.zeros(step.batch_size, H, dtype=torch.bool, device=step.device)
-        if step.device not in self._on_device:
-            self._on_device[step.device] = ~self.always_dense.to(step.device)
+        self.to_device(step.device)
         return self.base(step) & self._on_device[step.device][step.layer]

@@ -86,10 +86,13 @@ class StaticCriterion(BudgetCriterion):
                 f"static mask of shape [{L}, {H}] does not fit layer {step.layer} with {step.num_heads} heads"
             )
 
+    def to_device(self, device: torch.device) -> None:
+        if device not in self._on_device:
+            self._on_device[device] = self.mask.to(device, torch.float32)
+
     def score(self, step: DecodeStep) -> torch.Tensor:
         self._check_layer(step)
-        if step.device not in self._on_device:
-            self._on_device[step.device] = self.mask.to(step.device, torch.float32)
+        self.to_device(step.device)
         return self._on_device[step.device][step.layer].expand(step.batch_size, -1)
 
     def local_count(self, step: DecodeStep) -> int:

@@ -12,6 +12,7 @@ from qada.artifacts import text_config
 from qada.attention import EXECUTORS
 from qada.criteria import CRITERIA
 from qada.models.attention_function import ATTENTION_NAME, active_runs, qada_attention_forward
+from qada.models.compiled import register_run
 from qada.models.layer_types import layer_types
 from qada.models.observers import Observer
 from qada.models.run import QAdARun, UnsupportedModelError
@@ -130,6 +131,7 @@ def attach(model: Any, run: QAdARun) -> QAdARun:
         )
     for module in modules:
         active_runs[module] = run
+    register_run(run)  # its number for the compiled decode step (qada.models.compiled)
 
     def remove() -> None:
         for module in modules:

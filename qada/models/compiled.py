@@ -13,15 +13,29 @@ The operator is registered on first use (no global side effect at import).
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["decode_op"]
+__all__ = ["decode_op", "register_run"]
 
-# id(run) -> run, for the operator's integer argument (a run is not a tensor); weak: runs are not kept alive.
+# number -> run, for the operator's integer argument (a run is not a tensor); weak: runs are not kept alive.
 _RUNS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count()
+
+
+def register_run(run: Any) -> int:
+    """The number that names ``run`` in the operator's calls (given once, when the run is attached: eagerly,
+    never while ``torch.compile`` traces)."""
+    _operator()  # the operator is registered eagerly too, never while tracing
+    number = getattr(run, "op_number", None)
+    if number is None or _RUNS.get(number) is not run:
+        number = next(_NUMBERS)
+        _RUNS[number] = run
+        run.op_number = number
+    return number
 
 
 @functools.cache
@@ -55,5 +69,5 @@ def decode_op(run: Any, layer: int, query: torch.Tensor, key: torch.Tensor, valu
               position_ids: torch.Tensor | None) -> torch.Tensor:
     """``run.decode_buffer(...)`` through the ``qada::decode_buffer`` operator: ``query [b, H, 1, d]``,
     ``key, value [b, H_kv, C, d]`` (the whole buffer) -> ``[b, H, 1, d]``."""
-    _RUNS[id(run)] = run
-    return _operator()(query, key, value, attention_mask, position_ids, id(run), layer, float(scaling))
+    return torch.ops.qada.decode_buffer(query, key, value, attention_mask, position_ids, run.op_number, layer,
+                                        float(scaling))

@@ -166,6 +166,7 @@ class QAdARun:
         if self._first_layer is None or layer <= self._first_layer:  # a new sequence starts at the first layer
             self._first_layer = layer
             self.stats.prepare(self.layers.num_layers if self.layers is not None else layer + 1, key.device)
+            self.criterion.to_device(key.device)
         self.guard.prefill(layer, key)
         buffered = capacity is not None and self.static_shapes
         if capacity is not None:

@@ -16,7 +16,8 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 import qada.attention  # noqa: E402, F401  (registers every executor)
 from qada.attention import EXECUTORS, check_triton_runtime, decode_attention  # noqa: E402
-from qada.functional import local_index_set  # noqa: E402
+from qada.attention.base import GroupDecision  # noqa: E402
+from qada.step import DecodeStep  # noqa: E402
 from qada.window import Window  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,29 +42,34 @@ def make_case(b, H, H_kv, T, d, starts, mask, dtype, seed=0):
     return (*(t.to(DEVICE, dtype) for t in (q, k, v)), local.to(DEVICE), start)
 
 
-def hand_bulk_blocks(T, block, starts, local, H_kv, window):
-    """Blocks holding bulk tokens but no window token, summed over the read (row, KV head) pairs."""
+def hand_blocks(C, block, starts, ends, local, H_kv, window):
+    """``(loaded, bulk_only)`` block counts summed over the (row, KV head) pairs, from token sets: a pair loads the
+    blocks meeting its real tokens when some head of its group is dense (``local`` is the effective mask), else
+    those meeting its window; bulk-only blocks are loaded blocks without a window token."""
     b, H = local.shape
-    count = 0
+    G = H // H_kv
+    loaded = bulk_only = 0
     for r in range(b):
         first = 0 if starts is None else int(starts[r])
-        in_window = set((first + local_index_set(T - first, window.t_local, window.t_sink)).tolist())
-        bulk = set(range(first, T)) - in_window
+        last = C if ends is None else int(ends[r])
+        real = set(range(first, last))
+        t_bulk = max(0, last - first - window.t_local)
+        window_tokens = real - set(range(first + window.t_sink, first + window.t_sink + t_bulk))
         for g in range(H_kv):
-            if local[r, g * (H // H_kv) : (g + 1) * (H // H_kv)].all():
-                continue
-            for lo in range(0, T, block):
-                positions = set(range(lo, min(lo + block, T)))
-                count += bool(positions & bulk) and not (positions & in_window)
-    return count
+            read = not bool(local[r, g * G : (g + 1) * G].all())
+            blocks = {p // block for p in (real if read else window_tokens)}
+            loaded += len(blocks)
+            bulk_only += sum(not (set(range(x * block, x * block + block)) & window_tokens) for x in blocks)
+    return loaded, bulk_only
 
 
-def check(executor, case, window=WINDOW):
+def check(executor, case, window=WINDOW, end=None):
+    """The executor against the reference on ``case`` (rows ending at ``end [b]`` when given), with its
+    ``bulk_blocks`` and (from a second launch) its per-program loaded block counts against :func:`hand_blocks`."""
     q, k, v, local, start = case
-    ref = decode_attention(
-        EXECUTORS.build("reference", group_policy=executor.group_policy), q, k, v, local, window, start=start
-    )
-    got = decode_attention(executor, q, k, v, local, window, start=start)
+    reference = EXECUTORS.build("reference", group_policy=executor.group_policy)
+    ref = decode_attention(reference, q, k, v, local, window, start=start, end=end)
+    got = decode_attention(executor, q, k, v, local, window, start=start, end=end)
     assert got.output.shape == q.shape and got.output.dtype == q.dtype
     assert torch.isfinite(got.output).all()
     atol, rtol = TOLERANCE[q.dtype]
@@ -71,8 +77,13 @@ def check(executor, case, window=WINDOW):
     assert torch.equal(got.local, ref.local)
     torch.testing.assert_close(got.sparsity, ref.sparsity)
     torch.testing.assert_close(got.kv_sparsity, ref.kv_sparsity)
-    expected = hand_bulk_blocks(k.shape[2], executor.block_size, start, got.local.cpu(), k.shape[1], window)
-    assert got.bulk_blocks.ndim == 0 and got.bulk_blocks.item() == expected
+    loaded, bulk_only = hand_blocks(k.shape[2], executor.block_size, start, end, got.local.cpu(), k.shape[1], window)
+    assert got.bulk_blocks.ndim == 0 and got.bulk_blocks.item() == bulk_only
+    step = DecodeStep.from_attention(q, k, v, window, start=start, end=end)
+    read = (~got.local).view(q.shape[0], k.shape[1], -1).any(dim=-1)
+    launch = executor.launch(step, GroupDecision(got.local, read))
+    assert launch.counts[..., 1].sum().item() == loaded and launch.counts[..., 0].sum().item() == bulk_only
+    torch.testing.assert_close(launch.output, got.output, atol=0, rtol=0)
     return got
 
 

@@ -1,7 +1,20 @@
-"""The fused split-K decode kernel of the ``triton`` executor. Imported lazily: importing it imports triton.
+"""The two kernels of the ``triton`` executor: split-K decode and log-sum-exp combine. Imported lazily: importing
+it imports triton.
 
-``INTERPRETED`` records whether the kernel was decorated for Triton's interpreter (``TRITON_INTERPRET=1`` when
-this module was first imported); that cannot change afterwards.
+``INTERPRETED`` records whether the kernels were decorated for Triton's interpreter (``TRITON_INTERPRET=1`` when
+this module was first imported); that cannot change afterwards. ``run(kernel, grid, *args, **kwargs)`` launches.
+
+Token ranges of one row ``r`` of the buffer (``C`` slots): real tokens ``[first, last)`` with ``first = start_r``
+(0 without ``START``) and ``last = end_r`` (``C`` without ``END``); ``T_bulk = max(0, last - first - t_local)``;
+bulk ``[first + t_sink, first + t_sink + T_bulk)``; the window is the real tokens outside the bulk.
+
+*Virtual block list* of one (row, KV head): the blocks of ``BLOCK_N`` slots the program must read, in order.
+When some head of the group is dense (or the row has no bulk) it is every block meeting ``[first, last)``;
+otherwise the blocks meeting the sinks ``[first, first + t_sink)`` followed by those meeting the recent tokens
+``[last - t_recent, last)``, minus any block already listed (a block holding sinks and recent tokens is read
+once). Split ``s`` of ``S`` takes entries ``[s * n, (s + 1) * n)`` with ``n = cdiv(len, S)``: a local group
+lists a handful of blocks, so most of its splits are empty and store ``m = -inf, l = 0, acc = 0`` at once.
+Nothing is read at or beyond ``last`` nor before ``first``.
 """
 
 from __future__ import annotations
@@ -17,93 +30,191 @@ except AttributeError:  # older triton without knobs
     INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """Launch the Triton ``kernel`` on ``grid``."""
+    kernel[grid](*args, **kwargs)
+
+
+if INTERPRETED:  # the interpreter runs Python that torch.compile must not trace: there a launch is a graph break
+    import torch
+
+    run = torch.compiler.disable(_launch)
+else:
+    run = _launch
+
+
 @triton.jit
 def qada_decode_split_kernel(
-    Q, K, V, LOCAL, START, ACC, M, L, BULK_BLOCKS,
+    Q, K, V, LOCAL, START, END, ACC, M, L, COUNTS,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
-    T, H_KV, t_sink, t_recent, blocks_per_split, num_splits, scale,
+    stride_lb, stride_lh,
+    C, H_KV, t_sink, t_local, num_splits, qk_scale,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_START: tl.constexpr, HAS_END: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """One program = one (row, KV head) and one split of its KV blocks, for all ``G`` query heads of the group.
+    """One program = one (row, KV head) and one split of its virtual block list, for all ``G`` query heads.
 
-    Writes the split's unnormalised ``acc [BLOCK_G, BLOCK_D]``, running max ``m`` and sum ``l`` (float32) and
-    the number of blocks it loaded only for the bulk. Blocks with no window token are skipped unless some head
-    of the group is dense; an empty split writes ``m = -inf, l = 0, acc = 0``. ``DOT_FP32`` upcasts the
-    inputs of both dots to float32 (used for bfloat16 under the interpreter, whose bfloat16 ``tl.dot`` is wrong).
+    Reads ``Q [b, H, 1, d]``, ``K, V [b, H_kv, C, d]`` (any strides), ``LOCAL [b, H]`` bool (effective local
+    mask), ``START, END [b]`` integers (only with ``HAS_START`` / ``HAS_END``). Writes, at ``(pair, split)``
+    with ``pair = row * H_kv + kv_head``, the split's unnormalised ``ACC [.., G, D]``, running max ``M [.., G]``
+    (log2 domain: scores are multiplied by ``qk_scale = scale * log2(e)``) and sum ``L [.., G]``, all float32,
+    and ``COUNTS [.., 2]`` int32: blocks loaded only for the bulk (no window token), blocks loaded in all.
+    ``DOT_FP32`` upcasts the inputs of both dots to float32 (bfloat16 under the interpreter, whose bfloat16
+    ``tl.dot`` is wrong). Every loop-carried value is float32 whatever type ``qk_scale`` arrives with.
     """
-    pid = tl.program_id(0)
+    pair = tl.program_id(0)
     split = tl.program_id(1)
-    row = pid // H_KV
-    kv_head = pid % H_KV
+    row = pair // H_KV
+    kv_head = pair % H_KV
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < G
     d_ok = offs_d < D
     heads = kv_head * G + offs_g
-
     row64 = row.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
-    q_ptrs = Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # --- the row's token ranges (device values; no host involvement) ---------------------------------------
+    if HAS_START:
+        first = tl.load(START + row).to(tl.int32)
+    else:
+        first = tl.full([], 0, dtype=tl.int32)
+    if HAS_END:
+        last = tl.load(END + row).to(tl.int32)
+    else:
+        last = tl.full([], 0, dtype=tl.int32) + C
+    first = tl.minimum(tl.maximum(first, 0), C)
+    last = tl.minimum(tl.maximum(last, first), C)
+    t_bulk = tl.maximum(last - first - t_local, 0)
+    has_bulk = t_bulk > 0
+    bulk_lo = first + t_sink
+    bulk_hi = bulk_lo + t_bulk  # bulk = [bulk_lo, bulk_hi), empty without a bulk
+
+    is_local = tl.load(LOCAL + row64 * stride_lb + heads.to(tl.int64) * stride_lh, mask=g_ok, other=1)
+    dense = (is_local == 0) & g_ok  # [BLOCK_G]
+    read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
+
+    # --- virtual block list: segment A then segment B (B starts after A's last block) ----------------------
+    whole = read | (has_bulk == 0)
+    a_end = tl.where(whole, last, bulk_lo)
+    b_begin = tl.where(whole, last, bulk_hi)
+    a_lo = first // BLOCK_N
+    a_hi = tl.where(a_end > first, tl.cdiv(a_end, BLOCK_N), a_lo)
+    b_lo = tl.maximum(b_begin // BLOCK_N, a_hi)
+    b_hi = tl.where(last > b_begin, tl.cdiv(last, BLOCK_N), b_lo)
+    n_a = a_hi - a_lo
+    n_virtual = n_a + tl.maximum(b_hi - b_lo, 0)
+    per_split = tl.cdiv(n_virtual, num_splits)
+    v_begin = split * per_split
+    v_end = tl.minimum(v_begin + per_split, n_virtual)
+
+    q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     if DOT_FP32:
         q = q.to(tl.float32)
-    is_local = tl.load(LOCAL + row64 * (H_KV * G) + heads, mask=g_ok, other=1)
-    dense = (is_local == 0) & g_ok  # [BLOCK_G]
-    read_bulk = tl.max(dense.to(tl.int32), axis=0) > 0
-
-    first = tl.load(START + row)
-    sink_end = tl.minimum(first + t_sink, T)
-    bulk_end = tl.maximum(T - t_recent, sink_end)  # bulk = [sink_end, bulk_end)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    n_bulk = tl.full([], 0, dtype=tl.int32)
-
-    num_blocks = tl.cdiv(T, BLOCK_N)
-    blk_begin = split * blocks_per_split
-    blk_end = tl.minimum(blk_begin + blocks_per_split, num_blocks)
-    k_base = K + row64 * stride_kb + kv64 * stride_kh
+    n_bulk = tl.zeros([], dtype=tl.int32)
+    window_a_end = tl.where(has_bulk, bulk_lo, last)  # the window: [first, window_a_end) and, with a bulk,
+    k_base = K + row64 * stride_kb + kv64 * stride_kh  # [bulk_hi, last)
     v_base = V + row64 * stride_vb + kv64 * stride_vh
-    for blk in range(blk_begin, blk_end):
+    for i in range(v_begin, v_end):
+        blk = tl.where(i < n_a, a_lo + i, b_lo + (i - n_a))
         lo = blk * BLOCK_N
         hi = lo + BLOCK_N
-        in_sinks = (lo < sink_end) & (hi > first) & (first < sink_end)
-        has_window = in_sinks | ((hi > bulk_end) & (bulk_end < T))
-        has_bulk = (lo < bulk_end) & (hi > sink_end)
-        if has_window | (read_bulk & has_bulk):
-            offs = lo + offs_n
-            n_ok = offs < T
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + offs[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
-                        mask=kv_mask, other=0.0)  # fmt: skip
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-            real = (offs >= first) & n_ok
-            in_bulk = (offs >= sink_end) & (offs < bulk_end)
-            allowed = real[None, :] & ((in_bulk == 0)[None, :] | dense[:, None])
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + offs[:, None].to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
-                        mask=kv_mask, other=0.0)  # fmt: skip
-            if DOT_FP32:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-            m_i = m_new
-            n_bulk += tl.where(has_window, 0, 1)
+        offs = lo + offs_n
+        real = (offs >= first) & (offs < last)
+        in_bulk = (offs >= bulk_lo) & (offs < bulk_hi)
+        # a skipped bulk token is never loaded, even in a window block (tl.where: the interpreter turns
+        # tensor | scalar of bool into int32)
+        load_ok = tl.where(read, real, real & (in_bulk == 0))
+        kv_mask = load_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)  # fmt: skip
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = (tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale).to(tl.float32)
+        allowed = load_ok[None, :] & ((in_bulk == 0)[None, :] | dense[:, None])  # [BLOCK_G, BLOCK_N]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs[:, None].to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)  # fmt: skip
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION).to(tl.float32)
+        m_i = m_new
+        has_window = (tl.maximum(lo, first) < tl.minimum(hi, window_a_end)) | (
+            has_bulk & (tl.maximum(lo, bulk_hi) < tl.minimum(hi, last))
+        )
+        n_bulk += tl.where(has_window, 0, 1)
 
-    out = (pid.to(tl.int64) * num_splits + split) * BLOCK_G
-    tl.store(ACC + (out + offs_g[:, None]) * BLOCK_D + offs_d[None, :], acc)
-    tl.store(M + out + offs_g, m_i)
-    tl.store(L + out + offs_g, l_i)
-    tl.store(BULK_BLOCKS + pid * num_splits + split, n_bulk)
+    slot = pair.to(tl.int64) * num_splits + split
+    out = slot * G + offs_g
+    tl.store(ACC + out[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(M + out, m_i, mask=g_ok)
+    tl.store(L + out, l_i, mask=g_ok)
+    tl.store(COUNTS + slot * 2, n_bulk)
+    tl.store(COUNTS + slot * 2 + 1, tl.maximum(v_end - v_begin, 0))
+
+
+@triton.jit
+def qada_decode_combine_kernel(
+    ACC, M, L, COUNTS, OUT, BULK_BLOCKS,
+    stride_ob, stride_oh, stride_od,
+    H, num_splits, num_counts,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Programs ``0 .. b*H-1``: one (row, query head) each, merge its splits by log-sum-exp into ``OUT [b, H, 1,
+    d]`` (the query dtype; a split with ``m = -inf`` weighs 0 and a head with nothing attended gets 0). Program
+    ``b*H``: sum the bulk-only block counts ``COUNTS[:, 0]`` into the 0-d int64 ``BULK_BLOCKS``."""
+    pid = tl.program_id(0)
+    n_heads = tl.num_programs(0) - 1
+    if pid == n_heads:
+        # (names differ from the other branch's: Triton requires one type per name across both branches)
+        offs_count = tl.arange(0, BLOCK_C)
+        n_blocks = tl.zeros([BLOCK_C], dtype=tl.int64)
+        for c0 in range(0, num_counts, BLOCK_C):
+            idx = c0 + offs_count
+            n_blocks += tl.load(COUNTS + idx.to(tl.int64) * 2, mask=idx < num_counts, other=0).to(tl.int64)
+        tl.store(BULK_BLOCKS, tl.sum(n_blocks, axis=0))
+    else:
+        row = pid // H
+        head = pid % H
+        base = (row.to(tl.int64) * (H // G) + head // G) * num_splits  # first (pair, split) slot of the head
+        g = head % G
+        offs_s = tl.arange(0, BLOCK_S)
+        s_ok = offs_s < num_splits
+        m = tl.load(M + (base + offs_s) * G + g, mask=s_ok, other=float("-inf"))
+        m_max = tl.max(m, axis=0)
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        offs_c = tl.arange(0, CHUNK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        numerator = tl.zeros([BLOCK_D], dtype=tl.float32)
+        denominator = tl.zeros([CHUNK_S], dtype=tl.float32)
+        for s0 in range(0, num_splits, CHUNK_S):
+            split = s0 + offs_c
+            c_ok = split < num_splits
+            slot = (base + split) * G + g
+            m_c = tl.load(M + slot, mask=c_ok, other=float("-inf"))
+            l_c = tl.load(L + slot, mask=c_ok, other=0.0)
+            weight = tl.where(m_c == float("-inf"), 0.0, tl.math.exp2(m_c - m_safe))  # empty split: 0
+            denominator += weight * l_c
+            acc = tl.load(ACC + slot[:, None] * D + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+            numerator += tl.sum(weight[:, None] * acc, axis=0)
+        total = tl.sum(denominator, axis=0)
+        result = numerator / tl.where(total > 0, total, 1.0)
+        tl.store(OUT + row.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + offs_d * stride_od,
+                 result.to(OUT.dtype.element_ty), mask=d_ok)  # fmt: skip

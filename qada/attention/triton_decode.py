@@ -1,9 +1,12 @@
-"""The ``triton`` executor: one fused split-K decode kernel that reads a KV group's bulk only when needed.
+"""The ``triton`` executor: a split-K (flash-decoding) kernel that reads a KV group's bulk only when needed.
 
-Per (row, KV head) and split of the KV blocks, a program computes all ``G`` query heads of the group: blocks
-holding a window token are always read, blocks of pure bulk only when some head of the group is dense (then
-the local heads mask those tokens out, or, with ``promote``, are dense themselves). Partial results are
-merged by log-sum-exp; an empty split (``m = -inf``, ``l = 0``) gets weight 0, never ``-inf - -inf``.
+Per (row, KV head) the kernel builds a *virtual block list* from device values: every block of the row's real
+tokens ``[start, end)`` when some head of the group is dense, else only the blocks of the sinks and of the recent
+tokens (a block holding both is read once). Split-K spreads that list over a fixed number of splits; a program
+computes all ``G`` query heads of its group, so a local group's bulk is neither read nor iterated over. A second
+kernel merges the splits by log-sum-exp (an empty split, ``m = -inf``, ``l = 0``, gets weight 0, never
+``-inf - -inf``) and writes ``[b, H, 1, d]`` in the query dtype. Two launches, no host read of tensor values,
+grid and split count from the shapes and the SM count only: a step can be captured in a CUDA graph or compiled.
 
 Needs a CUDA device, or Triton's interpreter on CPU (``TRITON_INTERPRET=1`` set before triton is imported,
 slow, for tests). Otherwise calling it raises: no silent fallback. triton is imported on the first call only.
@@ -15,13 +18,16 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
 from qada.step import DecodeStep
 
-__all__ = ["TritonExecutor", "check_triton_runtime"]
+__all__ = ["TritonExecutor", "TritonLaunch", "check_triton_runtime"]
+
+_LOG2E = 1.4426950408889634  # the kernel works in base 2: exp(x) = exp2(x * log2(e))
 
 
 def check_triton_runtime(device: torch.device) -> None:
@@ -53,13 +59,16 @@ def _next_pow2(n: int) -> int:
 @register_executor("triton")
 @dataclass
 class TritonExecutor(AttentionExecutor):
-    """Fused decode kernel with per-group bulk skipping and split-K (flash-decoding) over the cache.
+    """Split-K (flash-decoding) kernel over a virtual block list per (row, KV head), then a log-sum-exp combine.
+
+    Two launches per call, no host read of any tensor value, a grid fixed by the shapes: graph-capturable.
 
     Args:
         block_size: KV tokens per block (a power of two >= 16).
-        num_splits: splits of the KV blocks per (row, KV head); ``None`` = about two programs per SM, at
-            least four blocks per split (one split on CPU).
-        num_warps, num_stages: launch parameters on the GPU.
+        num_splits: splits of each (row, KV head)'s block list; ``None`` = enough programs for about two per SM,
+            at most one split per four blocks of the buffer (the interpreter counts one SM). Depends on the shapes
+            and the SM count only, never on the data.
+        num_warps, num_stages: launch parameters of the split kernel on the GPU.
 
     ``bulk_blocks`` in the output counts the blocks loaded only for the bulk (no window token in them).
     """
@@ -82,14 +91,19 @@ class TritonExecutor(AttentionExecutor):
             raise ValueError(f"expected num_warps to be a power of two but got {self.num_warps}")
 
     def splits(self, device: torch.device, pairs: int, T: int) -> int:
-        """Number of splits for ``pairs = b * H_kv`` (row, KV head) programs over ``T`` tokens."""
+        """Number of splits for ``pairs = b * H_kv`` (row, KV head) programs over a buffer of ``T`` slots."""
         if self.num_splits is not None:
             return self.num_splits
         return max(1, min(_cdiv(2 * _num_sms(device), pairs), _cdiv(T, self.block_size) // 4))
 
     def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, torch.Tensor]:
-        query, key, value = step.query[:, :, None], step.keys, step.values
-        local, window, scale, start = decision.local, step.window, step.scale, step.start
+        launch = self.launch(step, decision)
+        return launch.output, launch.bulk_blocks
+
+    def launch(self, step: DecodeStep, decision: GroupDecision) -> TritonLaunch:
+        """Run both kernels on ``step`` (reads ``query``, ``keys``, ``values``, ``start``, ``end``, the window and
+        ``decision.local``) and return every buffer they wrote (:class:`TritonLaunch`)."""
+        query, key, value = step.query, step.keys, step.values  # [b, H, d], [b, H_kv, C, d] twice
         check_triton_runtime(query.device)
         if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"expected float16, bfloat16 or float32 inputs for 'triton' but got {query.dtype}")
@@ -100,35 +114,61 @@ class TritonExecutor(AttentionExecutor):
                 "the 'triton' executor got CPU tensors but its kernel was compiled for the GPU: set "
                 "TRITON_INTERPRET=1 before triton is first imported"
             )
-        b, H, _, d = query.shape
-        H_kv, T = key.shape[1], key.shape[2]
+        b, H, d = query.shape
+        H_kv, C = key.shape[1], key.shape[2]
         G = H // H_kv
         # Triton's interpreter computes bfloat16 tl.dot wrongly (checked on triton 3.9): upcast there
         dot_fp32 = _triton_kernel.INTERPRETED and query.dtype == torch.bfloat16
         BLOCK_G, BLOCK_D = max(16, _next_pow2(G)), max(16, _next_pow2(d))
         pairs = b * H_kv
-        S = self.splits(query.device, pairs, T)
-        blocks_per_split = _cdiv(_cdiv(T, self.block_size), S)
+        S = self.splits(query.device, pairs, C)
+        local, window = decision.local, step.window
         f32 = dict(dtype=torch.float32, device=query.device)
-        acc = torch.empty(pairs, S, BLOCK_G, BLOCK_D, **f32)
-        m = torch.empty(pairs, S, BLOCK_G, **f32)
-        l = torch.empty(pairs, S, BLOCK_G, **f32)
-        bulk_blocks = torch.empty(pairs, S, dtype=torch.int32, device=query.device)
-        starts = torch.zeros(b, dtype=torch.int32, device=query.device) if start is None else start.to(torch.int32)
-        _triton_kernel.qada_decode_split_kernel[(pairs, S)](
-            query, key, value, local.to(torch.int8).contiguous(), starts, acc, m, l, bulk_blocks,
-            query.stride(0), query.stride(1), query.stride(3),
-            *key.stride(), *value.stride(),
-            T, H_kv, window.t_sink, window.t_recent, blocks_per_split, S, scale,
+        acc = torch.empty(pairs, S, G, d, **f32)
+        m = torch.empty(pairs, S, G, **f32)
+        l = torch.empty(pairs, S, G, **f32)
+        counts = torch.empty(pairs, S, 2, dtype=torch.int32, device=query.device)
+        output = torch.empty(b, H, 1, d, dtype=query.dtype, device=query.device)
+        bulk_blocks = torch.empty((), dtype=torch.int64, device=query.device)
+        start, end = step.start, step.end  # [b] long or None: read inside the kernel only
+        run = _triton_kernel.run  # (a graph break under the interpreter: torch.compile must not trace it)
+        run(
+            _triton_kernel.qada_decode_split_kernel, (pairs, S),
+            query, key, value, local, query if start is None else start, query if end is None else end,
+            acc, m, l, counts,
+            *query.stride(), *key.stride(), *value.stride(), *local.stride(),
+            C, H_kv, window.t_sink, window.t_local, S, float(step.scale) * _LOG2E,
             G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D,
+            HAS_START=start is not None, HAS_END=end is not None,
             INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
             DOT_FP32=dot_fp32,
             num_warps=self.num_warps, num_stages=self.num_stages,
         )  # fmt: skip
-        m_max = m.amax(dim=1, keepdim=True)
-        weight = torch.exp(m - torch.where(m_max == float("-inf"), 0.0, m_max))  # empty split: exp(-inf) = 0
-        denominator = (weight * l).sum(dim=1)  # [pairs, BLOCK_G]
-        numerator = (weight[..., None] * acc).sum(dim=1)  # [pairs, BLOCK_G, BLOCK_D]
-        out = numerator / torch.where(denominator > 0, denominator, 1.0)[..., None]
-        out = out[:, :G, :d].reshape(b, H, 1, d).to(query.dtype)
-        return out, bulk_blocks.sum()
+        BLOCK_S = _next_pow2(S)
+        run(
+            _triton_kernel.qada_decode_combine_kernel, (b * H + 1,),
+            acc, m, l, counts, output, bulk_blocks,
+            output.stride(0), output.stride(1), output.stride(3),
+            H, S, pairs * S,
+            G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=BLOCK_D, BLOCK_C=256,
+        )  # fmt: skip
+        return TritonLaunch(output, bulk_blocks, acc, m, l, counts)
+
+
+class TritonLaunch(NamedTuple):
+    """What one :meth:`TritonExecutor.launch` wrote (``pairs = b * H_kv``, ``S`` splits).
+
+    Attributes:
+        output: ``[b, H, 1, d]`` in the query dtype.
+        bulk_blocks: 0-d int64, blocks loaded only for the bulk, summed over every program.
+        acc, m, l: ``[pairs, S, G, d]``, ``[pairs, S, G]`` twice, float32: each split's unnormalised output,
+            running max (log2 domain) and sum; an empty split holds ``0, -inf, 0``.
+        counts: ``[pairs, S, 2]`` int32 per program: blocks loaded only for the bulk, blocks loaded in all.
+    """
+
+    output: torch.Tensor
+    bulk_blocks: torch.Tensor
+    acc: torch.Tensor
+    m: torch.Tensor
+    l: torch.Tensor
+    counts: torch.Tensor

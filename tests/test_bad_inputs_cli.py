@@ -43,6 +43,7 @@ def _other_model_mask(tmp: Path) -> Path:
 
 
 NEEDS_MODEL = {"cli_generate_static_other_model"}
+NO_CUDA = {"cli_device_cuda_without_cuda"}  # run as on a machine without a GPU, wherever the suite runs
 
 CLI_CASES = [
     CliCase("cli_unknown_subcommand", lambda tmp: ["bogus"], r"invalid choice: 'bogus'"),
@@ -105,6 +106,12 @@ CLI_CASES = [
             r"expected a mapping with a 'name' key"),
     CliCase("cli_import_missing_module", lambda tmp: ["criteria", "--import", "no_such_qada_module"],
             r"could not import module 'no_such_qada_module'"),
+    CliCase("cli_device_cuda_without_cuda", lambda tmp: _generate(tmp, "--device", "cuda"),
+            r"^qada generate: error: --device cuda: CUDA is not available here"),
+    CliCase("cli_device_unknown", lambda tmp: _eval(tmp, "--device", "tpu"),
+            r"argument --device: expected auto, cpu, cuda or cuda:N but got 'tpu'"),
+    CliCase("cli_dtype_unknown", lambda tmp: ["moments", "build", "--out", tmp / "k.safetensors", "--dtype", "int8"],
+            r"argument --dtype: invalid choice: 'int8'"),
 ]
 
 
@@ -112,5 +119,7 @@ CLI_CASES = [
 def test_bad_cli_input(case, tmp_path, capsys, request):
     if case.kind in NEEDS_MODEL:
         (tmp_path / "model").symlink_to(request.getfixturevalue("tiny_model_dir")[0], target_is_directory=True)
+    if case.kind in NO_CUDA:
+        request.getfixturevalue("monkeypatch").setattr(torch.cuda, "is_available", lambda: False)
     result = check_cli_case(case, tmp_path, capsys)
     assert len(result.err.strip().splitlines()[-1]) > 0 and result.out == ""

@@ -328,7 +328,7 @@ def test_stored_and_bucketed_sources_build_their_reference_on_a_hybrid_model(arc
 def gemma_loader(monkeypatch):
     calls = []
 
-    def load_model(path=None):
+    def load_model(path=None, dtype=None, device=None):  # the CLI passes --dtype and --device
         calls.append(path)
         return model("gemma3"), WordTokenizer()
 

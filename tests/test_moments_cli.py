@@ -28,7 +28,7 @@ def tiny_loader(monkeypatch):
     model = tiny_model("llama", vocab_size=97, max_position_embeddings=256, sharpen=False)
     calls = []
 
-    def load_model(path=None):
+    def load_model(path=None, dtype=None, device=None):  # the CLI passes --dtype and --device
         calls.append(path)
         return model, WordTokenizer()
 

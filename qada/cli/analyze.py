@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, existing_file, positive_int
+from qada.cli.common import IMPORTS, HelpFormatter, add_model_arguments, existing_file, model_placement, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="decode steps per prompt (default: the answer's length + 4, stopping at EOS)")
     parser.add_argument("--moments", default="current", help="moment source behind the estimate")
     parser.add_argument("--tau", type=float, default=0.6, help="threshold for head maps and per-token sparsity")
-    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--compare", action="append", type=existing_file, default=None, metavar="RESULTS.json",
@@ -100,16 +100,17 @@ def run(args: argparse.Namespace) -> int:
     from qada.eval.validate import check_output_dir
     from qada.models import build_run, load_model, prepare_run
 
+    device, dtype = model_placement(args)  # a missing GPU fails before any work
     out = check_output_dir(args.out, "--out")
     TASKS.get(args.task)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     samples = TASKS.build(args.task).generate(tokenizer, args.length, args.samples, args.seed)
     log = DecisionLog()
     run = prepare_run(build_run("dense", args.moments, "sdpa", None, [log]), model, tokenizer)
     eos = {tokenizer.eos_token_id} - {None}
     for sample in samples:
-        ids = tokenizer(sample.input, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ids = tokenizer(sample.input, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
         budget = args.tokens or answer_budget(sample, tokenizer)
         decode_greedy(model, prefill(model, ids), budget, eos if args.tokens is None else (), run)
         log.next_sequence()

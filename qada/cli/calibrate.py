@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, existing_file, positive_int
+from qada.cli.common import IMPORTS, HelpFormatter, add_model_arguments, existing_file, model_placement, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="with --correction: fit each head's offset as this quantile of its residuals (e.g. 0.9: "
                              "the corrected estimate covers the exact bulk mass in 90%% of the steps) (default: the "
                              "least-squares mean offset)")
-    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True,
                         help=".safetensors file (mask + frequencies + model fingerprint; use it with --static FILE), "
@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
     from qada.eval.validate import check_output_file
     from qada.models import load_model
 
-    check_output_file(args.out, "--out")  # before the model loads and the calibration runs
+    # before the model loads and the calibration runs: the device, then the inputs
+    device, dtype = model_placement(args)
+    check_output_file(args.out, "--out")
     if args.data:
         load_ruler_jsonl(args.data)
     else:
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         from qada.moments import MOMENT_SOURCES
 
         MOMENT_SOURCES.build(moments)  # an unknown source fails before the model loads
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     if args.data:
         samples = load_ruler_jsonl(args.data, tokenizer=tokenizer)[: args.samples]
     else:

@@ -1,5 +1,5 @@
-"""What several subcommands share: the help formatter, ``--import``, argument types, component specs
-(``--criterion``), ``--config`` files and ``--static`` head masks."""
+"""What several subcommands share: the help formatter, ``--import``, the model flags (``--model``, ``--device``,
+``--dtype``), argument types, component specs (``--criterion``), ``--config`` files and ``--static`` head masks."""
 
 from __future__ import annotations
 
@@ -13,15 +13,21 @@ from typing import Any
 
 __all__ = [
     "CONFIG_KEYS",
+    "DTYPES",
     "IMPORTS",
     "HelpFormatter",
+    "add_model_arguments",
     "build_criterion",
     "build_eval_config",
     "component_name",
+    "device_spec",
     "existing_file",
     "load_run_config",
+    "model_placement",
     "parse_component_spec",
     "positive_int",
+    "resolve_device",
+    "resolve_dtype",
     "resolve_moments",
     "resolve_spec",
     "spec_label",
@@ -53,6 +59,85 @@ IMPORTS.add_argument(
     "--import", dest="imports", action="append", default=argparse.SUPPRESS, metavar="MODULE",
     help="import MODULE first (e.g. one registering a criterion); repeatable",
 )
+
+
+#: The values of ``--dtype``: ``auto`` (float32 on the CPU, bfloat16 on CUDA) or a torch dtype's name.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def device_spec(text: str) -> str:
+    """An ``argparse`` type: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Only the form is checked here; whether the device exists is checked by :func:`resolve_device` when the command
+    starts, before the model loads.
+    """
+    value = text.strip().lower()
+    if not _DEVICE.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N but got {text!r}")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--device`` and ``--dtype``: the flags of every subcommand that loads a model.
+
+    The command resolves the last two with :func:`model_placement` before any work and passes them to
+    :func:`qada.models.load_model`.
+    """
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    parser.add_argument("--device", type=device_spec, default="auto",
+                        help="where the model runs: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or "
+                             "cuda:N")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="dtype of the model's weights: auto (float32 on cpu, bfloat16 on cuda), float32, "
+                             "bfloat16 or float16")
+
+
+def resolve_device(spec: str) -> Any:
+    """The ``torch.device`` of a ``--device`` value (:func:`device_spec`); ``auto`` is ``cuda`` when
+    ``torch.cuda.is_available()``, else ``cpu``.
+
+    Raises:
+        ValueError: CUDA asked for but not available, or ``cuda:N`` beyond the GPUs there are (a usage error:
+            ``qada`` prints one line and exits with status 2).
+    """
+    import torch
+
+    spec = device_spec(spec)
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {spec}: CUDA is not available here (torch.cuda.is_available() is False); "
+                             "use --device cpu or auto")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {spec}: there is no such GPU; this machine has {count} "
+                             f"(cuda:0 to cuda:{count - 1})")
+    return device
+
+
+def resolve_dtype(spec: str, device: Any) -> Any:
+    """The ``torch.dtype`` of a ``--dtype`` value on ``device``: ``auto`` is float32 on the CPU, bfloat16 on CUDA."""
+    import torch
+
+    if spec not in DTYPES:
+        raise ValueError(f"expected --dtype in {', '.join(DTYPES)} but got {spec!r}")
+    if spec == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return getattr(torch, spec)
+
+
+def model_placement(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(torch.device, torch.dtype)`` of ``--device`` and ``--dtype`` (:func:`add_model_arguments`).
+
+    Call it first thing in a command that loads a model: a missing GPU is then a one-line usage error before any
+    work, not a failure after minutes of it.
+    """
+    device = resolve_device(args.device)
+    return device, resolve_dtype(args.dtype, device)
 
 
 def positive_int(text: str) -> int:

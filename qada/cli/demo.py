@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, positive_int
+from qada.cli.common import IMPORTS, HelpFormatter, add_model_arguments, model_placement, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="qada-demo", help="results folder; a rerun reuses its finished results")
     parser.add_argument("--samples", type=positive_int, default=3, help="samples per task")
     parser.add_argument("--length", type=positive_int, default=2048, help="prompt length in tokens")
-    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_arguments(parser)
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings for a smoke test: 1 sample, 1024 tokens, one tau and alpha")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
@@ -37,9 +37,10 @@ def run(args: argparse.Namespace) -> int:
     from qada.eval.validate import check_output_dir
     from qada.models import load_model
 
-    check_output_dir(args.out, "--out")  # before the model loads
+    device, dtype = model_placement(args)  # before the model loads, as the output folder below
+    check_output_dir(args.out, "--out")
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     if args.quick:
         tasks, length, samples = ["niah_single_1", "niah_single_2"], 1024, 1
         taus, alphas, sources = [0.6], [0.5], ("current",)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, existing_file, positive_int
+from qada.cli.common import IMPORTS, HelpFormatter, add_model_arguments, existing_file, model_placement, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="attention executor: a name, mapping or file (default: the --config file's, else sdpa)")
     parser.add_argument("--template", default="base", choices=["base", "chat"], help="prompt template of --task")
     parser.add_argument("--record-oracle", action="store_true", help="also measure agreement with the oracle")
-    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", default=None,
                         help="JSON file to write (per-sample results go to OUT.parts/) (default: "
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from qada.models import load_model
 
     # everything that can be checked before the model loads: a bad input fails in a second, not after the run
+    device, dtype = model_placement(args)
     config = eval_config(args)
     check_count(args.samples, "--samples")
     out = check_output_file(args.out if args.out is not None else default_out(args, config.label), "--out")
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         task_builder = TASKS.build(args.task, template=args.template)
         check_count(args.length, "--length")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     if getattr(args, "static", None) is not None:
         from qada.cli.common import static_mask_spec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, existing_file, positive_int
+from qada.cli.common import IMPORTS, HelpFormatter, add_model_arguments, existing_file, model_placement, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -14,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--prompt-file", required=True, type=existing_file,
                         help="text file with the prompt (completion style)")
-    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_arguments(parser)
     parser.add_argument("--config", default=None, metavar="FILE", type=existing_file,
                         help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override "
                              "(default: none)")
@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from qada.models.generation import check_generation_length, generate_timed
     from qada.window import Window
 
+    device, dtype = model_placement(args)  # a missing GPU fails first
     prompt = Path(args.prompt_file).read_text()
     if args.static is not None and args.tau is not None:
         raise ValueError("--tau goes with a criterion name, not with --static (a static mask has no threshold)")
@@ -82,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
     window_config = dict(window_config)
     window_config.update({k: v for k, v in (("t_local", args.t_local), ("t_sink", args.t_sink)) if v is not None})
     window = Window.from_config(window_config)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     if args.static is not None:
         static_mask_spec(args.static, model)  # raises if the mask was made for another model
     torch.manual_seed(args.seed)
-    inputs = tokenizer(prompt, return_tensors="pt")
+    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
     # before any work (a stored reference may be built next): the prompt must fit the model
     check_generation_length(model, inputs["input_ids"].shape[1], args.max_new_tokens)
     run = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, positive_int
+from qada.cli.common import IMPORTS, HelpFormatter, add_model_arguments, model_placement, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,12 +24,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--out", required=True, help="output .safetensors file")
     build.add_argument("--buckets", type=positive_int, default=None, metavar="SIZE",
                        help="save moments every SIZE tokens (default: save the keys themselves)")
-    build.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_arguments(build)
     build.add_argument("--seed", type=int, default=0, help="prompt seed")
     build.add_argument("--chunk-size", type=positive_int, default=1024, help="tokens per forward")
     build.add_argument("--t-sink", type=int, default=16, help="bulk start for --buckets")
     build.add_argument("--include-sinks", action="store_true", help="with --buckets, let the bulk start at 0")
-    build.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="dtype of saved keys")
+    build.add_argument("--keys-dtype", choices=("float32", "float16"), default="float32",
+                       help="dtype of the saved keys (float16 halves the file); --dtype is the model's")
     build.set_defaults(run=run_build)
 
     info = actions.add_parser("info", parents=[IMPORTS], formatter_class=HelpFormatter,
@@ -45,16 +46,17 @@ def run_build(args: argparse.Namespace) -> int:
     from qada.moments.prompts import build_reference_prompt
     from qada.moments.reference import collect_reference_keys, compute_bucketed_moments
 
+    device, dtype = model_placement(args)  # a missing GPU fails before any work
     if args.length < 1:
         raise ValueError(f"expected --length >= 1 but got {args.length}")
     if args.buckets is not None and args.buckets < 1:
         raise ValueError(f"expected --buckets >= 1 but got {args.buckets}")
     check_build_arguments(args)  # before the model loads and the reference runs
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     ids = build_reference_prompt(args.prompt, tokenizer, args.length, args.seed)
     info = {"prompt": args.prompt, "seed": args.seed, "model_path": args.model or "default"}
-    dtype = torch.float16 if args.dtype == "float16" else torch.float32
-    reference = collect_reference_keys(model, ids, args.chunk_size, progress=True, dtype=dtype, info=info)
+    keys_dtype = torch.float16 if args.keys_dtype == "float16" else torch.float32
+    reference = collect_reference_keys(model, ids, args.chunk_size, progress=True, dtype=keys_dtype, info=info)
     if args.buckets is None:
         path = reference.save(args.out)
         print(f"saved reference keys {list(reference.keys.shape)} to {path}")

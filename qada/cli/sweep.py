@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from qada.cli.common import IMPORTS, MODEL_HELP, HelpFormatter, existing_file, positive_int
+from qada.cli.common import IMPORTS, HelpFormatter, add_model_arguments, existing_file, model_placement, positive_int
+
+if TYPE_CHECKING:
+    import torch
 
 #: The static-mask families ``--static`` takes (see :func:`qada.eval.sweep.run_sweep`).
 STATIC_FAMILIES = ("static_oracle", "static_ruler")
@@ -41,13 +45,35 @@ def split_moment_sources(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in parts if p.strip())
 
 
-def make_fabric(accelerator: str, devices: int):
-    """A launched Lightning Fabric: one process, or ``devices`` DDP processes (this command is re-run per rank)."""
-    from lightning.fabric import Fabric
+def fabric_devices(device: torch.device, devices: int) -> tuple[str, int | list[int]]:
+    """``(accelerator, devices)`` of a Lightning Fabric on ``device`` (``--device``) with ``devices`` processes.
 
+    On CUDA: one process per GPU; ``cuda:N`` runs one process on that GPU. A ``ValueError`` (a usage error) for
+    what cannot run, before any work: ``cuda:N`` with ``--devices`` > 1, more processes than GPUs.
+    """
     if devices < 1:
         raise ValueError(f"expected --devices >= 1 but got {devices}")
-    fabric = Fabric(accelerator=accelerator, devices=devices, strategy="ddp" if devices > 1 else "auto")
+    if device.type != "cuda":
+        return device.type, devices
+    import torch
+
+    if device.index is not None:
+        if devices > 1:
+            raise ValueError(f"--device {device} names one GPU but --devices is {devices}; give --device cuda to "
+                             f"run on {devices} GPUs")
+        return "cuda", [device.index]
+    if devices > torch.cuda.device_count():
+        raise ValueError(f"expected --devices <= the {torch.cuda.device_count()} GPU(s) here but got {devices}")
+    return "cuda", devices
+
+
+def make_fabric(device: torch.device, devices: int):
+    """A launched Lightning Fabric on ``device``'s kind: one process, or ``devices`` DDP processes (this command
+    is re-run per rank); see :func:`fabric_devices`."""
+    from lightning.fabric import Fabric
+
+    accelerator, chosen = fabric_devices(device, devices)
+    fabric = Fabric(accelerator=accelerator, devices=chosen, strategy="ddp" if devices > 1 else "auto")
     fabric.launch()
     return fabric
 
@@ -95,12 +121,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="samples per other task for static_ruler calibration (default: --samples)")
     parser.add_argument("--record-oracle", action="store_true", help="also measure agreement with the oracle")
     parser.add_argument("--template", default="base", choices=["base", "chat"], help="prompt template")
-    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True, help="results folder; a rerun reuses its finished results")
     parser.add_argument("--devices", type=positive_int, default=1,
-                        help="processes (Lightning Fabric DDP: gloo on CPU, NCCL on GPUs); samples are sharded")
-    parser.add_argument("--accelerator", default="cpu", help="cpu, gpu/cuda or auto")
+                        help="processes (Lightning Fabric DDP: gloo on CPU, NCCL on GPUs, one per GPU with "
+                             "--device cuda); samples are sharded")
     parser.add_argument("--report-only", action="store_true",
                         help="no decoding: tables, plots and the comparison from the finished per-sample results in "
                              "--out")
@@ -184,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
     from qada.eval.validate import check_count, check_output_dir
 
     # checked before the model loads (run_sweep checks again, with the model: lengths vs. its positions)
+    device, dtype = model_placement(args)
+    fabric_devices(device, args.devices)
     check_count(args.samples, "--samples")
     check_output_dir(args.out, "--out")
     tasks, lengths = cells(args)
@@ -196,8 +224,8 @@ def run(args: argparse.Namespace) -> int:
     for config in sweep_configs(args.taus or [0.5], moment_sources):
         config.build()  # bad taus or moment-source parameters fail here
     criteria = extra_configs(args)
-    fabric = make_fabric(args.accelerator, args.devices)
-    model, tokenizer = load_model(args.model, device=fabric.device)
+    fabric = make_fabric(device, args.devices)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=fabric.device)
     records = run_sweep(
         model, tokenizer, tasks, lengths, args.samples, args.out, taus=args.taus, alphas=args.alphas,
         moment_sources=moment_sources, static=args.static, calibration_samples=args.calibration_samples,

@@ -35,11 +35,24 @@ from qada.eval.tasks import Sample, score
 from qada.models.layer_types import layer_types
 from qada.models.run import all_layer_sparsity
 
-__all__ = ["Evaluator", "answer_budget", "sample_key"]
+__all__ = ["Evaluator", "answer_budget", "model_device", "sample_key"]
 
 
 def sample_key(sample: Sample) -> str:
     return f"{sample.task}/{sample.length}/{sample.template}/{sample.index}"
+
+
+def model_device(model: Any) -> torch.device:
+    """The device of the model's weights (the CPU for a model without parameters)."""
+    first = next(model.parameters(), None) if hasattr(model, "parameters") else None
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _single_process_fabric(Fabric: Any, device: torch.device) -> Any:
+    """One process on ``device``: the CPU, or the model's GPU (its metrics and oracle agreement live there too)."""
+    if device.type == "cuda":
+        return Fabric(accelerator="cuda", devices=[device.index or 0])
+    return Fabric(accelerator="cpu", devices=1)
 
 
 #: The fields every results row has (a resumed row without them is refused).
@@ -67,7 +80,7 @@ class Evaluator:
         model, tokenizer: a transformers causal LM and its tokenizer.
         configs: the configurations (see :func:`qada.eval.configs.sweep_configs`).
         out_dir: folder for ``results-rank*.jsonl`` (resume) and ``summary.json``.
-        fabric: a launched ``lightning.Fabric`` (default: one CPU process).
+        fabric: a launched ``lightning.Fabric`` (default: one process on the model's device, CPU or GPU).
         record_oracle: compare every decision with the oracle (at the config's tau, else 0.6).
         progress: show a progress bar (rank 0).
         settings: what else changes a result and is not in the configs or the samples (seed, template, data
@@ -90,8 +103,9 @@ class Evaluator:
         labels = [c.label for c in configs]
         if len(set(labels)) != len(labels):
             raise ValueError(f"expected unique configuration labels but got duplicates in {labels}")
-        self.fabric = fabric or Fabric(accelerator="cpu", devices=1)
         self.model = model
+        self.device = model_device(model)  # prompts go where the weights are
+        self.fabric = fabric or _single_process_fabric(Fabric, self.device)
         self.layers = layer_types(model)
         self.tokenizer = tokenizer
         self.configs = list(configs)
@@ -124,7 +138,7 @@ class Evaluator:
         return {
             "model": model_fingerprint(self.model.config, self.model),
             "dtype": str(getattr(self.model, "dtype", None)),
-            "device": self.fabric.device.type,
+            "device": self.device.type,  # where the model ran (a Fabric passed in may name another device)
             "decode": {"strategy": "greedy", "cache": "static", "budget_margin": ANSWER_MARGIN, "eos": sorted(eos),
                        "prefill": "dense"},
             "record_oracle": self.record_oracle,
@@ -264,7 +278,7 @@ class Evaluator:
                 if not configs:
                     continue
                 start = time.perf_counter()
-                prefilled = prefill(self.model, token_ids[sample_key(sample)].to(self.fabric.device))
+                prefilled = prefill(self.model, token_ids[sample_key(sample)].to(self.device))
                 prefill_seconds = time.perf_counter() - start
                 budget = answer_budget(sample, self.tokenizer)
                 for config in configs:

@@ -329,3 +329,23 @@ def test_gpu_cuda_graphs_replay_equals_eager(model, reference, executor):
     assert torch.equal(graphs[0], eager[0])
     for key in ("sparsity", "kv_sparsity", "decode_steps"):
         assert graphs[1][key] == pytest.approx(eager[1][key])
+
+
+def test_a_source_subclass_with_the_older_signature_falls_back_to_slicing(model, reference):
+    """A plugin that overrides ``prefill/append/moments`` without ``capacity``/``end`` keeps working: its steps
+    slice the filled part of the cache, as before, and decide as the buffer path does."""
+
+    class OldStyle(StoredMoments):
+        def prefill(self, layer, keys, start, window):
+            return super().prefill(layer, keys, start, window)
+
+    source = OldStyle(offset=12, min_bulk_keys=4)
+    source.set_reference(reference)
+    run = make_run({"name": "qada", "tau": 0.3}, source, "sdpa", reference)
+    assert not run.static_shapes
+    calls: list = []
+    with count_buffer_steps(calls):
+        old = greedy(model, run, "static")
+    assert not calls
+    new = greedy(model, make_run({"name": "qada", "tau": 0.3}, "stored", "sdpa", reference), "static")
+    assert torch.equal(old[0], new[0]) and old[2]["sparsity"] == pytest.approx(new[2]["sparsity"])

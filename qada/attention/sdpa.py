@@ -97,6 +97,9 @@ class SDPAExecutor(AttentionExecutor):
         n = pairs.shape[0]
         if n == 0:
             return out, None
+        if step.end is not None:  # a preallocated buffer: read on the host how far the rows reach, attend only there
+            key, value, real = _filled(key, value, real, step)
+            T = key.shape[2]
         chunks = self._chunks(step)
         if n == b * H_kv and chunks == 1:
             mask = None if real is None else real[:, None, None, :]
@@ -118,6 +121,17 @@ class SDPAExecutor(AttentionExecutor):
         if out is None:
             return full, None
         return torch.where(local[:, :, None, None], out, full), None
+
+
+def _filled(key: torch.Tensor, value: torch.Tensor, real: torch.Tensor, step: DecodeStep):
+    """``key, value [b, H_kv, T', d]`` and ``real [b, T']`` (``None`` when every row fills them) cut to the slots
+    some row holds (``T' = max end``): two host reads, for the host-skipping path only. A masked
+    ``scaled_dot_product_attention`` costs several times an unmasked one on the CPU."""
+    lo, hi = int(step.end.min()), int(step.end.max())
+    key, value, real = key[:, :, :hi], value[:, :, :hi], real[:, :hi]
+    if step.start is None and lo == hi:
+        real = None
+    return key, value, real
 
 
 # PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp of each query row (None if absent).

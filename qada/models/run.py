@@ -13,6 +13,7 @@ replayed from a CUDA graph.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,14 +85,24 @@ class QAdARun:
         self._remove: Any = None
         self._mask_cache: dict[str, tuple[Any, tuple, Any]] = {}
         self._first_layer: int | None = None  # the first global layer prefilled: it checks the rows' growth
+        self._static_shapes: bool | None = None
 
     @property
     def static_shapes(self) -> bool:
         """Whether every part decodes on a preallocated buffer without host syncs (``static_shapes`` of the
-        criterion, the executor and, if fed, the moment source): then steps on a ``StaticCache`` take
-        :meth:`decode_buffer`; otherwise each step slices the filled part of the cache."""
-        parts = [self.criterion, self.executor] + ([self.moments] if self.uses_moments else [])
-        return all(getattr(part, "static_shapes", False) for part in parts)
+        criterion, the executor and, if fed, the moment source, whose methods must also take the buffer's
+        ``capacity`` / ``end`` arguments, e.g. not a subclass overriding them with the older signature): then steps
+        on a ``StaticCache`` take :meth:`decode_buffer`; otherwise each step slices the filled part of the cache.
+        Decided once per run."""
+        if self._static_shapes is None:
+            parts = [self.criterion, self.executor] + ([self.moments] if self.uses_moments else [])
+            static = all(getattr(part, "static_shapes", False) for part in parts)
+            if static and self.uses_moments:
+                source = self.moments
+                static = (_takes(source.prefill, "capacity") and _takes(source.append, "end")
+                          and _takes(source.moments, "end"))
+            self._static_shapes = static
+        return self._static_shapes
 
     @property
     def observers(self) -> list[Observer]:
@@ -268,3 +279,9 @@ def _version(tensor: torch.Tensor | None) -> int | None:
     if tensor is None or tensor.is_inference():
         return None
     return tensor._version
+
+
+def _takes(method, name: str) -> bool:
+    """Whether ``method`` accepts the keyword argument ``name`` (by name or ``**kwargs``)."""
+    parameters = inspect.signature(method).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from qada.moments.reference import collect_reference_keys, compute_bucketed_mome
 from tiny_models import tiny_model
 
 WINDOW = {"t_local": 8, "t_sink": 2}
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 STEPS = 12
 
 
@@ -349,3 +351,17 @@ def test_a_source_subclass_with_the_older_signature_falls_back_to_slicing(model,
     assert not calls
     new = greedy(model, make_run({"name": "qada", "tau": 0.3}, "stored", "sdpa", reference), "static")
     assert torch.equal(old[0], new[0]) and old[2]["sparsity"] == pytest.approx(new[2]["sparsity"])
+
+
+def test_the_triton_executor_on_the_buffer_path_equals_sliced(model, reference):
+    """The ``triton`` kernel (Triton's interpreter here) on the whole buffer with the rows' ends as device tensors."""
+    if not TRITON_INTERPRETED:
+        pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
+    criterion = {"name": "qada", "tau": 0.3}
+    sliced = greedy(model, make_run(criterion, "stored", "reference", reference), "dynamic", steps=4)
+    calls: list = []
+    with count_buffer_steps(calls), no_host_reads_in_decode_steps():
+        buffered = greedy(model, make_run(criterion, "stored", "triton", reference), "static", steps=4)
+    assert calls
+    assert torch.equal(sliced[0], buffered[0])
+    assert buffered[2]["sparsity"] == pytest.approx(sliced[2]["sparsity"])

@@ -73,6 +73,8 @@ class TritonExecutor(AttentionExecutor):
     ``bulk_blocks`` in the output counts the blocks loaded only for the bulk (no window token in them).
     """
 
+    static_shapes = True
+
     block_size: int = 64
     num_splits: int | None = None
     num_warps: int = 4

@@ -365,3 +365,28 @@ def test_the_triton_executor_on_the_buffer_path_equals_sliced(model, reference):
     assert calls
     assert torch.equal(sliced[0], buffered[0])
     assert buffered[2]["sparsity"] == pytest.approx(sliced[2]["sparsity"])
+
+
+def test_the_compiled_stored_step_equals_the_eager_one(model, reference):
+    """:func:`advance_reference_range` is what CUDA runs compiled (a few fused kernels): the same state, here
+    compiled by inductor for the CPU, over steps that add keys and one that jumps."""
+    from qada.moments.stored import advance_reference_range
+
+    source = moments("stored", reference)
+    window = make_run("dense", "none", "sdpa", reference).window
+    keys = torch.randn(2, 2, 15, 16)
+    source.prefill(0, keys, torch.tensor([0, 5]), window, capacity=30)
+    eager, compiled = source._buffers[0], None
+    clone = lambda state: tuple(t.clone() for t in (state.count, state.s1, state.s2, state.old_end, state.jump_n,  # noqa: E731
+                                                      *state.jump_sums, state.moments.mean, state.moments.cov))
+    compiled = clone(eager)
+    eager = clone(eager)
+    step = torch.compile(advance_reference_range, dynamic=False)
+    ref, shift = source._on(keys.device)
+    for end in range(16, 24):  # row 1 (start 5) reaches 18 real tokens at end 23: its range jumps there
+        n = torch.tensor([end, end - 5])
+        for fn, state in ((advance_reference_range, eager), (step, compiled)):
+            fn(*state, ref[0], shift[0], n, window.t_local, source.offset, window.t_sink, source.min_bulk_keys)
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert eager[0][1].sum() > 0  # row 1 has a range after its jump

@@ -7,6 +7,7 @@ For a row of real length ``n`` the moments come from the reference bulk ``[first
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from qada.moments.reference import (
 from qada.step import BulkMoments
 from qada.window import Window
 
-__all__ = ["ReferenceMomentSource", "StoredMoments", "reference_bulk_end"]
+__all__ = ["ReferenceMomentSource", "StoredMoments", "advance_reference_range", "reference_bulk_end"]
 
 MAX_CHECKPOINT_BYTES = 256 * 2**20  # prefix-sum checkpoints of the reference, all layers
 
@@ -295,29 +296,15 @@ class StoredMoments(ReferenceMomentSource):
                             jump_sums, first, BulkMoments(mean.clone(), cov.clone()))
 
     def _step_buffer(self, layer: int, start: torch.Tensor | None, window: Window, end: torch.Tensor) -> None:
-        """One decode step on a preallocated buffer, in place: each row's reference range follows its length
-        ``end - start`` by one key (added or removed, Welford-free shifted sums) or jumps to the sums prepared
-        at the prefill. A few small device operations, no host read."""
+        """One decode step on a preallocated buffer, in place (:func:`advance_reference_range`; compiled into a
+        few fused kernels on CUDA, eager elsewhere). No host read."""
         state = self._buffers[layer]
         ref, shift = self._on(end.device)
-        ref, shift = ref[layer], shift[layer]
         n = end if start is None else end - start
-        new_end = reference_bulk_end(n, window, self.offset, state.first, self.min_bulk_keys).clamp(max=ref.shape[1])
-        delta = new_end - state.old_end
-        w = torch.where(delta.abs() <= 1, delta, 0).to(torch.float64)[:, None]  # [b, 1]
-        index = torch.where(delta > 0, state.old_end, new_end).clamp(0, ref.shape[1] - 1)
-        x = ref[:, index].transpose(0, 1).double() - shift  # [b, H_kv, d]
-        state.count.add_(w)
-        state.s1.add_(w[..., None] * x)
-        state.s2.add_(w[..., None, None] * (x[..., :, None] * x[..., None, :]))
-        for k in range(state.jump_n.shape[1]):
-            hit = n == state.jump_n[:, k]  # [b]
-            for target, value in zip((state.count, state.s1, state.s2), state.jump_sums, strict=True):
-                target.copy_(torch.where(hit.view(-1, *[1] * (target.ndim - 1)), value[:, k], target))
-        state.old_end.copy_(new_end)
-        mean, cov = to_bulk_moments(state_from_shifted_sums(state.count, state.s1, state.s2, shift))
-        state.moments.mean.copy_(mean)
-        state.moments.cov.copy_(cov)
+        step = _compiled_advance() if end.device.type == "cuda" else advance_reference_range
+        step(state.count, state.s1, state.s2, state.old_end, state.jump_n, *state.jump_sums, state.moments.mean,
+             state.moments.cov, ref[layer], shift[layer], n, window.t_local, self.offset, state.first,
+             self.min_bulk_keys)
 
     def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                 end: torch.Tensor | None = None) -> BulkMoments:
@@ -397,6 +384,48 @@ class StoredMoments(ReferenceMomentSource):
                 s1[r] += sign * t1
                 s2[r] += sign * t2
         self._state[layer] = (count, s1, s2, end, first)
+
+
+def advance_reference_range(
+    count: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, old_end: torch.Tensor, jump_n: torch.Tensor,
+    jump_count: torch.Tensor, jump_s1: torch.Tensor, jump_s2: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor,
+    ref: torch.Tensor, shift: torch.Tensor, n: torch.Tensor, t_local: int, offset: int, first: int,
+    min_bulk_keys: int,
+) -> None:
+    """One decode step of the stored moments, in place: rows of real length ``n [b]`` (device).
+
+    Each row's reference range ``[first, old_end)`` moves to ``[first, e(n))`` (:func:`reference_bulk_end`,
+    clamped to the reference): by one key, added or removed from the float64 shifted sums ``count [b, H_kv]``,
+    ``s1 [b, H_kv, d]``, ``s2 [b, H_kv, d, d]`` (around ``shift [H_kv, d]``, keys ``ref [H_kv, N, d]``), or, at a
+    length listed in ``jump_n [b, K]``, to the sums ``jump_* [b, K, ...]`` prepared at the prefill. Writes the
+    float32 ``mean [b, H_kv, d]`` and population ``cov [b, H_kv, d, d]`` (paper §3.2). A pure function of device
+    tensors: no host read, fixed shapes.
+    """
+    N = ref.shape[1]
+    new_end = reference_bulk_end(n, Window(t_local, 0), offset, first, min_bulk_keys)  # reads t_local only
+    new_end = new_end.clamp(max=N)
+    delta = new_end - old_end
+    w = torch.where(delta.abs() <= 1, delta, 0).to(torch.float64)[:, None]  # [b, 1]
+    index = torch.where(delta > 0, old_end, new_end).clamp(0, N - 1)
+    x = ref[:, index].transpose(0, 1).double() - shift  # [b, H_kv, d]: the key that enters or leaves
+    count.add_(w)
+    s1.add_(w[..., None] * x)
+    s2.add_(w[..., None, None] * (x[..., :, None] * x[..., None, :]))
+    for k in range(jump_n.shape[1]):
+        hit = n == jump_n[:, k]  # [b]
+        count.copy_(torch.where(hit[:, None], jump_count[:, k], count))
+        s1.copy_(torch.where(hit[:, None, None], jump_s1[:, k], s1))
+        s2.copy_(torch.where(hit[:, None, None, None], jump_s2[:, k], s2))
+    old_end.copy_(new_end)
+    moments = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
+    mean.copy_(moments.mean)
+    cov.copy_(moments.cov)
+
+
+@functools.cache
+def _compiled_advance():
+    """:func:`advance_reference_range` compiled once per process (shapes are fixed while decoding)."""
+    return torch.compile(advance_reference_range, dynamic=False)
 
 
 class _BufferState(NamedTuple):

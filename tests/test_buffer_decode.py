@@ -151,7 +151,7 @@ def test_stored_range_jumps_during_decoding(model, reference):
     run = make_run({"name": "qada", "tau": 0.3}, "stored", "sdpa", reference)
     greedy(model, run, "static", steps=1)
     state = run.moments._buffers[0]
-    assert state.jump_n[1].tolist() == [18] and state.jump_n[0].tolist() == [-1]
+    assert state.jump_n[1].tolist() == [18, -1] and state.jump_n[0].tolist() == [-1, -1]
 
 
 HOST_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
@@ -390,3 +390,26 @@ def test_the_compiled_stored_step_equals_the_eager_one(model, reference):
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert eager[0][1].sum() > 0  # row 1 has a range after its jump
+
+
+@pytest.mark.parametrize("source", ["current", "stored"])
+def test_a_new_prompt_rewrites_the_state_in_place(model, reference, source):
+    """A captured CUDA graph keeps writing the tensors it recorded: a second prompt on the same run rewrites the
+    moment state, the guard's tensors and the statistics in place (same storage), and decides as a fresh run."""
+    run = make_run({"name": "qada", "tau": 0.3}, source, "sdpa", reference)
+
+    def storages():
+        if source == "stored":
+            state = run.moments._buffers[0]
+            tensors = [state.count, state.s2, state.old_end, state.moments.cov]
+        else:
+            tensors = [run.moments._states[0].m2, run.moments._cached[0].cov]
+        return [t.data_ptr() for t in tensors + [run.guard._last_end, run.guard._stale, run.stats.sums]]
+
+    first = greedy(model, run, "static", steps=3)
+    before = storages()
+    second = greedy(model, run, "static", steps=3)
+    assert storages() == before
+    fresh = greedy(model, make_run({"name": "qada", "tau": 0.3}, source, "sdpa", reference), "static", steps=3)
+    assert torch.equal(second[0], fresh[0]) and torch.equal(first[0], fresh[0])
+    assert second[2]["sparsity"] == pytest.approx(fresh[2]["sparsity"])

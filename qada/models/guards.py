@@ -86,8 +86,12 @@ class CacheGuard:
         self._step: dict[int, int] = {}
         self._newest_key: dict[int, torch.Tensor] = {}
         self._capacity: dict[int, int] = {}
-        self._last_end: torch.Tensor | None = None  # buffer decoding: the first layer's row ends, on the device
-        self._stale: torch.Tensor | None = None  # 0-d bool on the device: a row did not grow by one key
+        # Buffer decoding (device tensors, kept across resets and prefills and rewritten in place, so that a
+        # captured CUDA graph keeps writing the tensors that are read): the first layer's row ends, and a flag
+        # set when a row did not grow by one key.
+        if not hasattr(self, "_last_end"):
+            self._last_end: torch.Tensor | None = None
+            self._stale: torch.Tensor | None = None
 
     # --- decoding on a preallocated buffer (no host sync) --------------------------------------------------
     def buffer_capacity(self, layer: int) -> int | None:
@@ -95,9 +99,15 @@ class CacheGuard:
         return self._capacity.get(layer)
 
     def start_buffer(self, end: torch.Tensor) -> None:
-        """Decoding on a preallocated buffer starts: the rows end at ``end [b]`` (after the prefill)."""
-        self._last_end = end.detach().to(torch.long).clone()
-        self._stale = torch.zeros((), dtype=torch.bool, device=end.device)
+        """Decoding on a preallocated buffer starts: the rows end at ``end [b]`` (after the prefill). Rewrites the
+        previous sequence's tensors in place when the batch and device are the same."""
+        end = end.detach().to(torch.long)
+        if self._last_end is None or self._last_end.shape != end.shape or self._last_end.device != end.device:
+            self._last_end = end.clone()
+            self._stale = torch.zeros((), dtype=torch.bool, device=end.device)
+        else:
+            self._last_end.copy_(end)
+            self._stale.zero_()
 
     def decode_buffer(self, layer: int, end: torch.Tensor, first_layer: bool) -> int:
         """One decode step of ``layer`` on a preallocated buffer whose rows now end at ``end [b]`` (device).

@@ -47,6 +47,7 @@ class CurrentMoments(MomentSource):
         self._lengths: dict[int, int] = {}
         self._cached: dict[int, BulkMoments] = {}
         self._buffered: set[int] = set()  # layers prefilled on a preallocated buffer: state updated in place
+        self._kept: dict[int, tuple[MomentState, BulkMoments]] = {}  # their tensors, reused by the next prefill
         if self.update_every > 1 and not self.freeze:
             self.static_shapes = False  # a block's size depends on how many keys entered: sliced on the host
 
@@ -75,8 +76,16 @@ class CurrentMoments(MomentSource):
         self._buffered.discard(layer)
         if capacity is not None:
             self._buffered.add(layer)
-            mean, cov = to_bulk_moments(self._states[layer])
-            self._cached[layer] = BulkMoments(mean.clone(), cov.clone())  # buffers the steps write in place
+            state, moments = self._states[layer], to_bulk_moments(self._states[layer])
+            kept = self._kept.get(layer)
+            if kept is not None and all(a.shape == b.shape and a.device == b.device
+                                        for a, b in zip(kept[0] + kept[1], state + moments, strict=True)):
+                for target, value in zip(kept[0] + kept[1], state + moments, strict=True):
+                    target.copy_(value)  # the tensors a captured CUDA graph writes: rewritten, not replaced
+            else:
+                kept = (MomentState(*(t.clone() for t in state)), BulkMoments(*(t.clone() for t in moments)))
+                self._kept[layer] = kept
+            self._states[layer], self._cached[layer] = kept
 
     def _append_buffer(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                        end: torch.Tensor) -> None:

@@ -186,6 +186,7 @@ class StoredMoments(ReferenceMomentSource):
         self._reference: ReferenceKeys | None = None
         self._state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
         self._buffers: dict[int, _BufferState] = {}
+        self._kept: dict[int, _BufferState] = {}  # the tensors of each layer's buffer state, across prefills
 
     # --- reference ---------------------------------------------------------------------------------------
     def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:
@@ -233,7 +234,21 @@ class StoredMoments(ReferenceMomentSource):
         self._state.pop(layer, None)
         self._buffers.pop(layer, None)
         if capacity is not None:
-            self._buffers[layer] = self._prefill_buffer(layer, keys, start, window, capacity)
+            self._buffers[layer] = self._keep(layer, self._prefill_buffer(layer, keys, start, window, capacity))
+
+    def _keep(self, layer: int, new: _BufferState) -> _BufferState:
+        """``new``, written into the tensors of ``layer``'s previous buffer state when they fit: a captured CUDA
+        graph keeps updating the tensors that it recorded, so a new prefill rewrites them instead of replacing."""
+        kept = self._kept.get(layer)
+        tensors = lambda s: (s.count, s.s1, s.s2, s.old_end, s.jump_n, *s.jump_sums, *s.moments)  # noqa: E731
+        if kept is not None and kept.first == new.first and all(
+            a.shape == b.shape and a.device == b.device for a, b in zip(tensors(kept), tensors(new), strict=True)
+        ):
+            for target, value in zip(tensors(kept), tensors(new), strict=True):
+                target.copy_(value)
+            return kept
+        self._kept[layer] = new
+        return new
 
     def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                end: torch.Tensor | None = None) -> None:
@@ -276,7 +291,7 @@ class StoredMoments(ReferenceMomentSource):
         self._move(layer, ref, shift, first, ends[:, 0].clone())
         count, s1, s2, _, _ = self._state.pop(layer)
         jumps = (ends[:, 1:] - ends[:, :-1]).abs() > 1  # [b, steps]: where a rank-1 update is not enough
-        K = max(1, int(jumps.sum(1).max()))
+        K = max(2, int(jumps.sum(1).max()))  # the rule jumps at most twice (a bulk appears, the rule switches)
         f64 = dict(dtype=torch.float64, device=ref.device)
         H_kv, d = ref.shape[0], ref.shape[2]
         jump_n = torch.full((b, K), -1, dtype=torch.long)

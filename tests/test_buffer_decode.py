@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from transformers import DynamicCache, StaticCache
 
 from qada.models import attach, build_run
@@ -24,7 +25,6 @@ from qada.models.guards import StaleStateError
 from qada.models.run import QAdARun
 from qada.moments import BucketedMoments, StoredMoments
 from qada.moments.reference import collect_reference_keys, compute_bucketed_moments
-from tiny_models import tiny_model
 
 WINDOW = {"t_local": 8, "t_sink": 2}
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

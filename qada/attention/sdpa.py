@@ -75,7 +75,7 @@ class SDPAExecutor(AttentionExecutor):
         local, read = decision
         b, H, d = step.query.shape
         H_kv, T = step.num_kv_heads, step.length
-        key, value, scale, start = step.keys, step.values, step.scale, step.start
+        key, value, scale = step.keys, step.values, step.scale
         # GQA without a repeat of K/V: the G query heads of a group attend as G query rows of its one KV head.
         rows = rearrange(step.query, "b (k g) d -> b k g d", k=H_kv)
         real = step.real

@@ -91,7 +91,7 @@ class BucketedMoments(ReferenceMomentSource):
                     f"moments built from {self.data.first}"
                 )
             self._device_data(keys.device)
-            b, T = keys.shape[0], keys.shape[2]
+            b = keys.shape[0]
             self._ends(keys[:, :, :1].expand(b, keys.shape[1], capacity, keys.shape[3]), start, window,
                        int(self.data.ends[-1]))  # warns once if the longest prompt needs more than the reference
 

@@ -121,7 +121,8 @@ class ReferenceMomentSource(MomentSource):
         """``start`` on the CPU, copied once per tensor (no device sync on every step and layer)."""
         if start is None:
             return torch.zeros(b, dtype=torch.long)
-        key = (start.data_ptr(), str(start.device), tuple(start.shape), None if start.is_inference() else start._version)
+        version = None if start.is_inference() else start._version  # inference tensors have no version counter
+        key = (start.data_ptr(), str(start.device), tuple(start.shape), version)
         if self._starts_cpu is None or self._starts_cpu[0] != key:
             self._starts_cpu = (key, start.detach().to("cpu", torch.long))
         return self._starts_cpu[1]

@@ -1,19 +1,32 @@
-"""End-to-end greedy decoding: dense (the unwrapped model) vs QAdA vs forced sparsity, from one shared prefill.
+"""End-to-end greedy decoding: dense (the unwrapped model) vs QAdA vs forced sparsity, eager and compiled, from one
+shared prefill.
 
-For each context length the prompt is prefilled once (CPU: the real model on a pass-key prompt, or random K/V
-written into the cache for the long "timing only" case; GPU: random K/V, the model has random weights anyway).
-Every (configuration, repetition) then decodes from a fresh cache holding the same K/V — a preallocated
-``StaticCache`` (the default) or a ``DynamicCache`` that grows by ``torch.cat`` — and times every decode step
-on its own: the first step (moment set-up, lazy allocations) is reported apart, the median of the others is the
-steady per-token time. Configurations alternate inside each repetition so that drifting machine load hits all
-alike. Each row also gives the byte ceiling: weights + the K/V an ideal kernel reads, over the measured copy
-bandwidth, and the fraction of it reached.
+For each (context length ``T``, batch size ``B``) the prompt is prefilled once (the embedded model: ``B`` real
+pass-key prompts; random-weight models and SmolLM2's long "timing only" case: random K/V). Every (configuration,
+repetition) then decodes from a cache holding the same K/V — the preallocated ``StaticCache`` of the case, refilled
+in place (the default), or a fresh ``DynamicCache`` that grows by ``torch.cat`` — and times every decode step on its
+own: ``warmup`` untimed steps first (the first step: moment set-up, lazy allocations, compilation; on a GPU also the
+CUDA-graph recording), then the median of the timed ones is the steady per-step time. Input ids and positions stay
+on the device (no host read inside a step; the tokens are read after the timing). Configurations alternate inside
+each repetition so that drifting machine load hits all alike.
+
+``<name> compiled`` rows decode through ``torch.compile(model.forward, fullgraph=True)`` after an eager prefill,
+``mode="reduce-overhead"`` (CUDA graphs) on a GPU; each case compiles afresh (``torch._dynamo.reset()``). The
+graph compiled (and recorded) in the first repetition serves the later ones: the static cache is refilled in place
+and qada rewrites its buffer state in place at each prefill, so a replay reads and writes the live tensors — the
+agreement with the eager twin, over every repetition, checks it.
+
+Each row also gives the byte ceiling: weights + the K/V an ideal kernel reads, over the measured copy bandwidth,
+and the fraction of it reached; and (CUDA only) kernels and host syncs per decode step (:func:`count_step_events`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +35,10 @@ from benchmarks.common import Timing, device_sync
 from qada.criteria import StaticCriterion
 from qada.models import attach, build_run, prepare_run
 
-__all__ = ["group_static_mask", "run_end_to_end"]
+__all__ = ["CUDA_ONLY", "DecodeConfig", "Stepper", "byte_ceiling", "count_step_events", "group_static_mask",
+           "run_end_to_end", "summarize_events"]  # fmt: skip
+
+CUDA_ONLY = "n/a (CUDA only)"
 
 
 def group_static_mask(layers: int, heads: int, kv_heads: int, rho_kv: float, seed: int = 0) -> torch.Tensor:
@@ -36,13 +52,35 @@ def group_static_mask(layers: int, heads: int, kv_heads: int, rho_kv: float, see
     return group.view(layers, kv_heads).repeat_interleave(G, dim=1)
 
 
+def _no_run() -> None:
+    return None
+
+
+@dataclass
+class DecodeConfig:
+    """One configuration of the end-to-end table.
+
+    Attributes:
+        cache: ``"static"`` or ``"dynamic"``.
+        make_run: ``() ->`` a prepared :class:`~qada.models.QAdARun`, or ``None`` for the unwrapped model.
+        compiled: decode steps through ``torch.compile(model.forward, fullgraph=True)`` (:func:`compile_options`).
+        count_events: count kernels and host syncs per step (CUDA only) in the last repetition.
+    """
+
+    cache: str = "static"
+    make_run: Callable[[], Any] = _no_run
+    compiled: bool = False
+    count_events: bool = False
+
+
 CACHE_KINDS = ("static", "dynamic")
 
 
 def fresh_cache(model: Any, base: list[tuple[torch.Tensor, torch.Tensor]], kind: str = "static",
-                capacity: int | None = None):
-    """A cache holding a copy of ``base`` (per-layer ``(K, V)`` ``[b, H_kv, T, d]``): ``static`` preallocates
-    ``capacity`` slots (default ``T + 64``), ``dynamic`` grows by one ``torch.cat`` per step."""
+                capacity: int | None = None, batch: int | None = None):
+    """A cache holding a copy of ``base`` (per-layer ``(K, V)`` ``[b, H_kv, T, d]``, expanded to ``batch`` rows when
+    ``b = 1``): ``static`` preallocates ``capacity`` slots (default ``T + 64``), ``dynamic`` grows by one
+    ``torch.cat`` per step."""
     from transformers import DynamicCache, StaticCache
 
     if kind not in CACHE_KINDS:
@@ -52,137 +90,403 @@ def fresh_cache(model: Any, base: list[tuple[torch.Tensor, torch.Tensor]], kind:
         cache = StaticCache(config=model.config, max_cache_len=capacity or T + 64)
     else:
         cache = DynamicCache(config=model.config)
+    return refill_cache(cache, base, batch)
+
+
+def refill_cache(cache: Any, base: list[tuple[torch.Tensor, torch.Tensor]], batch: int | None = None):
+    """Empty ``cache`` in place (a static cache keeps its buffers, so compiled graphs keep their addresses) and
+    write a copy of ``base`` into it; returns it."""
+    cache.reset()
     for layer, (k, v) in enumerate(base):
+        if batch is not None and k.shape[0] != batch:
+            k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
         cache.update(k, v, layer)  # a copy: ``base`` stays intact
     return cache
 
 
+def compile_options(device: torch.device | str) -> dict[str, Any]:
+    """What a GPU user runs: ``fullgraph=True`` and, on CUDA, ``mode="reduce-overhead"`` (CUDA graphs)."""
+    if torch.device(device).type == "cuda":
+        return {"fullgraph": True, "mode": "reduce-overhead"}
+    return {"fullgraph": True}
+
+
+class Stepper:
+    """Greedy decode steps of ``model`` on ``cache`` from ``tokens [B]`` at ``position`` (the filled length): the
+    next ids and the positions stay on the device, so a step never reads the host; ``forward`` is the compiled
+    forward (default: the eager model). :meth:`tokens` reads every token so far (a host sync)."""
+
+    def __init__(self, model: Any, cache: Any, tokens: torch.Tensor, position: int | torch.Tensor,
+                 forward: Callable | None = None, cudagraphs: bool = False) -> None:
+        self.model, self.cache, self.forward = model, cache, forward or model
+        self.ids = tokens.reshape(-1, 1)
+        B, device = self.ids.shape[0], self.ids.device
+        self.position = (position.reshape(-1, 1).expand(B, 1) if isinstance(position, torch.Tensor)
+                         else torch.full((B, 1), position, dtype=torch.long, device=device))  # fmt: skip
+        self.cudagraphs = cudagraphs
+        # transformers versions whose forward takes cache_position (a static cache needs it there)
+        self.pass_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+        self.history = [self.ids]
+
+    def __call__(self) -> torch.Tensor:
+        """One step; returns its logits ``[B, V]``."""
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        extra = {"cache_position": self.position[0]} if self.pass_cache_position else {}
+        out = self.forward(input_ids=self.ids, position_ids=self.position, past_key_values=self.cache,
+                           use_cache=True, **extra)  # fmt: skip
+        logits = out.logits[:, -1]
+        self.ids = logits.argmax(-1, keepdim=True)
+        self.position = self.position + 1
+        self.history.append(self.ids)
+        return logits
+
+    def tokens(self) -> torch.Tensor:
+        """``[B, 1 + steps]`` on the CPU."""
+        return torch.cat(self.history, 1).cpu()
+
+
+SYNC_APIS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # the host waits for the device
+LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def summarize_events(events: Iterable[tuple[str, bool]], steps: int) -> dict[str, Any]:
+    """Per-step counts from profiler events ``(name, on_device)`` covering ``steps`` decode steps.
+
+    ``kernels``: device events other than memcpy/memset (a CUDA graph's kernels included); ``launches``: kernel
+    launch calls from the host, ``graph_launches``: ``cudaGraphLaunch`` calls; ``stream_syncs``: host waits
+    (``cudaStreamSynchronize``, ``cudaEventSynchronize``, synchronous ``cudaMemcpy``); ``dtoh_copies``: device-to-
+    host copies; ``item`` / ``local_scalar_dense``: ``aten::item`` / ``aten::_local_scalar_dense`` calls.
+    ``host_round_trips`` is the largest of stream syncs, DtoH copies and scalar reads (one ``.item()`` shows in all
+    three). The harness's own final ``cudaDeviceSynchronize`` is not counted.
+    """
+    n = dict.fromkeys(("kernels", "launches", "graph_launches", "stream_syncs", "dtoh_copies", "item",
+                       "local_scalar_dense"), 0)  # fmt: skip
+    for name, on_device in events:
+        if on_device:
+            if name.startswith("Memcpy DtoH"):
+                n["dtoh_copies"] += 1
+            elif not name.startswith(("Memcpy", "Memset")):
+                n["kernels"] += 1
+        elif name in LAUNCH_APIS:
+            n["launches"] += 1
+        elif name == "cudaGraphLaunch":
+            n["graph_launches"] += 1
+        elif name in SYNC_APIS:
+            n["stream_syncs"] += 1
+        elif name == "aten::item":
+            n["item"] += 1
+        elif name == "aten::_local_scalar_dense":
+            n["local_scalar_dense"] += 1
+    out: dict[str, Any] = {"steps": steps}
+    out.update({f"{key}_per_step": value / steps for key, value in n.items()})
+    out["host_round_trips_per_step"] = max(n["stream_syncs"], n["dtoh_copies"], n["local_scalar_dense"]) / steps
+    return out
+
+
+def count_step_events(model: Any, cache: Any, tokens: torch.Tensor, position: int | torch.Tensor,
+                      forward: Callable | None = None, steps: int = 4, cudagraphs: bool = False) -> dict[str, Any]:
+    """Kernels and host syncs per decode step of ``model`` on ``cache`` (already prefilled; qada attached or not),
+    from ``tokens [B]`` at ``position``, through ``forward`` (a compiled forward; default the eager model).
+
+    CUDA only (``torch.profiler`` with ``ProfilerActivity.CUDA``): one unprofiled step, then ``steps`` profiled
+    ones (:func:`summarize_events`), plus ``layers``. On another device nothing runs and the result is
+    ``{"status": CUDA_ONLY}``: never a made-up number.
+    """
+    if tokens.device.type != "cuda":
+        return {"status": CUDA_ONLY}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    stepper = Stepper(model, cache, tokens, position, forward, cudagraphs)
+    stepper()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            stepper()
+        torch.cuda.synchronize()
+    counts = summarize_events(((e.name, e.device_type == DeviceType.CUDA) for e in prof.events()), steps)
+    counts["layers"] = model.config.num_hidden_layers
+    return counts
+
+
 @torch.no_grad()
-def _decode(model, base, first_token: int, steps: int, run, device, cache_kind: str) -> dict[str, Any]:
-    T = base[0][0].shape[2]
-    cache = fresh_cache(model, base, cache_kind, T + steps + 8)
+def _decode(model, cache, base_length: int, first: torch.Tensor, run, forward, warmup: int, steps: int, device,
+            cudagraphs: bool, count_steps: int) -> dict[str, Any]:
     if run is not None:
         attach(model, run)
     try:
         if run is not None:
             run.reset_stats()
             run.prefill_from_cache(cache)
-        tokens = [first_token]
-        times = []
-
-        def step() -> torch.Tensor:
+        stepper = Stepper(model, cache, first, base_length, forward, cudagraphs)
+        times, first_logits = [], None
+        for i in range(warmup + steps):
             device_sync(device)
             t0 = time.perf_counter()
-            ids = torch.tensor([[tokens[-1]]], device=device)
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
-            tokens.append(int(logits.argmax()))  # the host needs the token anyway: this is the step's one sync
+            logits = stepper()
+            device_sync(device)
             times.append(time.perf_counter() - t0)
-            return logits
-
-        first_logits = step().float().cpu()  # the first step: moment set-up, lazy allocations
-        for _ in range(steps):
-            step()
+            if i == 0:
+                first_logits = logits.float().cpu()
+        tokens = stepper.tokens()
+        summary = run.summary() if run is not None else {"sparsity": 0.0, "kv_sparsity": 0.0, "fail_safe": 0}
+        counters = None
+        if count_steps:
+            counters = count_step_events(model, cache, stepper.ids, stepper.position, forward, count_steps, cudagraphs)
     finally:
         if run is not None:
             run.remove()
-    summary = run.summary() if run is not None else {"sparsity": 0.0, "kv_sparsity": 0.0, "fail_safe": 0}
-    return {"first_s": times[0], "step_s": times[1:], "seconds": sum(times[1:]), "tokens": tokens,
-            "first_logits": first_logits, "summary": summary}
+    return {"first_s": times[0], "warmup_s": sum(times[:warmup]), "step_s": times[warmup:], "tokens": tokens,
+            "first_logits": first_logits, "summary": summary, "counters": counters}  # fmt: skip
 
 
-def byte_ceiling(model: Any, T: int, kv_sparsity: float, t_local: int, bandwidth_gbs: float | None) -> dict:
-    """Bytes one decode token must read — every weight once, the K/V of dense KV groups over all ``T`` tokens and
-    of skipped groups over the window only — and the time that takes at ``bandwidth_gbs`` (the byte ceiling)."""
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of K and V one token adds to the cache of every layer."""
     c = model.config
     d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    element = next(model.parameters()).element_size()
+    return c.num_hidden_layers * c.num_key_value_heads * d * 2 * next(model.parameters()).element_size()
+
+
+def byte_ceiling(model: Any, T: int, kv_sparsity: float, t_local: int, bandwidth_gbs: float | None,
+                 batch: int = 1) -> dict:
+    """Bytes one decode step of ``batch`` rows must read — every weight once, and per row the K/V of dense KV groups
+    over all ``T`` tokens and of skipped groups over the window only — and the time that takes at
+    ``bandwidth_gbs`` (the byte ceiling)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
-    per_token_kv = c.num_hidden_layers * c.num_key_value_heads * d * 2 * element
-    kv = per_token_kv * ((1.0 - kv_sparsity) * T + kv_sparsity * min(T, t_local))
+    kv = batch * kv_bytes_per_token(model) * ((1.0 - kv_sparsity) * T + kv_sparsity * min(T, t_local))
     out = {"weight_bytes": weights, "kv_bytes": kv}
     if bandwidth_gbs:
         out["t_min_s"] = (weights + kv) / (bandwidth_gbs * 1e9)
     return out
 
 
+def _memory_check(model, T: int, B: int, capacity: int, base_rows: int, dynamic: bool, device) -> str | None:
+    """On CUDA: why the case cannot fit (``None`` if it can): the static cache, the base K/V and (``dynamic``) a
+    growing cache alive beside them, plus 2 GiB, against the free memory (the model is loaded already)."""
+    if torch.device(device).type != "cuda":
+        return None
+    per_token = kv_bytes_per_token(model)
+    need = per_token * (B * capacity + base_rows * T + (B * T if dynamic else 0)) + 2**31
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        return f"needs ~{need / 2**30:.0f} GiB for its caches, {free / 2**30:.0f} GiB free"
+    return None
+
+
 def run_end_to_end(
     model: Any,
-    contexts: dict[int, Callable[[], tuple[list[tuple[torch.Tensor, torch.Tensor]], int]]],
-    configs: dict[str, tuple[str, Callable[[], Any]]],
+    contexts: dict[tuple[int, int], Callable[[], tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]]],
+    configs: Callable[[int], dict[str, DecodeConfig]],
     steps: int,
     reps: int,
     device,
     log=print,
     bandwidth_gbs: float | None = None,
+    warmup: int = 1,
+    count_steps: int = 4,
     t_local: int = 128,
+    model_name: str = "",
+    on_case: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per (context, configuration).
+    """One row per (context, batch size, configuration).
 
     Args:
-        contexts: ``T -> () -> (per-layer [(K, V)], first token)``, built lazily (one at a time in memory).
-        configs: name -> ``(cache kind, factory)``: the factory gives a prepared :class:`~qada.models.QAdARun`,
-            or ``None`` for the unwrapped model; the config named ``dense`` is the reference for the ratios and
-            the agreement (its cache is the suite's), ``speedup_vs_dense`` compares on the same cache.
+        contexts: ``(T, B) -> () -> (per-layer [(K, V)], first token of each row)``, built lazily (one at a time in
+            memory); K/V with one row are shared by the ``B`` rows (a context's ``base_rows`` attribute says so
+            ahead, for the memory check on CUDA).
+        configs: ``B ->`` name -> :class:`DecodeConfig`; the config named ``dense`` is the reference for the
+            ratios and the agreement (its cache is the suite's), ``speedup_vs_dense`` compares on the same cache,
+            ``speedup_vs_dense_compiled`` with ``dense compiled``; a compiled row's ``eager_*`` agreement compares
+            with its eager twin.
+        warmup: untimed steps per decode (at least 1; the first is reported apart as ``first_step_s``).
+        count_steps: steps profiled for :func:`count_step_events` (configs with ``count_events``, last repetition).
         bandwidth_gbs: the measured copy bandwidth, for the byte ceiling columns.
+        on_case: called with the rows of each (T, B) case as soon as it is done (to save them).
     """
+    if warmup < 1:
+        raise ValueError(f"expected warmup >= 1 but got {warmup}")
+    options = compile_options(device)
+    cudagraphs = options.get("mode") == "reduce-overhead"
     rows = []
-    for T, make in contexts.items():
+    for (T, B), make in contexts.items():
+        cases = configs(B)
+        capacity = T + warmup + steps + count_steps + 8
+        dynamic = any(c.cache == "dynamic" for c in cases.values())
+        why = _memory_check(model, T, B, capacity, getattr(make, "base_rows", B), dynamic, device)
+        if why is not None:
+            rows.append({"model": model_name, "T": T, "B": B, "config": "*", "skipped": why})
+            log(f"  end-to-end T={T} B={B}: skipped, {why}")
+            if on_case is not None:
+                on_case(rows[-1:])
+            continue
         t0 = time.perf_counter()
-        base, first_token = make()
-        log(f"  end-to-end T={T}: prefill/cache built in {time.perf_counter() - t0:.1f} s")
-        runs = {name: (kind, factory()) for name, (kind, factory) in configs.items()}
-        results: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+        base, first_tokens = make()
+        first = torch.tensor(first_tokens, device=device)
+        log(f"  end-to-end T={T} B={B}: prefill/cache built in {time.perf_counter() - t0:.1f} s")
+        torch._dynamo.reset()  # each case compiles afresh: no recompile limit, no graph of another case
+        static_cache = None
+        runs, forwards, errors = {}, {}, {}
+        for name, config in cases.items():
+            try:
+                runs[name] = config.make_run()
+                if config.compiled:
+                    if runs[name] is not None and not runs[name].static_shapes:
+                        raise RuntimeError("not graph-capturable: a part of the run does not declare static_shapes "
+                                           f"({_parts(runs[name])}), so its decode step cannot compile fullgraph")
+                    forwards[name] = torch.compile(model.forward, **options)
+            except Exception as exc:  # one configuration failing must not lose the others
+                errors[name] = repr(exc)[:400]
+                log(f"    {name} FAILED: {errors[name]}")
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
         for rep in range(reps):
-            for name, (kind, run) in runs.items():
-                results[name].append(_decode(model, base, first_token, steps, run, device, kind))
-                median = Timing.of(results[name][-1]["step_s"])["median"]
-                log(f"    rep {rep} {name}: {1 / median:.2f} tok/s (median step), first step "
-                    f"{results[name][-1]['first_s'] * 1e3:.0f} ms")
-        per_token = {name: Timing.of([t for r in res for t in r["step_s"]]) for name, res in results.items()}
-        first_step = {name: Timing.of([r["first_s"] for r in res]) for name, res in results.items()}
-        dense = results["dense"]
-        for name, (kind, _run) in runs.items():
-            # every step of every repetition: the median is robust to the odd slow step
-            timing = per_token[name]
-            tps = [1.0 / Timing.of(r["step_s"])["median"] for r in results[name]]
-            first = results[name][0]
-            same = [a == b for a, b in zip(first["tokens"], dense[0]["tokens"], strict=True)]
-            prefix = next((i for i, s in enumerate(same) if not s), len(same))
-            summary = first["summary"]
-            ceiling = byte_ceiling(model, T, summary["kv_sparsity"], t_local, bandwidth_gbs)
-            row = {
-                "T": T,
-                "config": name,
-                "cache": kind,
-                "steps_timed": steps,
-                "reps": reps,
-                "seconds_per_token": timing,
-                "first_step_s": first_step[name],
-                "first_step_vs_dense": first_step[name]["median"] / first_step["dense"]["median"],
-                "tokens_per_s_median": 1.0 / timing["median"],
-                "tokens_per_s_min": min(tps),
-                "tokens_per_s_max": max(tps),
-                "speedup_vs_dense": per_token["dense"]["median"] / timing["median"],
-                **ceiling,
-                "ceiling_fraction": ceiling["t_min_s"] / timing["median"] if "t_min_s" in ceiling else None,
-                "tokens_compared": len(same),
-                "token_agreement": sum(same) / len(same),
-                "identical_prefix": prefix,
-                "first_step_max_abs_logit_diff": (first["first_logits"] - dense[0]["first_logits"]).abs().max().item(),
-                "first_step_same_argmax": bool(first["first_logits"].argmax() == dense[0]["first_logits"].argmax()),
-            }
-            row.update(sparsity=summary["sparsity"], kv_sparsity=summary["kv_sparsity"],
-                       fail_safe=summary["fail_safe"])  # fmt: skip
-            rows.append(row)
-            fraction = row["ceiling_fraction"]
-            log(
-                f"  end-to-end T={T} {name} ({kind} cache): {row['tokens_per_s_median']:.2f} tok/s, "
-                f"x{row['speedup_vs_dense']:.2f} vs dense, first step x{row['first_step_vs_dense']:.2f}, sparsity "
-                f"{row['sparsity']:.3f} kv {row['kv_sparsity']:.3f}, agreement {row['token_agreement']:.2f}"
-                + (f", {fraction:.0%} of the byte ceiling" if fraction is not None else "")
-            )
-        del base, runs, results
+            for name, config in cases.items():
+                if name in errors:
+                    continue
+                try:
+                    if config.cache == "static":
+                        if static_cache is None:
+                            static_cache = fresh_cache(model, base, "static", capacity, B)
+                        else:
+                            refill_cache(static_cache, base, B)
+                        cache = static_cache
+                    else:
+                        cache = fresh_cache(model, base, config.cache, capacity, B)
+                    with _no_silent_fallback():
+                        done = _decode(model, cache, T, first, runs[name], forwards.get(name), warmup, steps, device,
+                                       cudagraphs and config.compiled,
+                                       count_steps if config.count_events and rep == reps - 1 else 0)  # fmt: skip
+                    del cache
+                except Exception as exc:
+                    errors[name] = repr(exc)[:400]
+                    log(f"    rep {rep} {name} FAILED: {errors[name]}")
+                    if torch.device(device).type == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
+                results[name].append(done)
+                median = Timing.of(done["step_s"])["median"]
+                log(f"    rep {rep} {name}: {B / median:.2f} tok/s (median step), first step "
+                    f"{done['first_s'] * 1e3:.0f} ms, warm-up {done['warmup_s']:.2f} s")
+        case = _rows(model, T, B, cases, results, errors, steps, reps, warmup, bandwidth_gbs, t_local, model_name, log)
+        rows += case
+        if on_case is not None:
+            on_case(case)
+        del base, runs, forwards, results, static_cache
+        torch._dynamo.reset()  # compiled graphs hold the model and the cache: let them go with the case
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
     return rows
+
+
+def _no_silent_fallback():
+    """Past dynamo's recompile limit a compiled forward would silently run eagerly: make it an error instead."""
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+    return contextlib.nullcontext()
+
+
+def _parts(run) -> str:
+    parts = [run.criterion, run.executor] + ([run.moments] if run.uses_moments else [])
+    return ", ".join(type(p).__name__ for p in parts if not getattr(p, "static_shapes", False))
+
+
+def _agreement(runs: list[dict], reference: dict) -> tuple[float, int, int]:
+    """(fraction of tokens equal to ``reference``'s, worst over repetitions; shortest identical prefix over rows
+    and repetitions; tokens compared per row)."""
+    ref = reference["tokens"]
+    fractions, prefixes = [], []
+    for r in runs:
+        same = r["tokens"] == ref
+        fractions.append(same.float().mean().item())
+        prefixes.append(int(same.int().cumprod(1).sum(1).min()))
+    return min(fractions), min(prefixes), ref.shape[1]
+
+
+def _rows(model, T, B, cases, results, errors, steps, reps, warmup, bandwidth_gbs, t_local, model_name, log):
+    rows = []
+    measured = {name: res for name, res in results.items() if res and name not in errors}
+    per_token = {name: Timing.of([t for r in res for t in r["step_s"]]) for name, res in measured.items()}
+    first_step = {name: Timing.of([r["first_s"] for r in res]) for name, res in measured.items()}
+    dense = measured.get("dense")
+    for name, config in cases.items():
+        head = {"model": model_name, "T": T, "B": B, "config": name, "cache": config.cache, "compiled": config.compiled}
+        if name not in measured:
+            rows.append(head | {"error": errors.get(name, "no repetition finished")})
+            continue
+        res = measured[name]
+        timing = per_token[name]
+        tps = [B / Timing.of(r["step_s"])["median"] for r in res]
+        summary = res[0]["summary"]
+        ceiling = byte_ceiling(model, T, summary["kv_sparsity"], t_local, bandwidth_gbs, B)
+        row = head | {
+            "steps_timed": steps,
+            "warmup_steps": warmup,
+            "reps": len(res),
+            "seconds_per_token": timing,  # seconds per decode step (B tokens)
+            "first_step_s": first_step[name],
+            "warmup_s": Timing.of([r["warmup_s"] for r in res]),
+            "tokens_per_s_median": B / timing["median"],
+            "tokens_per_s_min": min(tps),
+            "tokens_per_s_max": max(tps),
+            **ceiling,
+            "ceiling_fraction": ceiling["t_min_s"] / timing["median"] if "t_min_s" in ceiling else None,
+            "sparsity": summary["sparsity"],
+            "sparsity_per_rep": [r["summary"]["sparsity"] for r in res],
+            "kv_sparsity": summary["kv_sparsity"],
+            "fail_safe": summary["fail_safe"],
+        }
+        if dense:
+            agreement, prefix, compared = _agreement(res, dense[0])
+            row.update(
+                speedup_vs_dense=per_token["dense"]["median"] / timing["median"],
+                first_step_vs_dense=first_step[name]["median"] / first_step["dense"]["median"],
+                tokens_compared=compared, token_agreement=agreement, identical_prefix=prefix,
+                first_step_max_abs_logit_diff=(res[0]["first_logits"] - dense[0]["first_logits"]).abs().max().item(),
+                first_step_same_argmax=bool((res[0]["first_logits"].argmax(-1)
+                                             == dense[0]["first_logits"].argmax(-1)).all()),
+            )  # fmt: skip
+        if "dense compiled" in per_token:
+            row["speedup_vs_dense_compiled"] = per_token["dense compiled"]["median"] / timing["median"]
+        twin = name.removesuffix(" compiled")
+        if config.compiled and twin in measured:
+            agreement, prefix, _ = _agreement(res, measured[twin][0])
+            row.update(eager_agreement=agreement, eager_identical_prefix=prefix,
+                       eager_sparsity=measured[twin][0]["summary"]["sparsity"])  # fmt: skip
+        counters = res[-1]["counters"]
+        if counters is not None:
+            row["counters"] = counters
+        rows.append(row)
+    _extra_kernels(rows)
+    for row in rows:
+        if "error" in row:
+            continue
+        fraction = row["ceiling_fraction"]
+        log(
+            f"  end-to-end T={T} B={B} {row['config']} ({row['cache']} cache): {row['tokens_per_s_median']:.2f} tok/s"
+            + (f", x{row['speedup_vs_dense']:.2f} vs dense" if "speedup_vs_dense" in row else "")
+            + (f", x{row['speedup_vs_dense_compiled']:.2f} vs dense compiled" if "speedup_vs_dense_compiled" in row
+               else "")
+            + f", sparsity {row['sparsity']:.3f} kv {row['kv_sparsity']:.3f}"
+            + (f", agreement {row['token_agreement']:.2f}" if "token_agreement" in row else "")
+            + (f", same tokens as eager {row['eager_agreement']:.2f}" if "eager_agreement" in row else "")
+            + (f", {fraction:.0%} of the byte ceiling" if fraction is not None else "")
+        )  # fmt: skip
+    return rows
+
+
+def _extra_kernels(rows: list[dict[str, Any]]) -> None:
+    """``counters["extra_kernels_per_layer"]`` and ``counters["extra_round_trips_per_step"]`` of each counted qada
+    row against the dense row of the same mode (eager or compiled)."""
+    by_name = {r["config"]: r for r in rows if "counters" in r}
+    for row in by_name.values():
+        c = row["counters"]
+        if row["config"] in ("dense", "dense compiled") or "kernels_per_step" not in c:
+            continue
+        dense = by_name.get("dense compiled" if row["compiled"] else "dense")
+        d = dense and dense["counters"]
+        if d and "kernels_per_step" in d:
+            c["extra_kernels_per_layer"] = (c["kernels_per_step"] - d["kernels_per_step"]) / c["layers"]
+            c["extra_round_trips_per_step"] = c["host_round_trips_per_step"] - d["host_round_trips_per_step"]
 
 
 def static_run(mask: torch.Tensor, executor: str):

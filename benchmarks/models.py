@@ -2,33 +2,47 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from benchmarks.end_to_end import dense_run, group_static_mask, qada_run, static_run
-from benchmarks.suites import Suite
+from benchmarks.end_to_end import DecodeConfig, dense_run, group_static_mask, qada_run, static_run
+from benchmarks.suites import Suite, Workload
 
-__all__ = ["build_configs", "build_contexts", "build_model"]
+__all__ = ["build_configs", "build_contexts", "build_model", "passkey_rows"]
 
 
-def build_model(suite: Suite, max_length: int) -> tuple[Any, Any, str]:
-    """``(model, tokenizer or None, description)``."""
+def build_model(suite: Suite, workload: Workload, max_length: int) -> tuple[Any, Any, str]:
+    """``(model, tokenizer or None, description)`` on the suite's device, in the suite's dtype."""
     import transformers
 
-    if suite.model == "smollm2":
-        from qada.models import load_default_model
+    dtype = str(suite.dtype).replace("torch.", "")
+    if workload.model == "smollm2":
+        from qada.models.loading import load_model
 
-        model, tokenizer = load_default_model(dtype=suite.dtype, device=suite.device)
-        return model, tokenizer, "SmolLM2-135M-Instruct (embedded, real weights, dequantised Q4_1 -> float32)"
-    if suite.model == "llama3-8b-random":
+        model, tokenizer = load_model("smollm2-135m", dtype=suite.dtype, device=suite.device)
+        what = f"SmolLM2-135M-Instruct (embedded, real weights, dequantised Q4_1 -> {dtype})"
+        if workload.layers:
+            total = model.config.num_hidden_layers
+            model.model.layers = model.model.layers[: workload.layers]
+            model.config.num_hidden_layers = workload.layers
+            if getattr(model.config, "layer_types", None):
+                model.config.layer_types = model.config.layer_types[: workload.layers]
+            what += f", only its first {workload.layers} of {total} layers (dry run)"
+        return model, tokenizer, what
+    if workload.model == "llama3-8b-random":
         size = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                     intermediate_size=14336, vocab_size=128256)  # fmt: skip
-        what = "Llama-3-8B-shaped LlamaForCausalLM with RANDOM weights (timing only; outputs are meaningless)"
-    else:
+        what = f"Llama-3-8B-shaped LlamaForCausalLM with RANDOM weights ({dtype}; timing only, outputs are meaningless)"
+    elif workload.model == "tiny-random":
         size = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                     intermediate_size=1024, vocab_size=1000)  # fmt: skip
-        what = "tiny random LlamaForCausalLM (smoke/dry run: 2 layers, 8 heads, 2 KV heads, d=64)"
+        what = f"tiny random LlamaForCausalLM ({dtype}; smoke/dry run: 2 layers, 8 heads, 2 KV heads, d=64)"
+    else:
+        raise ValueError(f"expected a model in ('smollm2', 'llama3-8b-random', 'tiny-random') but got "
+                         f"{workload.model!r}")
     config = transformers.LlamaConfig(
         **size, max_position_embeddings=max(2 * max_length, 4096), rope_theta=500000.0, attn_implementation="sdpa"
     )
@@ -44,55 +58,95 @@ def build_model(suite: Suite, max_length: int) -> tuple[Any, Any, str]:
     return model, None, what
 
 
-def build_contexts(suite: Suite, model: Any, tokenizer: Any) -> dict[int, Any]:
-    """``T -> () -> (per-layer [(K, V)], first token)``: a real prefill (SmolLM2 up to ``suite.e2e_real_up_to``
-    tokens) or random K/V (random models, and SmolLM2's long "timing only" case: no accuracy from it)."""
+def passkey_rows(tokenizer: Any, T: int, batch: int) -> torch.Tensor:
+    """``[batch, T]`` pass-key prompts of exactly ``T`` tokens: row ``i`` hides its own key (seed ``i``) at a
+    depth spread over [0.1, 0.9] (0.5 for a single row); a prompt longer than ``T`` loses the haystack tokens
+    just before its needle."""
+    from qada.eval.passkey import passkey_prompt
+
+    rows = []
+    for i in range(batch):
+        depth = 0.5 if batch == 1 else 0.1 + 0.8 * i / (batch - 1)
+        prompt = passkey_prompt(tokenizer, length=T + 16, depth=depth, seed=i)
+        ids, cut = prompt.input_ids[0], prompt.needle_position
+        excess = ids.shape[0] - T
+        if excess < 0 or cut - excess < 1:
+            raise ValueError(f"cannot trim a pass-key prompt of {ids.shape[0]} tokens to {T} (needle at {cut})")
+        rows.append(torch.cat([ids[: cut - excess], ids[cut:]]))
+    return torch.stack(rows)
+
+
+Context = Callable[[], tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]]
+
+
+def build_contexts(suite: Suite, workload: Workload, model: Any, tokenizer: Any) -> dict[tuple[int, int], Context]:
+    """``(T, B) -> () -> (per-layer [(K, V)], first token of each row)``.
+
+    SmolLM2 up to ``workload.real_up_to`` tokens: ``B`` real pass-key prompts (:func:`passkey_rows`), each
+    prefilled on its own, K/V ``[B, H_kv, T, d]``. Otherwise random K/V ``[1, H_kv, T, d]`` shared by the ``B``
+    rows (random models, and SmolLM2's long "timing only" case: no accuracy from it).
+    """
     from qada.eval.decode import prefill
 
-    def real(T: int):
-        from qada.eval.passkey import passkey_prompt
-
+    def real(T: int, B: int) -> Context:
         def make():
-            prompt = passkey_prompt(tokenizer, length=T, depth=0.5)
-            done = prefill(model, prompt.input_ids.to(suite.device))
-            base = [(layer.keys, layer.values) for layer in done.cache.layers]
-            return base, int(done.last_logits.argmax(-1))
+            ids = passkey_rows(tokenizer, T, B).to(suite.device)
+            keys, values, first = [], [], []
+            for row in ids:
+                done = prefill(model, row[None])
+                keys.append([layer.keys for layer in done.cache.layers])
+                values.append([layer.values for layer in done.cache.layers])
+                first.append(int(done.last_logits.argmax(-1)))
+                del done
+            base = [(torch.cat([k[layer] for k in keys]), torch.cat([v[layer] for v in values]))
+                    for layer in range(len(keys[0]))]  # fmt: skip
+            return base, first
 
         return make
 
-    def random(T: int):
+    def random(T: int, B: int) -> Context:
         def make():
             c = model.config
-            d = c.hidden_size // c.num_attention_heads
+            d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
             g = torch.Generator(device=suite.device).manual_seed(T)
             shape = (1, c.num_key_value_heads, T, d)
             base = [
                 tuple(torch.randn(shape, generator=g, device=suite.device, dtype=suite.dtype) for _ in range(2))
                 for _ in range(c.num_hidden_layers)
             ]
-            return base, 1
+            return base, [1] * B
 
+        make.base_rows = 1  # the B rows share one row of K/V (the memory check of run_end_to_end)
         return make
 
-    real_up_to = suite.e2e_real_up_to if tokenizer is not None else 0
-    return {T: (real(T) if T <= real_up_to else random(T)) for T in suite.e2e_lengths}
+    real_up_to = workload.real_up_to if tokenizer is not None else 0
+    return {(T, B): (real(T, B) if T <= real_up_to else random(T, B))
+            for T in workload.lengths for B in workload.batches}  # fmt: skip
 
 
-def build_configs(suite: Suite, model: Any, tokenizer: Any) -> dict[str, tuple[str, Any]]:
-    """name -> (cache kind, run factory), all on the suite's cache unless named otherwise.
+def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, batch: int) -> dict[str, DecodeConfig]:
+    """name -> :class:`~benchmarks.end_to_end.DecodeConfig`, all on the suite's cache unless named otherwise.
 
-    ``dense`` (the unwrapped model, the reference), ``qada dense`` (the wrapper with the ``dense`` criterion: its
-    own cost), ``qada`` (tau 0.6, the suite's moments and executor), ``static rho_kv=...``, and the unwrapped
-    model on the other cache kind (what a user who changes nothing gets).
+    ``dense`` (the unwrapped model, the reference), the unwrapped model on the other cache kind (what a user who
+    changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``qada dense`` (the
+    wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor),
+    ``static rho_kv=...`` (whole KV groups forced local), and ``<name> compiled`` for each name of
+    ``workload.compiled``: the same run, decode steps through ``torch.compile`` (CUDA graphs on a GPU).
     """
     c = model.config
     kind = suite.e2e_cache
     other = "dynamic" if kind == "static" else "static"
-    configs: dict[str, tuple[str, Any]] = {"dense": (kind, lambda: None)}
-    configs[f"dense {other} cache"] = (other, lambda: None)
-    configs["qada dense"] = (kind, lambda: dense_run(suite.e2e_executor))
-    configs["qada"] = (kind, lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor))
+    configs: dict[str, DecodeConfig] = {"dense": DecodeConfig(kind, count_events=True)}
+    if batch == 1:
+        configs[f"dense {other} cache"] = DecodeConfig(other)
+    configs["qada dense"] = DecodeConfig(kind, lambda: dense_run(suite.e2e_executor))
+    configs["qada"] = DecodeConfig(kind, lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor),
+                                   count_events=True)  # fmt: skip
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
-        configs[f"static rho_kv={rho}"] = (kind, lambda mask=mask: static_run(mask, suite.e2e_executor))
+        configs[f"static rho_kv={rho}"] = DecodeConfig(kind, lambda mask=mask: static_run(mask, suite.e2e_executor))
+    for name in workload.compiled:
+        if name not in configs:
+            raise ValueError(f"expected compiled configurations among {sorted(configs)} but got {name!r}")
+        configs[f"{name} compiled"] = replace(configs[name], compiled=True)
     return configs

@@ -1,18 +1,21 @@
 """qada's speed benchmarks (issue 8): one command per suite.
 
-    python benchmarks/run.py --quick              # CPU, ~2-3 min: attention, overhead, end-to-end at 4k and 7.5k
+    python benchmarks/run.py --quick              # CPU, ~5-8 min: attention, overhead, end-to-end at 4k and 7.68k
     python benchmarks/run.py                      # the full CPU suite (run it on a quiet machine)
-    python benchmarks/run.py --gpu --out $OUT     # the GPU suite (bare H100/H200; Llama-3-8B shapes, bf16)
+    python benchmarks/run.py --gpu --out $OUT     # the GPU suite (H100/H200; SmolLM2 and Llama-3-8B shapes, bf16)
     python benchmarks/run.py --gpu --dry-run      # the GPU code path on the CPU with tiny shapes
     python benchmarks/run.py --smoke              # tiny shapes, 1 repetition (the test)
 
 Results: ``<out>/<suite>-<machine>.json`` and ``.md`` (default out: benchmarks/results), rewritten after every
-section so that an interrupted run keeps what it measured.
+section (and end-to-end model) so that an interrupted run keeps what it measured. ``--only`` and ``--models`` pick
+sections and end-to-end models (a GPU command may run 10 minutes: one call per section or model).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import shlex
 import sys
@@ -29,13 +32,17 @@ if str(ROOT) not in sys.path:  # ``python benchmarks/run.py`` from anywhere
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="qada speed benchmarks", formatter_class=argparse.RawTextHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="short CPU suite (~2-3 min)")
-    mode.add_argument("--gpu", action="store_true", help="GPU suite (CUDA; Llama-3-8B shapes, bf16)")
+    mode.add_argument("--quick", action="store_true", help="short CPU suite (~5-8 min)")
+    mode.add_argument("--gpu", action="store_true", help="GPU suite (CUDA; SmolLM2 and Llama-3-8B shapes, bf16)")
     mode.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repetition (tests)")
     parser.add_argument("--dry-run", action="store_true", help="with --gpu: the GPU suite's code on CPU, tiny shapes")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--only", default="attention,overhead,end_to_end", help="comma-separated sections")
+    parser.add_argument("--models", default=None,
+                        help="end-to-end: comma-separated models of the suite to decode (default: all)")
+    parser.add_argument("--lengths", default=None, help="end-to-end: only these context lengths (comma-separated)")
+    parser.add_argument("--batches", default=None, help="end-to-end: only these batch sizes (comma-separated)")
     parser.add_argument("--note", default="", help="a note written at the top of the markdown")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser.parse_args(argv)
@@ -47,6 +54,27 @@ def suite_name(args: argparse.Namespace) -> str:
     if args.dry_run:
         raise SystemExit("--dry-run goes with --gpu")
     return "smoke" if args.smoke else "quick" if args.quick else "full"
+
+
+def select_workloads(suite, args: argparse.Namespace) -> list:
+    """The suite's end-to-end workloads restricted by ``--models``, ``--lengths`` and ``--batches``."""
+    workloads = suite.e2e
+    if args.models:
+        wanted = args.models.split(",")
+        unknown = set(wanted) - {w.model for w in suite.e2e}
+        if unknown:
+            raise SystemExit(f"--models: {sorted(unknown)} not in suite {suite.name} (it has "
+                             f"{[w.model for w in suite.e2e]})")  # fmt: skip
+        workloads = [w for w in workloads if w.model in wanted]
+    for key in ("lengths", "batches"):
+        if getattr(args, key):
+            wanted = {int(x) for x in getattr(args, key).split(",")}
+            workloads = [dataclasses.replace(w, **{key: tuple(x for x in getattr(w, key) if x in wanted)})
+                         for w in workloads]  # fmt: skip
+            workloads = [w for w in workloads if getattr(w, key)]
+    if not workloads:
+        raise SystemExit(f"no end-to-end case of suite {suite.name} is left by --models/--lengths/--batches")
+    return workloads
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -76,13 +104,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": info,
         "note": args.note,
         "settings": {k: (v if isinstance(v, (int, float, str, bool, list, type(None))) else str(v))
-                     for k, v in vars(suite).items() if k not in ("attention_shapes", "overhead_shapes")},
+                     for k, v in vars(suite).items() if k not in ("attention_shapes", "overhead_shapes", "e2e")},
         "errors": [],
     }  # fmt: skip
     results["settings"]["attention_shapes"] = [vars(s) | {"dtype": str(s.dtype)} for s in suite.attention_shapes]
+    workloads = select_workloads(suite, args)
+    results["settings"]["e2e"] = [dataclasses.asdict(w) for w in workloads]
     stem = f"{name}-{machine_tag(info)}"
     if sections != {"attention", "overhead", "end_to_end"}:  # a partial run must not overwrite the whole one
         stem += "-" + "+".join(sorted(sections))
+    if workloads != suite.e2e and "end_to_end" in sections:
+        stem += "-" + "+".join(w.model for w in workloads)
+        stem += "".join(f"-{key[0].upper()}{getattr(args, key).replace(',', '+')}" for key in ("lengths", "batches")
+                        if getattr(args, key))  # fmt: skip
     started = time.perf_counter()
 
     def save() -> None:
@@ -121,13 +155,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         def run_end_to_end() -> None:
             if "copy_bandwidth" not in results:  # the byte ceiling needs it
                 results["copy_bandwidth"] = attention.copy_bandwidth(device, suite.copy_bytes, reps=3)
-            model, tokenizer, what = models.build_model(suite, max(suite.e2e_lengths) + suite.e2e_steps + 16)
-            results["model"] = what
-            results["end_to_end"] = end_to_end.run_end_to_end(
-                model, models.build_contexts(suite, model, tokenizer), models.build_configs(suite, model, tokenizer),
-                suite.e2e_steps, suite.e2e_reps, device, log,
-                bandwidth_gbs=(results.get("copy_bandwidth") or {}).get("bandwidth_gbs"),
-            )  # fmt: skip
+            results.setdefault("models", {})
+            results.setdefault("end_to_end", [])
+
+            def case_done(rows: list[dict[str, Any]]) -> None:  # saved after every case: a killed run keeps them
+                results["end_to_end"] += rows
+                results["errors"] += [f"end_to_end {r['model']} T={r['T']} B={r['B']} {r['config']}: {r['error']}"
+                                      for r in rows if "error" in r]  # fmt: skip
+                save()
+
+            for workload in workloads:
+                try:  # a model that fails must not lose the others
+                    log(f"  model {workload.model}")
+                    extra = suite.e2e_warmup + suite.e2e_steps + suite.e2e_count_steps + 16
+                    model, tokenizer, what = models.build_model(suite, workload, max(workload.lengths) + extra)
+                    results["models"][workload.model] = what
+                    end_to_end.run_end_to_end(
+                        model, models.build_contexts(suite, workload, model, tokenizer),
+                        functools.partial(models.build_configs, suite, workload, model, tokenizer),
+                        suite.e2e_steps, suite.e2e_reps, device, log,
+                        bandwidth_gbs=(results.get("copy_bandwidth") or {}).get("bandwidth_gbs"),
+                        warmup=suite.e2e_warmup, count_steps=suite.e2e_count_steps, model_name=workload.model,
+                        on_case=case_done,
+                    )
+                except Exception as exc:
+                    results["errors"].append(f"end_to_end {workload.model}: {exc!r}"[:500])
+                    log(traceback.format_exc())
+                finally:
+                    model = tokenizer = None
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                save()
 
         section("attention", run_attention)
         section("overhead", run_overhead)

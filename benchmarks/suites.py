@@ -8,7 +8,30 @@ import torch
 
 from benchmarks.attention import LLAMA8B_BF16, LLAMA8B_F32, SMOLLM2, Shape
 
-__all__ = ["SUITES", "Suite"]
+__all__ = ["SUITES", "Suite", "Workload"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model of the end-to-end section and the cases decoded on it: every (length, batch size) pair.
+
+    Attributes:
+        model: ``"smollm2"`` (the embedded model, real weights, real pass-key prompts), ``"llama3-8b-random"``
+            (Llama-3-8B shapes, random weights and random K/V: timing only) or ``"tiny-random"`` (smoke, dry run).
+        lengths: context lengths ``T``.
+        batches: batch sizes ``B`` (rows decoded together).
+        compiled: eager configurations also decoded through ``torch.compile(model.forward)`` (CUDA graphs on a
+            GPU), each as a row ``"<name> compiled"``.
+        real_up_to: SmolLM2 only: real prefills up to this length, random K/V beyond (timing only).
+        layers: keep only the first ``layers`` layers (dry run: the real model's code path at a tiny cost).
+    """
+
+    model: str
+    lengths: tuple[int, ...]
+    batches: tuple[int, ...] = (1,)
+    compiled: tuple[str, ...] = ("dense", "qada")
+    real_up_to: int = 8192
+    layers: int | None = None
 
 
 @dataclass
@@ -25,14 +48,14 @@ class Suite:
     overhead_lengths: list[int]
     overhead_reps: int
     overhead_inner: int
-    model: str  # "smollm2" (the embedded model), "llama3-8b-random", "tiny-random"
-    e2e_lengths: list[int]
-    e2e_steps: int
+    e2e: list[Workload]
+    e2e_steps: int  # timed decode steps per repetition (after the warm-up steps)
     e2e_reps: int
     e2e_executor: str
     e2e_moments: str
-    e2e_cache: str = "static"  # the cache every configuration decodes with (the other kind: one dense row)
-    e2e_real_up_to: int = 8192  # SmolLM2: real prefills up to this length, random K/V beyond (timing only)
+    e2e_warmup: int = 1  # untimed first steps (compilation, CUDA-graph recording); the first is reported apart
+    e2e_count_steps: int = 4  # steps profiled for kernels and host syncs (CUDA only)
+    e2e_cache: str = "static"  # the cache every configuration decodes with (the other kind: one dense row at B=1)
     copy_bytes: int = 256 * 2**20
     static_rho_kv: list[float] = field(default_factory=lambda: [0.5, 0.875])
     dtype: torch.dtype = torch.float32
@@ -40,32 +63,36 @@ class Suite:
 
 TINY = Shape("tiny", 1, 8, 2, 64, torch.float32)
 TINY_BF16 = Shape("tiny-bf16", 1, 8, 2, 64, torch.bfloat16)
+LLAMA8B_CASES = Workload("llama3-8b-random", (32768, 131072), batches=(1, 8),
+                         compiled=("dense", "qada", "static rho_kv=0.875"))  # fmt: skip
 
 SUITES = {
     "smoke": Suite(
         "smoke", "cpu", [TINY], [512], ["sdpa"], 1, 1, False, [TINY], [512], 1, 1,
-        "tiny-random", [300], 2, 1, "sdpa", "current",
+        [Workload("tiny-random", (300,), batches=(1, 2))], 2, 1, "sdpa", "current",
         copy_bytes=4 * 2**20,
     ),
     "quick": Suite(
         "quick", "cpu", [SMOLLM2], [8192, 32768], ["sdpa"], 5, 5, False, [SMOLLM2], [8192, 32768], 5, 5,
-        "smollm2", [4096, 7680], 8, 2, "sdpa", "stored",
+        [Workload("smollm2", (4096, 7680))], 8, 2, "sdpa", "stored",
     ),
     "full": Suite(
         "full", "cpu", [SMOLLM2, LLAMA8B_F32], [8192, 32768], ["reference", "sdpa", "flex"], 7, 10, None,
         [SMOLLM2, LLAMA8B_F32], [8192, 32768], 7, 10,
-        "smollm2", [4096, 7680, 32768], 32, 5, "sdpa", "stored",
+        [Workload("smollm2", (4096, 7680, 32768))], 32, 5, "sdpa", "stored",
         copy_bytes=1024 * 2**20,
     ),
     "gpu": Suite(
         "gpu", "cuda", [LLAMA8B_BF16], [8192, 32768, 131072], ["sdpa", "flex", "triton"], 10, 20, None,
         [LLAMA8B_BF16], [32768, 131072], 10, 20,
-        "llama3-8b-random", [32768, 131072], 16, 3, "triton", "current",
-        copy_bytes=2 * 2**30, dtype=torch.bfloat16,
+        [Workload("smollm2", (7680,), batches=(1, 32)), LLAMA8B_CASES], 16, 3, "triton", "current",
+        e2e_warmup=3, copy_bytes=2 * 2**30, dtype=torch.bfloat16,
     ),
     "gpu-dryrun": Suite(
         "gpu-dryrun", "cpu", [TINY_BF16], [1024], ["sdpa", "flex", "triton"], 1, 1, False, [TINY_BF16], [1024], 1, 1,
-        "tiny-random", [600], 2, 1, "triton", "current",
-        copy_bytes=4 * 2**20, dtype=torch.bfloat16,
+        [Workload("smollm2", (256,), batches=(2,), layers=2),
+         Workload("tiny-random", (600,), compiled=LLAMA8B_CASES.compiled)],
+        2, 1, "triton", "current",
+        e2e_warmup=2, e2e_count_steps=2, copy_bytes=4 * 2**20, static_rho_kv=[0.875], dtype=torch.bfloat16,
     ),
 }  # fmt: skip

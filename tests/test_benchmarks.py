@@ -10,17 +10,32 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # ``benchmarks`` is a folder of the checkout, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.end_to_end import (  # noqa: E402
+    CUDA_ONLY,
+    DecodeConfig,
+    count_step_events,
+    fresh_cache,
+    group_static_mask,
+    run_end_to_end,
+    summarize_events,
+)
+from benchmarks.report import NEEDS_GPU, evaluate_goals, markdown  # noqa: E402
+
+STATUSES = {"met", "miss", "not measured", NEEDS_GPU, "not measured (CPU suite)"}
+COMPILED = {"dense compiled", "qada compiled"}
+EAGER = {"dense", "qada dense", "qada", "static rho_kv=0.5", "static rho_kv=0.875"}
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks.run import main
-    finally:
-        sys.path.remove(str(ROOT))
+    from benchmarks.run import main
+
     out = tmp_path_factory.mktemp("bench")
     main(["--smoke", "--out", str(out), "--quiet"])
     return out
@@ -28,13 +43,15 @@ def smoke(tmp_path_factory):
 
 def test_smoke_writes_json_and_markdown(smoke):
     data = json.loads((smoke / "smoke-cpu.json").read_text())
-    assert {"suite", "command", "machine", "settings", "attention", "overhead", "end_to_end", "goals"} <= set(data)
+    assert {"suite", "command", "machine", "settings", "attention", "overhead", "end_to_end", "goals",
+            "models"} <= set(data)  # fmt: skip
     assert data["errors"] == []
     for key in ("cpu", "cores", "torch", "transformers", "qada", "date"):
         assert key in data["machine"]
     assert data["copy_bandwidth"]["bandwidth_gbs"] > 0
+    assert data["settings"]["e2e"][0]["batches"] == [1, 2]
     markdown = (smoke / "smoke-cpu.md").read_text()
-    for heading in ("## 1.", "## 2.", "## 3-4.", "## 5. Goals", "DynamicCache"):
+    for heading in ("## 1.", "## 2.", "## 3-4.", "## 5. Goals", "DynamicCache", "Kernels and host syncs", CUDA_ONLY):
         assert heading in markdown
 
 
@@ -49,46 +66,163 @@ def test_smoke_rows(smoke):
             assert row["max_abs_err_vs_reference"] < 1e-4
             assert row["kv_sparsity_reported"] == pytest.approx(row["rho_kv"])
     assert {"fraction_stored", "fraction_current", "criterion"} <= set(data["overhead"][0])
-    e2e = {r["config"]: r for r in data["end_to_end"]}
-    assert set(e2e) == {"dense", "dense dynamic cache", "qada dense", "qada", "static rho_kv=0.5",
-                        "static rho_kv=0.875"}
-    assert e2e["dense"]["token_agreement"] == 1.0 and e2e["dense"]["speedup_vs_dense"] == pytest.approx(1.0)
-    assert e2e["dense"]["cache"] == "static" and e2e["dense dynamic cache"]["cache"] == "dynamic"
-    # the same greedy tokens whatever the cache, and with qada's wrapper around the dense criterion
-    assert e2e["dense dynamic cache"]["token_agreement"] == 1.0 and e2e["qada dense"]["token_agreement"] == 1.0
-    assert e2e["static rho_kv=0.5"]["kv_sparsity"] == pytest.approx(0.5)
-    for row in e2e.values():
+    rows = {(r["B"], r["config"]): r for r in data["end_to_end"]}
+    # the growing cache's row only at B = 1; every other configuration, eager and compiled, at both batch sizes
+    assert set(rows) == {(1, "dense dynamic cache")} | {(B, c) for B in (1, 2) for c in EAGER | COMPILED}
+    for B in (1, 2):
+        e2e = {c: rows[(B, c)] for c in EAGER | COMPILED}
+        assert e2e["dense"]["token_agreement"] == 1.0 and e2e["dense"]["speedup_vs_dense"] == pytest.approx(1.0)
+        assert e2e["dense"]["cache"] == "static" and e2e["dense compiled"]["speedup_vs_dense_compiled"] == 1.0
+        # the same greedy tokens with qada's wrapper around the dense criterion, and compiled as eager
+        assert e2e["qada dense"]["token_agreement"] == 1.0 and e2e["dense compiled"]["token_agreement"] == 1.0
+        for name in COMPILED:
+            row, twin = e2e[name], e2e[name.removesuffix(" compiled")]
+            assert row["compiled"] and not twin["compiled"]
+            assert row["eager_agreement"] == 1.0 and row["eager_identical_prefix"] == row["tokens_compared"]
+            assert row["sparsity"] == pytest.approx(twin["sparsity"])
+            assert row["warmup_s"]["median"] > 0 and row["tokens_compared"] == 1 + row["warmup_steps"] + 2
+        assert e2e["static rho_kv=0.5"]["kv_sparsity"] == pytest.approx(0.5)
+        for name in ("dense", "qada", "dense compiled", "qada compiled"):  # CUDA only: no made-up number
+            assert e2e[name]["counters"] == {"status": CUDA_ONLY}
+        dense, static = e2e["dense"], e2e["static rho_kv=0.875"]
+        assert static["kv_bytes"] < dense["kv_bytes"] and static["weight_bytes"] == dense["weight_bytes"]
+    assert rows[(1, "dense dynamic cache")]["cache"] == "dynamic"
+    assert rows[(1, "dense dynamic cache")]["token_agreement"] == 1.0
+    assert rows[(2, "dense")]["kv_bytes"] == pytest.approx(2 * rows[(1, "dense")]["kv_bytes"])  # per row
+    for row in data["end_to_end"]:  # the byte ceiling in every row
         assert {"tokens_per_s_median", "sparsity", "kv_sparsity", "first_step_max_abs_logit_diff", "first_step_s",
-                "t_min_s", "ceiling_fraction", "weight_bytes", "kv_bytes"} <= set(row)
-        assert 0 < row["ceiling_fraction"]
-    dense, static = e2e["dense"], e2e["static rho_kv=0.875"]
-    assert static["kv_bytes"] < dense["kv_bytes"] and static["weight_bytes"] == dense["weight_bytes"]
-    assert {g["status"] for g in data["goals"]} <= {"pass", "miss", "not measured"}
+                "warmup_s", "t_min_s", "ceiling_fraction", "weight_bytes", "kv_bytes", "model", "B"} <= set(row)
+        assert 0 < row["ceiling_fraction"]  # fmt: skip
+    assert {g["status"] for g in data["goals"]} <= STATUSES
+    gpu_goals = [g for g in data["goals"] if g["goal"].startswith("GPU")]
+    assert len(gpu_goals) >= 9 and {g["status"] for g in gpu_goals} == {NEEDS_GPU}
 
 
 def test_static_group_mask_fraction():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks.end_to_end import group_static_mask
-    finally:
-        sys.path.remove(str(ROOT))
     mask = group_static_mask(30, 9, 3, 0.875)
     groups = mask.view(30, 3, 3)
     assert (groups.all(-1) | ~groups.any(-1)).all()  # whole groups only
     assert groups.all(-1).float().mean().item() == pytest.approx(79 / 90)
 
 
+def test_event_counts_per_step():
+    """Profiler events -> per-step counts: kernels on the device (not memcpy/memset), launches, host waits, DtoH
+    copies and scalar reads; one ``.item()`` is one round trip, the harness's device sync is not counted."""
+    item = [("aten::item", False), ("aten::_local_scalar_dense", False), ("cudaMemcpyAsync", False),
+            ("Memcpy DtoH (Device -> Pinned)", True), ("cudaStreamSynchronize", False)]  # fmt: skip
+    step = [("void gemv_kernel<float>", True), ("triton_poi_fused_add_0", True), ("cudaLaunchKernel", False),
+            ("cuLaunchKernel", False), ("Memset (Device)", True), ("Memcpy HtoD (Pageable -> Device)", True)]
+    counts = summarize_events(2 * step + item + [("cudaGraphLaunch", False), ("cudaDeviceSynchronize", False)], 2)
+    assert counts["kernels_per_step"] == 2 and counts["launches_per_step"] == 2
+    assert counts["graph_launches_per_step"] == 0.5 and counts["stream_syncs_per_step"] == 0.5
+    assert counts["dtoh_copies_per_step"] == 0.5 and counts["item_per_step"] == 0.5
+    assert counts["local_scalar_dense_per_step"] == 0.5 and counts["host_round_trips_per_step"] == 0.5
+    assert summarize_events(step, 1)["host_round_trips_per_step"] == 0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tiny_models import tiny_model
+
+    torch.manual_seed(0)
+    return tiny_model("llama")
+
+
+def test_step_counters_say_not_applicable_off_cuda(tiny):
+    """On the CPU the counter function runs nothing and returns the marker, never a number."""
+    base = [(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)) for _ in range(2)]
+    cache = fresh_cache(tiny, base, "static", 64, batch=2)
+    assert cache.get_seq_length() == 40
+    counts = count_step_events(tiny, cache, torch.tensor([1, 2]), 40, steps=3)
+    assert counts == {"status": CUDA_ONLY}
+    assert cache.get_seq_length() == 40  # no step ran
+
+
+def test_a_failing_configuration_is_recorded_and_the_others_measured(tiny):
+    """A run that cannot be built, and a compiled configuration whose run is not graph-capturable (the ``flex``
+    executor declares no ``static_shapes``): each row records its error, the others are measured."""
+    from qada.models import build_run
+
+    def broken():
+        raise RuntimeError("no such run")
+
+    def make():
+        return [(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)) for _ in range(2)], [3]
+
+    configs = {"dense": DecodeConfig(count_events=True), "broken": DecodeConfig(make_run=broken),
+               "flex compiled": DecodeConfig(make_run=lambda: build_run("dense", "none", "flex"), compiled=True),
+               "qada dense": DecodeConfig(make_run=lambda: build_run("dense", "none", "sdpa"))}  # fmt: skip
+    rows = run_end_to_end(tiny, {(40, 1): make}, lambda B: configs, steps=2, reps=1, device="cpu",
+                          log=lambda *a: None, model_name="tiny")  # fmt: skip
+    by = {r["config"]: r for r in rows}
+    assert set(by) == set(configs)
+    assert "no such run" in by["broken"]["error"] and "static_shapes" in by["flex compiled"]["error"]
+    assert by["qada dense"]["token_agreement"] == 1.0 and by["dense"]["counters"] == {"status": CUDA_ONLY}
+    skipped = {"model": "tiny", "T": 131072, "B": 8, "config": "*", "skipped": "needs ~146 GiB for its caches"}
+    text = markdown({"suite": "smoke", "command": "x", "machine": {"cpu": "c"}, "end_to_end": rows + [skipped],
+                     "models": {"tiny": "tiny"}})  # fmt: skip
+    assert "FAILED: RuntimeError('no such run')" in text and "skipped: needs ~146 GiB" in text
+
+
+def _row(config, T, B, model, tps, **extra):
+    return {"config": config, "T": T, "B": B, "model": model, "tokens_per_s_median": tps, "sparsity": 0.5,
+            "kv_sparsity": 0.4, "seconds_per_token": {"median": B / tps}, "compiled": "compiled" in config, **extra}
+
+
+def test_gpu_goals_from_measured_rows():
+    """The issue's GPU goals read the measured rows on a GPU; without one they are "not measured (needs a GPU)"."""
+    counters = {"kernels_per_step": 900.0, "host_round_trips_per_step": 1.0, "layers": 30}
+    rows = [
+        _row("dense compiled", 7680, 32, "smollm2", 1000.0, speedup_vs_dense_compiled=1.0, counters=dict(counters)),
+        _row("qada compiled", 7680, 32, "smollm2", 2500.0, speedup_vs_dense_compiled=2.5, eager_agreement=1.0,
+             counters=counters | {"extra_kernels_per_layer": 4.0, "extra_round_trips_per_step": 0.0}),
+        _row("qada", 7680, 32, "smollm2", 300.0,
+             counters=counters | {"extra_kernels_per_layer": 7.5, "extra_round_trips_per_step": 1.0}),
+        _row("qada compiled", 7680, 1, "smollm2", 80.0, speedup_vs_dense_compiled=0.8),
+        _row("static rho_kv=0.875 compiled", 131072, 1, "llama3-8b-random", 30.0, speedup_vs_dense_compiled=2.2),
+        _row("qada dense", 131072, 1, "llama3-8b-random", 10.0, ceiling_fraction=0.42, t_min_s=0.042),
+    ]  # fmt: skip
+    results = {"suite": "gpu", "machine": {"gpu": "NVIDIA H100 80GB HBM3"}, "end_to_end": rows}
+    goals = {g["goal"]: g for g in evaluate_goals(results)}
+
+    def status(words: str) -> str:
+        (match,) = [g for name, g in goals.items() if all(w in name for w in words.split("|"))]
+        return match["status"]
+
+    assert status("SmolLM2|B=32") == "met" and status("SmolLM2|B=1:") == "miss"
+    assert status("graph-captured forced rho_kv=0.875") == "met"
+    assert status("GPU|dense criterion") == "miss"
+    assert status("host round trips") == "miss" and status("extra kernels per layer") == "miss"
+    assert goals["GPU: extra kernels per layer and decode step (qada vs dense, eager and compiled, worst case)"][
+        "measured"] == 7.5  # fmt: skip
+    assert status("mixed path at rho_kv=0.875, T=32768") == "not measured"  # no attention rows in this run
+    assert status("CPU: qada decode tokens/s at ~8k") == "not measured (CPU suite)"
+    on_cpu = evaluate_goals({"suite": "gpu-dryrun", "machine": {"gpu": None}, "end_to_end": rows})
+    assert {g["status"] for g in on_cpu if g["goal"].startswith("GPU")} == {NEEDS_GPU}
+
+
 def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
-    """``--gpu --dry-run``: the GPU suite's code on the CPU (Triton in the interpreter), tiny shapes."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks.run import main
-    finally:
-        sys.path.remove(str(ROOT))
+    """``--gpu --dry-run``: the GPU suite's code on the CPU (Triton in the interpreter), tiny shapes: SmolLM2's
+    real weights (first 2 layers) on real pass-key prompts at B = 2, a tiny random model standing in for the
+    Llama-3-8B shapes, eager and compiled rows, the counters saying n/a."""
+    from benchmarks.run import main
+
     main(["--gpu", "--dry-run", "--out", str(tmp_path), "--quiet"])
     data = json.loads((tmp_path / "gpu-dryrun-cpu.json").read_text())
     assert data["errors"] == []
     assert {r["executor"] for r in data["attention"]} >= {"dense_sdpa", "sdpa", "flex", "triton"}
-    e2e = {r["config"]: r for r in data["end_to_end"]}
-    assert {"dense", "dense dynamic cache", "qada dense", "qada", "static rho_kv=0.875"} <= set(e2e)
-    assert e2e["qada"]["cache"] == "static"
+    assert set(data["models"]) == {"smollm2", "tiny-random"} and "real weights" in data["models"]["smollm2"]
+    rows = {(r["model"], r["B"], r["config"]): r for r in data["end_to_end"]}
+    eager = EAGER - {"static rho_kv=0.5"}
+    assert {("smollm2", 2, c) for c in eager | COMPILED} == {k for k in rows if k[0] == "smollm2"}
+    assert {("tiny-random", 1, c) for c in eager | COMPILED | {"dense dynamic cache", "static rho_kv=0.875 compiled"}
+            } == {k for k in rows if k[0] == "tiny-random"}  # fmt: skip
+    for key, row in rows.items():
+        assert "error" not in row, (key, row.get("error"))
+        assert row["cache"] == ("dynamic" if "dynamic" in key[2] else "static") and "t_min_s" in row
+        if row["compiled"]:
+            assert "eager_agreement" in row
+        if key[2] in ("dense", "qada", "dense compiled", "qada compiled"):
+            assert row["counters"] == {"status": CUDA_ONLY}
+    assert 0 < rows[("smollm2", 2, "qada")]["sparsity"] < 1
+    assert {g["status"] for g in data["goals"] if g["goal"].startswith("GPU")} == {NEEDS_GPU}

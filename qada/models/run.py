@@ -276,7 +276,7 @@ class QAdARun:
 
 def _version(tensor: torch.Tensor | None) -> int | None:
     """The in-place version counter of ``tensor`` (``None`` for none, or an inference tensor, which has none)."""
-    if tensor is None or tensor.is_inference():
+    if tensor is None or torch.compiler.is_compiling() or tensor.is_inference():
         return None
     return tensor._version
 

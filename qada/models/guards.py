@@ -114,7 +114,7 @@ class CacheGuard:
 
         Checked on the device, never on the host: at the first decided layer every row must have grown by exactly
         one key since the previous step; a violation sets a device flag that :meth:`check` raises at the next
-        host point (a summary, the next prefill). Returns the step index, a Python counter kept for observers
+        host point (``run.summary()`` or ``run.check()``). Returns the step index, a Python counter kept for observers
         only (observers read the host; a replayed CUDA graph does not run Python, so it stops there)."""
         if self._length.get(layer) is None:
             raise StaleStateError(

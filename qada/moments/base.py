@@ -11,6 +11,11 @@ population covariance ``Sigma_K [b, H_kv, d, d]`` of the bulk keys that QAdA's l
 and :meth:`reset` before a new sequence (a new prefill), :meth:`prepare` once per model before the first
 prefill (only sources with ``needs_model`` do anything there).
 
+On a preallocated cache a source with ``static_shapes`` gets ``prefill(..., capacity=C)`` and then
+``append(..., end=end)`` / ``moments(..., end=end)`` with ``keys`` the whole buffer ``[b, H_kv, C, d]`` and
+``end [b]`` each row's filled length (a device tensor): it must not read the host there, and keeps its state in
+tensors allocated at the prefill and updated in place (see :doc:`/howto/compile`).
+
 Keys are the cache's post-RoPE keys ``[b, H_kv, T, d]`` (padding included); ``start [b]`` is each row's first
 real token (left padding) or ``None``. Each row's real length is ``n_r = T - start_r``.
 

@@ -295,12 +295,17 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("executor", ["sdpa", "triton"])
 @pytest.mark.parametrize("source", ["current", "stored", "bucketed"])
 def test_gpu_decode_steps_never_sync(model, reference, source, executor):
-    """On a GPU, with ``torch.cuda.set_sync_debug_mode("error")`` around qada's decode steps."""
+    """On a GPU, with ``torch.cuda.set_sync_debug_mode("error")`` around qada's decode steps (from the second step
+    on: the first compiles kernels, which may synchronise)."""
     on_gpu = copy.deepcopy(model).cuda()
     run = make_run({"name": "qada", "tau": 0.3}, source, executor, reference)
     original = QAdARun.decode_buffer
+    calls = []
 
     def strict(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) <= on_gpu.config.num_hidden_layers:
+            return original(self, *args, **kwargs)
         torch.cuda.set_sync_debug_mode("error")
         try:
             return original(self, *args, **kwargs)

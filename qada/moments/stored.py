@@ -138,18 +138,22 @@ class ReferenceMomentSource(MomentSource):
         if starts.shape != (b,):
             raise ValueError(f"expected start of shape [{b}] but got {tuple(starts.shape)}")
         first = self.first(window)
-        end = reference_bulk_end(T - starts, window, self.offset, first, self.min_bulk_keys)
-        if bool((end > available).any()) and not self._warned_short:
-            self._warned_short = True
-            warnings.warn(
-                f"the reference ({available} keys) is shorter than this prompt needs (up to {int(end.max())} "
-                f"keys): using all of it. Build a longer reference (length=...) to avoid this.",
-                stacklevel=3,
-            )
-        end = end.clamp(max=available)
+        end = self._within_reference(reference_bulk_end(T - starts, window, self.offset, first, self.min_bulk_keys),
+                                     available, "this prompt needs")
         if start is None:
             self._ends_cache = {(b, T, available, window): end}  # the layers of one step share it
         return end
+
+    def _within_reference(self, ends: torch.Tensor, available: int, what: str) -> torch.Tensor:
+        """``ends`` (CPU) clamped to the ``available`` reference keys; warns once per source when it clamps."""
+        if bool((ends > available).any()) and not self._warned_short:
+            self._warned_short = True
+            warnings.warn(
+                f"the reference ({available} keys) is shorter than {what} (up to {int(ends.max())} keys): using "
+                "all of it. Build a longer reference (length=...) to avoid this.",
+                stacklevel=4,
+            )
+        return ends.clamp(max=available)
 
     def resolved_length(self, model: Any) -> int:
         """``length``, or the model's maximum positions capped at 32768
@@ -281,14 +285,7 @@ class StoredMoments(ReferenceMomentSource):
         first = self.first(window)
         n = (T - self._cpu_starts(start, b))[:, None] + torch.arange(capacity - T + 1)  # [b, steps + 1] lengths
         ends = reference_bulk_end(n.flatten(), window, self.offset, first, self.min_bulk_keys).view(n.shape)
-        if bool((ends > N).any()) and not self._warned_short:
-            self._warned_short = True
-            warnings.warn(
-                f"the reference ({N} keys) is shorter than this prompt may need (up to {int(ends.max())} keys at "
-                f"the cache's capacity): using all of it. Build a longer reference (length=...) to avoid this.",
-                stacklevel=4,
-            )
-        ends = ends.clamp(max=N)
+        ends = self._within_reference(ends, N, "this prompt may need at the cache's capacity")
         self._move(layer, ref, shift, first, ends[:, 0].clone())
         count, s1, s2, _, _ = self._state.pop(layer)
         jumps = (ends[:, 1:] - ends[:, :-1]).abs() > 1  # [b, steps]: where a rank-1 update is not enough

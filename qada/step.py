@@ -96,24 +96,8 @@ class DecodeStep:
                 raise ValueError(
                     f"expected values of shape {tuple(self.keys.shape)} like keys but got {tuple(self.values.shape)}"
                 )
-        if self.start is not None:
-            if not isinstance(self.start, torch.Tensor) or self.start.dtype.is_floating_point or (
-                self.start.dtype == torch.bool
-            ):
-                got = self.start.dtype if isinstance(self.start, torch.Tensor) else type(self.start).__name__
-                raise ValueError(f"expected start to be an integer tensor of shape [{b}] but got {got}")
-            if self.start.shape != (b,):
-                raise ValueError(f"expected start of shape [{b}] but got {tuple(self.start.shape)}")
-            self.start = self.start.to(device=self.query.device, dtype=torch.long)
-        if self.end is not None:
-            if not isinstance(self.end, torch.Tensor) or self.end.dtype.is_floating_point or (
-                self.end.dtype == torch.bool
-            ):
-                got = self.end.dtype if isinstance(self.end, torch.Tensor) else type(self.end).__name__
-                raise ValueError(f"expected end to be an integer tensor of shape [{b}] but got {got}")
-            if self.end.shape != (b,):
-                raise ValueError(f"expected end of shape [{b}] but got {tuple(self.end.shape)}")
-            self.end = self.end.to(device=self.query.device, dtype=torch.long)
+        self.start = _row_positions("start", self.start, b, self.query.device)
+        self.end = _row_positions("end", self.end, b, self.query.device)
 
     @classmethod
     def from_attention(
@@ -287,6 +271,19 @@ class DecodeStep:
         """Count heads forced dense because a value was NaN/inf (kept on the device, no sync)."""
         count = forced_dense.sum()
         self.fail_safe = count if self.fail_safe is None else self.fail_safe + count
+
+
+def _row_positions(name: str, value: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor | None:
+    """``value`` (``None``, or an integer tensor ``[b]`` of one position per row) as a long tensor on ``device``;
+    anything else is a clear error."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype == torch.bool:
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"expected {name} to be an integer tensor of shape [{b}] but got {got}")
+    if value.shape != (b,):
+        raise ValueError(f"expected {name} of shape [{b}] but got {tuple(value.shape)}")
+    return value.to(device=device, dtype=torch.long)
 
 
 StepContext = DecodeStep

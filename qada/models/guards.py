@@ -79,6 +79,11 @@ class CacheGuard:
 
     def __init__(self, track_row_order: bool = False) -> None:
         self.track_row_order = track_row_order
+        # Buffer decoding (device tensors, kept across resets and prefills and rewritten in place, so that a
+        # captured CUDA graph keeps writing the tensors that are read): the first layer's row ends, and a flag
+        # set when a row did not grow by one key.
+        self._last_end: torch.Tensor | None = None
+        self._stale: torch.Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -86,12 +91,6 @@ class CacheGuard:
         self._step: dict[int, int] = {}
         self._newest_key: dict[int, torch.Tensor] = {}
         self._capacity: dict[int, int] = {}
-        # Buffer decoding (device tensors, kept across resets and prefills and rewritten in place, so that a
-        # captured CUDA graph keeps writing the tensors that are read): the first layer's row ends, and a flag
-        # set when a row did not grow by one key.
-        if not hasattr(self, "_last_end"):
-            self._last_end: torch.Tensor | None = None
-            self._stale: torch.Tensor | None = None
 
     # --- decoding on a preallocated buffer (no host sync) --------------------------------------------------
     def buffer_capacity(self, layer: int) -> int | None:

@@ -91,9 +91,10 @@ class BucketedMoments(ReferenceMomentSource):
                     f"moments built from {self.data.first}"
                 )
             self._device_data(keys.device)
-            b = keys.shape[0]
-            self._ends(keys[:, :, :1].expand(b, keys.shape[1], capacity, keys.shape[3]), start, window,
-                       int(self.data.ends[-1]))  # warns once if the longest prompt needs more than the reference
+            longest = capacity - self._cpu_starts(start, keys.shape[0])  # each row's length when the cache is full
+            self._within_reference(  # warns once if the longest prompt needs more than the reference
+                reference_bulk_end(longest, window, self.offset, self.first(window), self.min_bulk_keys),
+                int(self.data.ends[-1]), "this prompt may need at the cache's capacity")
 
     def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                end: torch.Tensor | None = None) -> None:

@@ -296,11 +296,11 @@ class StoredMoments(ReferenceMomentSource):
         jump_sums = (torch.zeros(b, K, H_kv, **f64), torch.zeros(b, K, H_kv, d, **f64),
                      torch.zeros(b, K, H_kv, d, d, **f64))
         every, p1, p2 = self._checkpoints(layer, ref, shift)
+        n0, t0, u0 = self._prefix_sums(ref, shift, every, p1, p2, first)  # the keys before the range, once
         for r, j in jumps.nonzero().tolist():
             k = int((jump_n[r] >= 0).sum())
             target = int(ends[r, j + 1])
             n1, t1, u1 = self._prefix_sums(ref, shift, every, p1, p2, target)
-            n0, t0, u0 = self._prefix_sums(ref, shift, every, p1, p2, first)
             jump_n[r, k] = int(n[r, j + 1])
             jump_sums[0][r, k], jump_sums[1][r, k], jump_sums[2][r, k] = max(n1 - n0, 0.0), t1 - t0, u1 - u0
         device = ref.device

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -418,3 +419,16 @@ def test_a_new_prompt_rewrites_the_state_in_place(model, reference, source):
     fresh = greedy(model, make_run({"name": "qada", "tau": 0.3}, source, "sdpa", reference), "static", steps=3)
     assert torch.equal(second[0], fresh[0]) and torch.equal(first[0], fresh[0])
     assert second[2]["sparsity"] == pytest.approx(fresh[2]["sparsity"])
+
+
+@pytest.mark.parametrize("kind", ["stored", "bucketed"])
+def test_a_reference_shorter_than_the_cache_may_need_warns_once_at_the_prefill(reference, kind):
+    """Reported on the host's schedule (the prefill), never from inside a decode step."""
+    source = moments(kind, reference)  # a reference of 64 keys; a full cache of 200 slots needs up to 188
+    window = make_run("dense", "none", "sdpa", reference).window
+    keys = torch.randn(1, 2, 20, 16)
+    with pytest.warns(UserWarning, match="shorter than this prompt may need at the cache's capacity"):
+        source.prefill(0, keys, None, window, capacity=200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        source.prefill(0, keys, None, window, capacity=200)  # once per source

@@ -156,29 +156,83 @@ def test_stored_range_jumps_during_decoding(model, reference):
 
 
 HOST_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+HOST_WRITES = ("tensor", "as_tensor")  # Python data -> a device tensor: a host-to-device copy (a sync on CUDA)
 
 
 @contextlib.contextmanager
 def no_host_reads_in_decode_steps():
-    """Fail every host read of a tensor while qada's decode step of a layer runs (transformers' own code
-    around it may read the host: dense has its one sync too)."""
+    """Fail every host read of a tensor, and every tensor made from Python data, while qada's decode step of a
+    layer runs (transformers' own code around it may read the host: dense has its one sync too)."""
     original = QAdARun.decode_buffer
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    saved_writes = {name: getattr(torch, name) for name in HOST_WRITES}
 
     def guarded(self, *args, **kwargs):
         for name in HOST_READS:
             setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read in a decode step: {_n}"))
+        for name in HOST_WRITES:
+            setattr(torch, name, lambda *a, _n=name, **k: pytest.fail(f"host-to-device copy in a decode step: {_n}"))
         try:
             return original(self, *args, **kwargs)
         finally:
             for name, function in saved.items():
                 setattr(torch.Tensor, name, function)
+            for name, function in saved_writes.items():
+                setattr(torch, name, function)
 
     QAdARun.decode_buffer = guarded
     try:
         yield
     finally:
         QAdARun.decode_buffer = original
+
+
+def held_tensors(obj, path: str = "run", seen: set | None = None, found: dict | None = None) -> dict:
+    """``path -> (id, data_ptr)`` of every tensor that qada's objects under ``obj`` hold (attributes, lists,
+    dicts; not the model's own modules)."""
+    seen = set() if seen is None else seen
+    found = {} if found is None else found
+    if id(obj) in seen:
+        return found
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found[path] = (id(obj), obj.data_ptr())
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            held_tensors(item, f"{path}[{key!r}]", seen, found)
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            held_tensors(item, f"{path}[{i}]", seen, found)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("qada"):
+        for key, item in vars(obj).items():
+            held_tensors(item, f"{path}.{key}", seen, found)
+    return found
+
+
+@pytest.mark.parametrize("executor", [EXECUTORS[0], "reference"], ids=["sdpa-no-host-skip", "reference"])
+@pytest.mark.parametrize("criterion, source", CONFIGS, ids=[f"config{i}" for i in range(len(CONFIGS))])
+def test_decode_steps_keep_no_tensor_they_made(model, reference, criterion, source, executor):
+    """After the prefill every tensor qada keeps is updated in place: a decode step rebinds none and leaves no new
+    one behind. Under CUDA graphs a tensor made in a captured step and kept past it would live in the graph's
+    memory pool, overwritten by the next replay (torch refuses: "tensor(s) in the cudagraph pool not tracked")."""
+    run = make_run(criterion, source, executor, reference)
+    ids, mask = prompt()
+    steps = 3
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 3)
+    full_mask = torch.cat([mask, torch.ones(2, steps + 3, dtype=mask.dtype)], 1)
+    attach(model, run)
+    run.reset_stats()
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            before = held_tensors(run)
+            for _ in range(steps):
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                out = model(input_ids=token, attention_mask=full_mask, past_key_values=cache, use_cache=True)
+                after = held_tensors(run)
+                assert {path for path in after if before.get(path) != after[path]} == set()
+    finally:
+        run.remove()
 
 
 @pytest.mark.parametrize("executor", [EXECUTORS[0], "reference"], ids=["sdpa-no-host-skip", "reference"])

@@ -86,12 +86,12 @@ class SDPAExecutor(AttentionExecutor):
             out = F.scaled_dot_product_attention(
                 rows, step.window_keys, step.window_values,
                 attn_mask=None if step.full_rows else valid[:, None, None, :], scale=scale,
-            ).view(b, H, 1, d)
+            ).reshape(b, H, 1, d)  # GPU kernels may return it strided
             if T <= step.window.t_local:  # the window is the whole cache: nothing else to read
                 return out, None
         if not host:  # every group in full, the window result chosen per head: no sync, no loop
             mask = None if real is None else real[:, None, None, :]
-            full = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale).view(b, H, 1, d)
+            full = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
             return torch.where(local[:, :, None, None], out, full), None
         pairs = read.nonzero()  # [n, 2] (row, KV head): host sync
         n = pairs.shape[0]
@@ -103,7 +103,7 @@ class SDPAExecutor(AttentionExecutor):
         chunks = self._chunks(step)
         if n == b * H_kv and chunks == 1:
             mask = None if real is None else real[:, None, None, :]
-            full = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale).view(b, H, 1, d)
+            full = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
         else:
             # Each read (row, KV group) attends over views of its own K/V: no copy of the cache.
             full = (out.clone() if out is not None else torch.empty_like(step.query)[:, :, None]).view(

@@ -80,5 +80,4 @@ def lognormal_log_bulk_from_moments(mu_s: torch.Tensor, var_s: torch.Tensor, t_b
         raise ValueError(f"expected t_bulk of shape [{mu_s.shape[0]}] but got {tuple(t_bulk.shape)}")
     log_t = torch.log(t_bulk.to(device=mu_s.device, dtype=mu_s.dtype))[:, None]
     estimate = log_t + mu_s + 0.5 * var_s
-    neg_inf = torch.tensor(float("-inf"), dtype=estimate.dtype, device=estimate.device)
-    return torch.where(t_bulk.to(mu_s.device)[:, None] > 0, estimate, neg_inf)
+    return estimate.masked_fill(t_bulk.to(mu_s.device)[:, None] <= 0, float("-inf"))  # no host->device copy

@@ -52,8 +52,7 @@ def _masked_logsumexp(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"expected a mask over {scores.shape[-1]} positions but got mask of shape {tuple(mask.shape)}"
         )
-    neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
-    return torch.logsumexp(torch.where(mask, scores, neg_inf), dim=-1)
+    return torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)  # no host->device copy of a scalar
 
 
 def log_local_mass(scores: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

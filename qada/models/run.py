@@ -85,6 +85,7 @@ class QAdARun:
         self._remove: Any = None
         self._mask_cache: dict[str, tuple[Any, tuple, Any]] = {}
         self._first_layer: int | None = None  # the first global layer prefilled: it checks the rows' growth
+        self._last_layer: int | None = None  # the last one: its step drops the per-step mask cache
         self._static_shapes: bool | None = None
 
     @property
@@ -117,7 +118,8 @@ class QAdARun:
         """Forget the accumulated statistics and the cache bookkeeping (a new prefill follows)."""
         self.stats.reset()
         self.guard.reset()
-        self._first_layer = None
+        self._first_layer = self._last_layer = None
+        self._mask_cache.clear()
 
     def check(self) -> None:
         """Raise :class:`StaleStateError` if a decode step on a preallocated buffer saw a row that did not grow by
@@ -175,9 +177,10 @@ class QAdARun:
         """After the dense prefill of ``layer`` (its cache holds ``key [b, H_kv, T, d]``; ``capacity``: the slots
         of a preallocated cache, ``None`` for a growing one). May read the host: prefill is not a decode step."""
         if self._first_layer is None or layer <= self._first_layer:  # a new sequence starts at the first layer
-            self._first_layer = layer
+            self._first_layer = self._last_layer = layer
             self.stats.prepare(self.layers.num_layers if self.layers is not None else layer + 1, key.device)
             self.criterion.to_device(key.device)
+        self._last_layer = max(self._last_layer, layer)
         self.guard.prefill(layer, key)
         buffered = capacity is not None and self.static_shapes
         if capacity is not None:
@@ -247,6 +250,8 @@ class QAdARun:
             )
         start, end = bounds
         step_index = self.guard.decode_buffer(layer, end, first_layer=layer == self._first_layer)
+        if layer == self._last_layer:  # the step's bounds die with it: under CUDA graphs no tensor made in a
+            self._mask_cache.clear()  # captured step may outlive it (the graph pool would hold it)
         return self._decide_and_attend(layer, query, key, value, scale, start, end, step_index)
 
     def _decide_and_attend(self, layer, query, key, value, scale, start, end, step_index) -> torch.Tensor:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Stages of a GPU measurement session on a lent machine (see ../shared/GPU.md): one device call runs several,
+# each under its own time limit, everything it prints kept under $OUT (the files that come back).
+#   bash scripts/gpu-run.sh env tests attention      # no model needed (the first call, with .gpu/a)
+#   bash scripts/gpu-run.sh smollm2                  # the embedded model (after .gpu/b: "model ready")
+#   bash scripts/gpu-run.sh llama                    # Llama-3-8B shapes, random weights
+# Stages: env, tests, attention (+ overhead), smollm2, smollm2-b1, smollm2-b32, llama, llama-32k, llama-128k.
+# Each stage's limit (seconds) can be changed with LIMIT_<stage>=..., e.g. LIMIT_smollm2=300.
+set -u
+out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+py=${PYTHON:-python3}
+
+stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
+  local name=$1 default=$2; shift 2
+  local var="LIMIT_${name//-/_}"; local limit=${!var:-$default}
+  echo "=== $name (limit ${limit}s) $(date +%T)"
+  timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -n 60
+  echo "=== $name rc ${PIPESTATUS[0]} $(date +%T)"
+}
+
+
+for s in "$@"; do
+  case $s in
+    env) stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())'" ;;
+    tests) stage tests 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_attention_triton.py \
+             tests/test_attention_triton_buffer.py tests/test_buffer_decode.py ;;
+    attention) stage attention 300 "$py" benchmarks/run.py --gpu --out "$out" --only attention,overhead ;;
+    smollm2) stage smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 ;;
+    smollm2-b1) stage smollm2-b1 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 --batches 1 ;;
+    smollm2-b32) stage smollm2-b32 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 --batches 32 ;;
+    llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;
+    llama-32k) stage llama-32k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 32768 ;;
+    llama-128k) stage llama-128k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 131072 ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
+ls -la "$out"

@@ -130,7 +130,7 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     ``dense`` (the unwrapped model, the reference), the unwrapped model on the other cache kind (what a user who
     changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``qada dense`` (the
     wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor),
-    ``static rho_kv=...`` (whole KV groups forced local), and ``<name> compiled`` for each name of
+    ``qada fused`` (the same with its decision compiled, if ``workload.fused``), ``static rho_kv=...`` (whole KV groups forced local), and ``<name> compiled`` for each name of
     ``workload.compiled``: the same run, decode steps through ``torch.compile`` (CUDA graphs on a GPU).
     """
     c = model.config
@@ -142,6 +142,10 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     configs["qada dense"] = DecodeConfig(kind, lambda: dense_run(suite.e2e_executor))
     configs["qada"] = DecodeConfig(kind, lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor),
                                    count_events=True)  # fmt: skip
+    if workload.fused:
+        configs["qada fused"] = DecodeConfig(
+            kind, lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor, fused=True), count_events=True
+        )
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
         configs[f"static rho_kv={rho}"] = DecodeConfig(kind, lambda mask=mask: static_run(mask, suite.e2e_executor))

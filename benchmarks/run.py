@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="end-to-end: comma-separated models of the suite to decode (default: all)")
     parser.add_argument("--lengths", default=None, help="end-to-end: only these context lengths (comma-separated)")
     parser.add_argument("--batches", default=None, help="end-to-end: only these batch sizes (comma-separated)")
+    parser.add_argument("--configs", default=None,
+                        help="end-to-end: only these configurations (comma-separated names; dense always runs)")
     parser.add_argument("--note", default="", help="a note written at the top of the markdown")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser.parse_args(argv)
@@ -75,6 +77,18 @@ def select_workloads(suite, args: argparse.Namespace) -> list:
     if not workloads:
         raise SystemExit(f"no end-to-end case of suite {suite.name} is left by --models/--lengths/--batches")
     return workloads
+
+
+def pick_configs(names: str | None, build, batch: int) -> dict:
+    """``build(batch)`` restricted to ``names`` (comma-separated; ``dense``, the reference, always kept)."""
+    configs = build(batch)
+    if not names:
+        return configs
+    wanted = set(names.split(","))
+    unknown = wanted - set(configs)
+    if unknown:
+        raise ValueError(f"--configs: {sorted(unknown)} not among {sorted(configs)}")
+    return {name: config for name, config in configs.items() if name in wanted | {"dense"}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -112,11 +126,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["settings"]["e2e"] = [dataclasses.asdict(w) for w in workloads]
     stem = f"{name}-{machine_tag(info)}"
     if sections != {"attention", "overhead", "end_to_end"}:  # a partial run must not overwrite the whole one
-        stem += "-" + "+".join(sorted(sections))
+        stem += "-" + "_".join(sorted(sections))
     if workloads != suite.e2e and "end_to_end" in sections:
-        stem += "-" + "+".join(w.model for w in workloads)
-        stem += "".join(f"-{key[0].upper()}{getattr(args, key).replace(',', '+')}" for key in ("lengths", "batches")
+        stem += "-" + "_".join(w.model for w in workloads)
+        stem += "".join(f"-{key[0].upper()}{getattr(args, key).replace(',', '_')}" for key in ("lengths", "batches")
                         if getattr(args, key))  # fmt: skip
+    if args.configs and "end_to_end" in sections:
+        stem += "-some_configs"
     started = time.perf_counter()
 
     def save() -> None:
@@ -172,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     results["models"][workload.model] = what
                     end_to_end.run_end_to_end(
                         model, models.build_contexts(suite, workload, model, tokenizer),
-                        functools.partial(models.build_configs, suite, workload, model, tokenizer),
+                        functools.partial(pick_configs, args.configs,
+                                          functools.partial(models.build_configs, suite, workload, model, tokenizer)),
                         suite.e2e_steps, suite.e2e_reps, device, log,
                         bandwidth_gbs=(results.get("copy_bandwidth") or {}).get("bandwidth_gbs"),
                         warmup=suite.e2e_warmup, count_steps=suite.e2e_count_steps, model_name=workload.model,

@@ -24,6 +24,7 @@ class Workload:
             GPU), each as a row ``"<name> compiled"``.
         real_up_to: SmolLM2 only: real prefills up to this length, random K/V beyond (timing only).
         layers: keep only the first ``layers`` layers (dry run: the real model's code path at a tiny cost).
+        fused: also decode ``qada fused`` (QAdA with its decision compiled by inductor, ``compile=True``).
     """
 
     model: str
@@ -32,6 +33,7 @@ class Workload:
     compiled: tuple[str, ...] = ("dense", "qada")
     real_up_to: int = 8192
     layers: int | None = None
+    fused: bool = False
 
 
 @dataclass
@@ -65,6 +67,7 @@ TINY = Shape("tiny", 1, 8, 2, 64, torch.float32)
 TINY_BF16 = Shape("tiny-bf16", 1, 8, 2, 64, torch.bfloat16)
 LLAMA8B_CASES = Workload("llama3-8b-random", (32768, 131072), batches=(1, 8),
                          compiled=("dense", "qada", "static rho_kv=0.875"))  # fmt: skip
+SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32), compiled=("dense", "qada", "qada fused"), fused=True)
 
 SUITES = {
     "smoke": Suite(
@@ -85,12 +88,12 @@ SUITES = {
     "gpu": Suite(
         "gpu", "cuda", [LLAMA8B_BF16], [8192, 32768, 131072], ["sdpa", "flex", "triton"], 10, 20, None,
         [LLAMA8B_BF16], [32768, 131072], 10, 20,
-        [Workload("smollm2", (7680,), batches=(1, 32)), LLAMA8B_CASES], 16, 3, "triton", "current",
+        [SMOLLM2_GPU, LLAMA8B_CASES], 16, 3, "triton", "current",
         e2e_warmup=3, copy_bytes=2 * 2**30, dtype=torch.bfloat16,
     ),
     "gpu-dryrun": Suite(
         "gpu-dryrun", "cpu", [TINY_BF16], [1024], ["sdpa", "flex", "triton"], 1, 1, False, [TINY_BF16], [1024], 1, 1,
-        [Workload("smollm2", (256,), batches=(2,), layers=2),
+        [Workload("smollm2", (256,), batches=(2,), layers=2, compiled=SMOLLM2_GPU.compiled, fused=True),
          Workload("tiny-random", (600,), compiled=LLAMA8B_CASES.compiled)],
         2, 1, "triton", "current",
         e2e_warmup=2, e2e_count_steps=2, copy_bytes=4 * 2**20, static_rho_kv=[0.875], dtype=torch.bfloat16,

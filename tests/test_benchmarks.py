@@ -214,7 +214,8 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     assert set(data["models"]) == {"smollm2", "tiny-random"} and "real weights" in data["models"]["smollm2"]
     rows = {(r["model"], r["B"], r["config"]): r for r in data["end_to_end"]}
     eager = EAGER - {"static rho_kv=0.5"}
-    assert {("smollm2", 2, c) for c in eager | COMPILED} == {k for k in rows if k[0] == "smollm2"}
+    fused = {"qada fused", "qada fused compiled"}  # the decision compiled by inductor (compile=True)
+    assert {("smollm2", 2, c) for c in eager | COMPILED | fused} == {k for k in rows if k[0] == "smollm2"}
     assert {("tiny-random", 1, c) for c in eager | COMPILED | {"dense dynamic cache", "static rho_kv=0.875 compiled"}
             } == {k for k in rows if k[0] == "tiny-random"}  # fmt: skip
     for key, row in rows.items():
@@ -222,7 +223,21 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
         assert row["cache"] == ("dynamic" if "dynamic" in key[2] else "static") and "t_min_s" in row
         if row["compiled"]:
             assert "eager_agreement" in row
-        if key[2] in ("dense", "qada", "dense compiled", "qada compiled"):
+        if key[2] in ("dense", "qada", "dense compiled", "qada compiled") or key[2] in fused:
             assert row["counters"] == {"status": CUDA_ONLY}
     assert 0 < rows[("smollm2", 2, "qada")]["sparsity"] < 1
+    for name in fused:  # the same decisions as the eager criterion
+        assert rows[("smollm2", 2, name)]["sparsity"] == pytest.approx(rows[("smollm2", 2, "qada")]["sparsity"])
     assert {g["status"] for g in data["goals"] if g["goal"].startswith("GPU")} == {NEEDS_GPU}
+
+
+def test_configs_pick_rows_and_keep_the_dense_reference():
+    """``--configs``: only the named end-to-end rows, ``dense`` (the reference of every ratio) always; an unknown
+    name is an error naming the known ones."""
+    from benchmarks.run import pick_configs
+
+    build = lambda batch: {"dense": 0, "qada": 1, "qada compiled": 2, f"B{batch}": 3}  # noqa: E731
+    assert pick_configs(None, build, 1) == build(1)
+    assert pick_configs("qada compiled", build, 1) == {"dense": 0, "qada compiled": 2}
+    with pytest.raises(ValueError, match=r"--configs: \['nope'\] not among"):
+        pick_configs("qada,nope", build, 1)

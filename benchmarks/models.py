@@ -130,8 +130,9 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     ``dense`` (the unwrapped model, the reference), the unwrapped model on the other cache kind (what a user who
     changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``qada dense`` (the
     wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor),
-    ``qada fused`` (the same with its decision compiled, if ``workload.fused``), ``static rho_kv=...`` (whole KV groups forced local), and ``<name> compiled`` for each name of
-    ``workload.compiled``: the same run, decode steps through ``torch.compile`` (CUDA graphs on a GPU).
+    ``qada fused`` (the same with its decision compiled, if ``workload.fused``), ``static rho_kv=...`` (whole KV
+    groups forced local), and ``<name> compiled`` for each name of ``workload.compiled``: the same run, decode steps
+    through ``torch.compile`` (CUDA graphs on a GPU).
     """
     c = model.config
     kind = suite.e2e_cache
@@ -143,9 +144,8 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     configs["qada"] = DecodeConfig(kind, lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor),
                                    count_events=True)  # fmt: skip
     if workload.fused:
-        configs["qada fused"] = DecodeConfig(
-            kind, lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor, fused=True), count_events=True
-        )
+        fused = lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor, fused=True)  # noqa: E731
+        configs["qada fused"] = DecodeConfig(kind, fused, count_events=True)
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
         configs[f"static rho_kv={rho}"] = DecodeConfig(kind, lambda mask=mask: static_run(mask, suite.e2e_executor))

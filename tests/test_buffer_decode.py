@@ -70,6 +70,9 @@ CONFIGS = [
     ({"name": "static", "mask": [[True, False, True, False], [False, False, True, True]]}, "none"),
     ({"name": "any_of", "criteria": [{"name": "qada", "tau": 0.3}, "local"]}, "stored"),
     ({"name": "layer_override", "base": {"name": "qada", "tau": 0.3}, "overrides": {0: "dense"}}, "stored"),
+    ({"name": "qada_tail", "tau": 0.3, "heavy": 4, "observe": 4, "page_size": 2, "pages": 2}, "stored"),
+    ({"name": "any_of", "criteria": [{"name": "qada_tail_budget", "sparsity": 0.6, "heavy": 2, "observe": 3,
+                                      "page_size": 4, "pages": 1}, "local"]}, "current"),
 ]
 EXECUTORS = [{"name": "sdpa", "host_skip": False}, "sdpa", "reference"]
 

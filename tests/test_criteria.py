@@ -34,6 +34,8 @@ EXAMPLES = {
     "qada_calibrated": {"tau": 0.5, "slope": [[1.2, 0.8, 1.0, 0.5]] * 3, "offset": [[0.3, -0.2, 0.0, 1.0]] * 3},
     "qada_budget": {"sparsity": 0.5, "per_group": True},
     "hybrid": {"base": {"name": "qada_budget", "sparsity": 0.75}, "dense_mask": [[True, False, False, False]] * 3},
+    "qada_tail": {"tau": 0.5, "heavy": 8, "page_size": 16, "pages": 2},
+    "qada_tail_budget": {"sparsity": 0.5, "heavy": 0, "page_size": 32, "pages": 1},
 }
 
 
@@ -61,6 +63,8 @@ def test_every_criterion_builds_decides_and_round_trips(name):
     assert rebuilt.to_config() == config
     for layer in range(3):
         ctx = make_ctx(layer)
+        for built in (criterion, rebuilt):  # what a run does at the prefill (no-op but for stateful criteria)
+            built.observe_prefill(layer, ctx.keys, None, ctx.scale, None, ctx.window)
         local = criterion(ctx)
         assert local.dtype == torch.bool and local.shape == (2, 4)
         assert torch.equal(local, rebuilt(make_ctx(layer)))

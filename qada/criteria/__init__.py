@@ -14,6 +14,7 @@ from qada.criteria.hybrid import HybridCriterion
 from qada.criteria.oracle import OracleCriterion
 from qada.criteria.qada import QAdACriterion
 from qada.criteria.static import StaticCriterion
+from qada.criteria.tail import TailBudgetCriterion, TailCriterion
 from qada.criteria.threshold import ThresholdCriterion
 from qada.step import DecodeStep, StepContext
 
@@ -36,6 +37,8 @@ __all__ = [
     "StaticCalibrator",
     "StaticCriterion",
     "StepContext",
+    "TailBudgetCriterion",
+    "TailCriterion",
     "ThresholdCriterion",
     "register_criterion",
     "spread_count",

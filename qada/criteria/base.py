@@ -11,6 +11,7 @@ import torch
 from qada.functional.checks import check_head_mask
 from qada.registry import Component, Registry
 from qada.step import DecodeStep
+from qada.window import Window
 
 __all__ = ["CRITERIA", "HeadCriterion", "register_criterion"]
 
@@ -60,6 +61,24 @@ class HeadCriterion(Component, abc.ABC):
         children = getattr(self, "children", None)
         for child in children() if callable(children) else ():
             child.to_device(device)
+
+    def observe_prefill(self, layer: int, keys: torch.Tensor, queries: torch.Tensor | None, scale: float | None,
+                        start: torch.Tensor | None, window: Window, capacity: int | None = None) -> None:
+        """After the dense prefill of ``layer``: its keys ``[b, H_kv, T, d]`` and queries ``[b, H, T, d]`` (``None``
+        when the cache was prefilled elsewhere), for criteria that keep state per layer (e.g. the tail-aware ones);
+        ``capacity``: the slots of a preallocated cache. May read the host. The default does nothing itself and
+        passes the call to ``children()``, if any."""
+        children = getattr(self, "children", None)
+        for child in children() if callable(children) else ():
+            child.observe_prefill(layer, keys, queries, scale, start, window, capacity)
+
+    def observe_append(self, layer: int, keys: torch.Tensor, end: torch.Tensor | None) -> None:
+        """Before deciding a decode step of ``layer``: its cache ``keys [b, H_kv, T, d]`` holds the step's key at
+        ``end - 1`` (``T - 1`` without ``end``). Inside a decode step: device work only, state updated in place.
+        The default does nothing itself and passes the call to ``children()``, if any."""
+        children = getattr(self, "children", None)
+        for child in children() if callable(children) else ():
+            child.observe_append(layer, keys, end)
 
     def bind_layers(self, global_layers: Sequence[int]) -> None:
         """Learn which layers are decided: the model's global layers, ascending (on a hybrid model the

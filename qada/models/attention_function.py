@@ -69,7 +69,7 @@ def qada_attention_forward(
     if q_len > 1 or T == q_len:  # prefill (a 1-token prompt included, or a resumed chunk): dense, as in the paper
         mask = None if attention_mask is None else attention_mask[..., :T]
         output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-        run.prefill(layer, key, start, capacity)
+        run.prefill(layer, key, start, capacity, query=query, scale=scaling)
         return output, None
     output = run.decode(layer, query, key, value, scaling, start)
     return output.transpose(1, 2), None

@@ -173,9 +173,11 @@ class QAdARun:
         return value
 
     # --- the two phases ----------------------------------------------------------------------------------
-    def prefill(self, layer: int, key: torch.Tensor, start: torch.Tensor | None, capacity: int | None = None) -> None:
+    def prefill(self, layer: int, key: torch.Tensor, start: torch.Tensor | None, capacity: int | None = None,
+                query: torch.Tensor | None = None, scale: float | None = None) -> None:
         """After the dense prefill of ``layer`` (its cache holds ``key [b, H_kv, T, d]``; ``capacity``: the slots
-        of a preallocated cache, ``None`` for a growing one). May read the host: prefill is not a decode step."""
+        of a preallocated cache, ``None`` for a growing one; ``query [b, H, T, d]`` and ``scale``: the prompt's
+        queries, for criteria that keep state, else ``None``). May read the host: prefill is not a decode step."""
         if self._first_layer is None or layer <= self._first_layer:  # a new sequence starts at the first layer
             self._first_layer = self._last_layer = layer
             self.stats.prepare(self.layers.num_layers if self.layers is not None else layer + 1, key.device)
@@ -193,6 +195,7 @@ class QAdARun:
                 self.moments.prefill(layer, key, start, self.window, capacity=capacity)
             else:
                 self.moments.prefill(layer, key, start, self.window)
+        self.criterion.observe_prefill(layer, key, query, scale, start, self.window, capacity)
         self.fanout.prefill(layer, key.shape[2])
 
     def prefill_from_cache(self, cache: Any, start: torch.Tensor | None = None) -> None:
@@ -264,6 +267,7 @@ class QAdARun:
             else:
                 source.append(layer, key, start, window, end=end)
                 moments = lambda: source.moments(layer, key, start, window, end=end)  # noqa: E731 - lazy
+        self.criterion.observe_append(layer, key, end)
         step = DecodeStep(query[:, :, 0], key, scale, self.window, layer=layer, step=step_index, start=start,
                           end=end, moments=moments, values=value)
         local = self.criterion(step)

@@ -92,6 +92,11 @@ def configs(model, artifacts: dict[str, Path], new_families: bool = True) -> lis
         out += [config(f"qada_calibrated/q90 tau={t}", {"name": "qada_calibrated", "tau": t,
                                                         "correction": str(artifacts["correction-q90"])},
                        "stored", "qada_calibrated/q90") for t in (0.3, 0.6)]
+    if "qada_tail" in CRITERIA:  # issue 23: eq. 7 with the heavy tail scored exactly (heavy set + top pages)
+        out += [config(f"qada_tail tau={t}", {"name": "qada_tail", "tau": t}, "stored", "qada_tail")
+                for t in (0.2, 0.3, 0.4)]
+        out += [config(f"qada_tail_budget sparsity={s}", {"name": "qada_tail_budget", "sparsity": s}, "stored",
+                       "qada_tail_budget") for s in (0.85, 0.9, 0.95)]
     if "hybrid" in CRITERIA:
         for fraction in (0.1,):
             for s in (0.85, 0.9, 0.95):

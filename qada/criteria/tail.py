@@ -1,0 +1,143 @@
+"""Tail-aware QAdA (issue 23): eq. 7 with the heavy tail of the bulk scored exactly.
+
+.. math:: \\hat A_\\text{bulk} = \\sum_{i \\in E} e^{s_i} + (T_\\text{bulk} - |E|)\\, e^{\\mu_s + \\sigma_s^2/2},
+    \\qquad E = \\text{heavy set} \\cup \\text{top pages by bound}
+
+(:mod:`qada.functional.tail`). ``qada_tail`` decides with the threshold rule of eq. 2, ``qada_tail_budget`` with the
+budget rule of :class:`~qada.criteria.BudgetedQAdACriterion` on the same estimate. What a local head reads per
+step: its window, the keys of ``E`` (``heavy + pages * page_size`` tokens) and the page extrema (two vectors per
+page: ``2 / page_size`` of the keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qada.criteria.base import register_criterion
+from qada.criteria.budgeted import BudgetedQAdACriterion
+from qada.criteria.tail_index import TailIndex
+from qada.criteria.threshold import ThresholdCriterion
+from qada.functional.tail import page_bounds, page_slots, tail_log_bulk
+from qada.step import DecodeStep
+from qada.window import Window
+
+__all__ = ["TailBudgetCriterion", "TailCriterion", "TailEstimate"]
+
+
+@dataclass
+class TailEstimate:
+    """The tail-aware estimate's parameters and state (a mixin of the two criteria).
+
+    Args:
+        heavy: heavy tokens per KV head, chosen at the prefill (0: none).
+        observe: the prompt's last queries that choose them.
+        page_size: slots per page.
+        pages: pages scored exactly per query head and step (0: none).
+    """
+
+    heavy: int = 32
+    observe: int = 32
+    page_size: int = 16
+    pages: int = 8
+
+    def _check_tail(self) -> None:
+        for name in ("heavy", "observe", "page_size", "pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"expected {name} to be an int >= 0 but got {value!r}")
+        if self.page_size < 1:
+            raise ValueError(f"expected page_size to be an int >= 1 but got {self.page_size!r}")
+        if self.heavy and not self.observe:
+            raise ValueError("expected observe >= 1 when heavy > 0 (the queries that choose the heavy set)")
+        self._index = TailIndex(self.heavy, self.observe, self.page_size)
+
+    def observe_prefill(self, layer: int, keys: torch.Tensor, queries: torch.Tensor | None, scale: float | None,
+                        start: torch.Tensor | None, window: Window, capacity: int | None = None) -> None:
+        self._index.prefill(layer, keys, queries, scale, start, window, capacity)
+
+    def observe_append(self, layer: int, keys: torch.Tensor, end: torch.Tensor | None) -> None:
+        self._index.append(layer, keys, end)
+
+    def exact_set(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores [b, H, n], valid [b, H, n])`` of ``E``: the heavy tokens, then the tokens of the top pages."""
+        state = self._index.layers.get(step.layer)
+        if state is None:
+            raise RuntimeError(f"layer {step.layer}: no prefill seen (the tail-aware criteria build their index "
+                               "at the prefill; decode through a run attached before it)")  # fmt: skip
+        query, keys, scale = step.query, step.keys, step.scale
+        b, H, d = query.shape
+        H_kv, C, G = step.num_kv_heads, step.length, step.group_size
+        first = step.starts + step.window.t_sink  # [b]: the bulk is [first, last)
+        last = first + step.t_bulk
+        q = query.float().reshape(b, H_kv, G, d)
+        k = state.heavy.shape[2]
+        heavy_keys = keys.gather(2, state.heavy[..., None].expand(b, H_kv, k, d)).float()
+        heavy_scores = (scale * (q @ heavy_keys.transpose(-1, -2))).reshape(b, H, k)
+        in_bulk = (state.heavy >= first[:, None, None]) & (state.heavy < last[:, None, None])
+        heavy_valid = (state.heavy_valid & in_bulk)[:, :, None].expand(b, H_kv, G, k).reshape(b, H, k)
+        P = self.page_size
+        n_pages = -(-C // P)
+        m = min(self.pages, n_pages)
+        bounds = page_bounds(query, state.kmin[:, :, :n_pages], state.kmax[:, :, :n_pages], scale)  # [b, H, n]
+        low = torch.arange(n_pages, device=keys.device) * P
+        page_valid = (low[None, :] + P > first[:, None]) & (low[None, :] < last[:, None])  # [b, n]
+        top, pages = bounds.masked_fill(~page_valid[:, None, :], float("-inf")).topk(m, dim=-1)  # [b, H, m]
+        slots = page_slots(pages, P)  # [b, H, m * P]
+        clamped = slots.clamp(max=C - 1)
+        rows = torch.arange(b, device=keys.device)[:, None, None]
+        groups = (torch.arange(H, device=keys.device) // G)[None, :, None]
+        page_keys = keys[rows, groups, clamped].float()  # [b, H, m * P, d]
+        page_scores = scale * (page_keys @ query.float()[..., None])[..., 0]
+        page_valid_slots = (torch.isfinite(top).repeat_interleave(P, dim=-1) & (slots < C)
+                            & (slots >= first[:, None, None]) & (slots < last[:, None, None])
+                            & ~state.member[rows, groups, clamped])  # fmt: skip
+        return torch.cat([heavy_scores, page_scores], -1), torch.cat([heavy_valid, page_valid_slots], -1)
+
+    def tail_log_bulk(self, step: DecodeStep) -> torch.Tensor:
+        """``[b, H]`` the tail-aware ``log Â_bulk``."""
+        scores, valid = self.exact_set(step)
+        log_exact = torch.logsumexp(scores.masked_fill(~valid, float("-inf")), dim=-1)
+        mu_s, var_s = step.score_moments
+        return tail_log_bulk(log_exact, valid.sum(-1), mu_s, var_s, step.t_bulk)
+
+
+@register_criterion("qada_tail")
+@dataclass
+class TailCriterion(TailEstimate, ThresholdCriterion):
+    """Local when ``A_local / (A_local + Â_bulk) >= tau`` with the tail-aware ``Â_bulk`` (module docstring).
+
+    Args:
+        tau: threshold in ``[0, 1]``; higher means fewer local heads.
+        heavy, observe, page_size, pages: see :class:`TailEstimate`.
+    """
+
+    needs_moments = True
+    static_shapes = True
+
+    def __post_init__(self) -> None:
+        ThresholdCriterion.__post_init__(self)
+        self._check_tail()
+
+    def log_bulk(self, step: DecodeStep) -> torch.Tensor:
+        return self.tail_log_bulk(step)
+
+
+@register_criterion("qada_tail_budget")
+@dataclass
+class TailBudgetCriterion(TailEstimate, BudgetedQAdACriterion):
+    """The budget rule of :class:`~qada.criteria.BudgetedQAdACriterion` ranking heads by
+    ``log A_local - log Â_bulk`` with the tail-aware estimate.
+
+    Args:
+        sparsity, per_group: see :class:`~qada.criteria.BudgetedQAdACriterion`.
+        heavy, observe, page_size, pages: see :class:`TailEstimate`.
+    """
+
+    def __post_init__(self) -> None:
+        BudgetedQAdACriterion.__post_init__(self)
+        self._check_tail()
+
+    def score(self, step: DecodeStep) -> torch.Tensor:
+        return step.log_local - self.tail_log_bulk(step)

@@ -1,0 +1,123 @@
+""":class:`TailIndex`: what the tail-aware criteria keep per layer between decode steps (issue 23).
+
+Built at the prefill, kept current while decoding, on the device and updated in place (no host sync on a
+preallocated cache, nothing made in a step kept past it):
+
+* the **heavy set**: per row and KV head, the ``k`` bulk slots the prompt's last ``observe`` queries attend to
+  most (SnapKV's votes, :func:`~qada.functional.tail.heavy_votes`), ``[b, H_kv, k]``, with a membership map
+  ``[b, H_kv, C]`` so that a page never counts a heavy token twice;
+* the **page extrema**: elementwise min and max of the keys of every page of ``P`` slots, ``[b, H_kv, C / P, d]``
+  float32; the key written at each decode step joins its page.
+
+Slots are the cache's own (``C``: the buffer's capacity on a preallocated cache, the filled length on a growing one,
+whose arrays then grow with it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qada.functional.tail import heavy_votes, page_extrema, update_page_extrema
+from qada.functional.window import bulk_count
+from qada.window import Window
+
+__all__ = ["LayerTail", "TailIndex"]
+
+
+@dataclass
+class LayerTail:
+    """One layer's state: ``heavy [b, H_kv, k]`` long slots, ``heavy_valid [b, H_kv, k]``, ``member [b, H_kv, C]``
+    bool, ``kmin / kmax [b, H_kv, n_pages, d]`` float32."""
+
+    heavy: torch.Tensor
+    heavy_valid: torch.Tensor
+    member: torch.Tensor
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+
+    @property
+    def slots(self) -> int:
+        return self.member.shape[2]
+
+
+class TailIndex:
+    """Per layer :class:`LayerTail`, fed by the run's prefill and decode steps.
+
+    Args:
+        heavy: ``k``, heavy tokens per KV head (0: no heavy set).
+        observe: the prompt's last queries that vote for the heavy set (SnapKV's observation window).
+        page_size: slots per page ``P``.
+    """
+
+    def __init__(self, heavy: int, observe: int, page_size: int) -> None:
+        self.heavy, self.observe, self.page_size = heavy, observe, page_size
+        self.layers: dict[int, LayerTail] = {}
+
+    def prefill(self, layer: int, keys: torch.Tensor, queries: torch.Tensor | None, scale: float | None,
+                start: torch.Tensor | None, window: Window, capacity: int | None = None) -> None:
+        """After the prefill of ``layer``: ``keys [b, H_kv, T, d]`` filled, ``queries [b, H, T, d]`` (or ``None``:
+        no heavy set, e.g. a cache prefilled elsewhere), ``capacity``: a preallocated cache's slots."""
+        b, H_kv, T, d = keys.shape
+        slots = capacity if capacity is not None else T
+        kmin, kmax = page_extrema(keys, self.page_size)
+        n_pages = -(-slots // self.page_size)
+        kmin, kmax = _grow(kmin, n_pages, float("inf")), _grow(kmax, n_pages, float("-inf"))
+        k = self.heavy
+        member = torch.zeros(b, H_kv, slots, dtype=torch.bool, device=keys.device)
+        if k == 0 or queries is None or scale is None:
+            heavy = torch.zeros(b, H_kv, max(k, 1), dtype=torch.long, device=keys.device)
+            valid = torch.zeros_like(heavy, dtype=torch.bool)
+        else:
+            w = min(self.observe, queries.shape[2])  # the prompt's last queries (a resumed chunk: its own)
+            positions = torch.arange(T - w, T, device=keys.device)
+            votes = heavy_votes(queries[:, :, -w:], keys, scale, positions, start)  # [b, H_kv, T]
+            first = (start if start is not None else torch.zeros(b, dtype=torch.long, device=keys.device))
+            first = first.to(keys.device) + window.t_sink
+            count = bulk_count(T, window.t_local, window.t_sink, start, device=keys.device)
+            slot = torch.arange(T, device=keys.device)
+            bulk = (slot >= first[:, None]) & (slot < (first + count)[:, None])  # [b, T]
+            votes = votes.masked_fill(~bulk[:, None], float("-inf"))
+            kk = min(k, T)
+            top, heavy = votes.topk(kk, dim=-1)
+            valid = torch.isfinite(top)
+            if kk < k:  # a prompt shorter than k: the missing places stay invalid
+                pad = k - kk
+                heavy = torch.cat([heavy, heavy.new_zeros(b, H_kv, pad)], -1)
+                valid = torch.cat([valid, valid.new_zeros(b, H_kv, pad)], -1)
+            member.scatter_(2, heavy, valid)
+        self.layers[layer] = LayerTail(heavy, valid, member, kmin, kmax)
+
+    def append(self, layer: int, keys: torch.Tensor, end: torch.Tensor | None) -> LayerTail:
+        """The decode step's key (slot ``end - 1`` of ``keys [b, H_kv, C, d]``; the last slot without ``end``) joins
+        its page; a growing cache grows the arrays first (its length is a host int there)."""
+        state = self.layers[layer]
+        b, H_kv, C, d = keys.shape
+        if end is None:
+            if C > state.slots:
+                state = self._grown(layer, state, C)
+            slot = torch.full((b,), C - 1, dtype=torch.long, device=keys.device)
+            key = keys[:, :, C - 1]
+        else:
+            slot = (end.to(keys.device) - 1).clamp(min=0)
+            key = keys.gather(2, slot.view(b, 1, 1, 1).expand(b, H_kv, 1, d))[:, :, 0]
+        update_page_extrema(state.kmin, state.kmax, key, slot, self.page_size)
+        return state
+
+    def _grown(self, layer: int, state: LayerTail, slots: int) -> LayerTail:
+        slots = max(slots, 2 * state.slots)  # amortised: the arrays double
+        n_pages = -(-slots // self.page_size)
+        member = torch.cat([state.member, state.member.new_zeros(*state.member.shape[:2], slots - state.slots)], 2)
+        grown = LayerTail(state.heavy, state.heavy_valid, member, _grow(state.kmin, n_pages, float("inf")),
+                          _grow(state.kmax, n_pages, float("-inf")))
+        self.layers[layer] = grown
+        return grown
+
+
+def _grow(extrema: torch.Tensor, n_pages: int, fill: float) -> torch.Tensor:
+    """``extrema [b, H_kv, n, d]`` padded with ``fill`` to ``n_pages`` pages."""
+    b, H_kv, n, d = extrema.shape
+    if n >= n_pages:
+        return extrema
+    return torch.cat([extrema, extrema.new_full((b, H_kv, n_pages - n, d), fill)], 2)

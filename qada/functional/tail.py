@@ -1,0 +1,116 @@
+"""The heavy tail of the bulk, counted exactly (issue 23): eq. 7 plus an exact set ``E`` of bulk tokens.
+
+Eq. 7 summarises the bulk by the mean and covariance of its keys; where a few bulk tokens hold most of the bulk
+mass (a needle) a lognormal fitted to the whole bulk cannot see them. The tail-aware estimate scores a small set
+``E`` of bulk tokens exactly and the rest with eq. 7:
+
+.. math:: \\hat A_\\text{bulk} = \\sum_{i \\in E} e^{s_i} + (T_\\text{bulk} - |E|)\\, e^{\\mu_s + \\sigma_s^2 / 2}
+
+``E`` is the union of a *heavy set* (per KV head, the bulk tokens the prompt's last queries attend to most,
+chosen once at the prefill, as SnapKV does) and, per query, the tokens of the *pages* (blocks of ``P`` slots)
+whose upper bound ``sum_d max(q_d kmin_d, q_d kmax_d)`` on a score is highest (as Quest does). With ``E`` empty
+the estimate is eq. 7 bit for bit; with ``E`` the whole bulk it is the exact bulk mass (the oracle's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "heavy_votes",
+    "page_bounds",
+    "page_extrema",
+    "page_slots",
+    "tail_log_bulk",
+    "update_page_extrema",
+]
+
+
+def tail_log_bulk(
+    log_exact: torch.Tensor, n_exact: torch.Tensor, mu_s: torch.Tensor, var_s: torch.Tensor, t_bulk: torch.Tensor
+) -> torch.Tensor:
+    """``log Â_bulk = logaddexp(log A_E, log(T_bulk - |E|) + mu_s + sigma_s^2 / 2)``, ``[b, H]``.
+
+    Args:
+        log_exact: ``[b, H]`` ``log sum_{i in E} exp(s_i)`` (``-inf`` for an empty ``E``).
+        n_exact: ``[b, H]`` ``|E|``, the bulk tokens scored exactly (at most ``T_bulk``).
+        mu_s, var_s: ``[b, H]`` score moments of the bulk (eq. 5-6, :func:`~qada.functional.lognormal_score_moments`).
+        t_bulk: ``[b]`` bulk sizes; the rest ``T_bulk - |E|`` at 0 contributes nothing (``-inf``).
+    """
+    rest = (t_bulk.to(device=mu_s.device)[:, None] - n_exact.to(mu_s.device)).to(mu_s.dtype)
+    log_rest = torch.log(rest) + mu_s + 0.5 * var_s  # the operations of eq. 7, on the rest
+    log_rest = log_rest.masked_fill(rest <= 0, float("-inf"))
+    return torch.logaddexp(log_exact.to(mu_s.dtype), log_rest)
+
+
+def page_extrema(keys: torch.Tensor, page_size: int, filled: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise ``(kmin, kmax)`` of the keys of every page of ``page_size`` slots: ``keys [b, H_kv, C, d]`` ->
+    two ``[b, H_kv, ceil(C / P), d]`` float32 tensors. Only the first ``filled`` slots count (default all); a page
+    with none holds ``+inf`` / ``-inf``."""
+    b, H_kv, C, d = keys.shape
+    filled = C if filled is None else filled
+    n_pages = -(-C // page_size)
+    k = keys.float()
+    low = torch.full((b, H_kv, n_pages * page_size, d), float("inf"), device=keys.device)
+    high = torch.full_like(low, float("-inf"))
+    low[:, :, :filled] = k[:, :, :filled]
+    high[:, :, :filled] = k[:, :, :filled]
+    return (low.view(b, H_kv, n_pages, page_size, d).amin(3), high.view(b, H_kv, n_pages, page_size, d).amax(3))
+
+
+def update_page_extrema(kmin: torch.Tensor, kmax: torch.Tensor, key: torch.Tensor, slot: torch.Tensor,
+                        page_size: int) -> None:
+    """In place: the key ``[b, H_kv, d]`` written at ``slot [b]`` joins its page's extrema (the first slot of a page
+    starts it afresh). Device tensors only: no host sync."""
+    b, H_kv, n_pages, d = kmin.shape
+    page = (slot // page_size).clamp(max=n_pages - 1)
+    index = page.view(b, 1, 1, 1).expand(b, H_kv, 1, d)
+    fresh = (slot % page_size == 0).view(b, 1, 1, 1)
+    k = key.float()[:, :, None]
+    low = torch.where(fresh, k, torch.minimum(kmin.gather(2, index), k))
+    high = torch.where(fresh, k, torch.maximum(kmax.gather(2, index), k))
+    kmin.scatter_(2, index, low)
+    kmax.scatter_(2, index, high)
+
+
+def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
+    """Upper bounds ``scale * sum_d max(q_d kmin_d, q_d kmax_d)`` on the score of any key of each page, ``[b, H, n]``.
+
+    ``max(a, b) = (a + b)/2 + |a - b|/2`` makes it two products: ``q . c + |q| . r`` with the page's centre
+    ``c = (kmin + kmax)/2`` and radius ``r = (kmax - kmin)/2``. ``query [b, H, d]``, ``kmin/kmax [b, H_kv, n, d]``.
+    """
+    b, H, d = query.shape
+    H_kv, n = kmin.shape[1], kmin.shape[2]
+    q = query.float().reshape(b, H_kv, H // H_kv, d)
+    centre, radius = (kmin + kmax) * 0.5, (kmax - kmin) * 0.5
+    bound = q @ centre.transpose(-1, -2) + q.abs() @ radius.transpose(-1, -2)  # [b, H_kv, G, n]
+    return (scale * bound).reshape(b, H, n)
+
+
+def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The slots of ``pages [..., m]``: ``[..., m * P]`` (page ``p`` holds slots ``p*P .. p*P + P - 1``)."""
+    offsets = torch.arange(page_size, device=pages.device)
+    return (pages[..., None] * page_size + offsets).flatten(-2)
+
+
+def heavy_votes(queries: torch.Tensor, keys: torch.Tensor, scale: float, positions: torch.Tensor,
+                start: torch.Tensor | None = None) -> torch.Tensor:
+    """SnapKV's votes: the attention of the observation queries on every key, summed over them and over the query
+    heads of each KV group, ``[b, H_kv, T]``.
+
+    Args:
+        queries: ``[b, H, w, d]`` the prompt's last ``w`` queries; ``keys``: ``[b, H_kv, T, d]``.
+        positions: ``[w]`` the slot of each observation query (causal: query ``j`` sees keys ``<= positions[j]``).
+        start: ``[b]`` each row's first real token (left padding: earlier keys are not attended), or ``None``.
+    """
+    b, H, w, d = queries.shape
+    H_kv, T = keys.shape[1], keys.shape[2]
+    q = queries.float().reshape(b, H_kv, (H // H_kv) * w, d)
+    scores = scale * (q @ keys.float().transpose(-1, -2))  # [b, H_kv, G*w, T]
+    slot = torch.arange(T, device=keys.device)
+    seen = slot[None, :] <= positions[:, None].to(keys.device)  # [w, T]
+    seen = seen.repeat(H // H_kv, 1)[None, None]  # [1, 1, G*w, T], rows in the order of q (g major, then w)
+    if start is not None:
+        seen = seen & (slot[None, None, None, :] >= start.to(keys.device)[:, None, None, None])
+    probabilities = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    return probabilities.nan_to_num(0.0).sum(2)

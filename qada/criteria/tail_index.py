@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from qada.functional.tail import heavy_votes, page_extrema, update_page_extrema
-from qada.functional.window import bulk_count
+from qada.functional.window import bulk_mask
 from qada.window import Window
 
 __all__ = ["LayerTail", "TailIndex"]
@@ -73,11 +73,9 @@ class TailIndex:
             w = min(self.observe, queries.shape[2])  # the prompt's last queries (a resumed chunk: its own)
             positions = torch.arange(T - w, T, device=keys.device)
             votes = heavy_votes(queries[:, :, -w:], keys, scale, positions, start)  # [b, H_kv, T]
-            first = (start if start is not None else torch.zeros(b, dtype=torch.long, device=keys.device))
-            first = first.to(keys.device) + window.t_sink
-            count = bulk_count(T, window.t_local, window.t_sink, start, device=keys.device)
-            slot = torch.arange(T, device=keys.device)
-            bulk = (slot >= first[:, None]) & (slot < (first + count)[:, None])  # [b, T]
+            if start is not None:
+                start = start.to(keys.device)
+            bulk = bulk_mask(T, window.t_local, window.t_sink, start, device=keys.device).expand(b, T)
             votes = votes.masked_fill(~bulk[:, None], float("-inf"))
             kk = min(k, T)
             top, heavy = votes.topk(kk, dim=-1)

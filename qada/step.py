@@ -267,6 +267,16 @@ class DecodeStep:
         return lognormal_log_bulk_from_moments(mu_s, var_s, self.t_bulk)
 
     # --- bookkeeping -------------------------------------------------------------------------------------
+    def share(self, *, window_keys: torch.Tensor, window_valid: torch.Tensor, window_values: torch.Tensor,
+              t_bulk: torch.Tensor) -> None:
+        """Take derived values computed elsewhere for this very step (the wrapper's fused decision,
+        :class:`qada.models.fused.FusedDecision`): ``window_keys``/``window_values`` ``[b, H_kv, W, d]``,
+        ``window_valid [b, W]`` and ``t_bulk [b]``, as :func:`~qada.functional.gather_window` and
+        :func:`~qada.functional.bulk_count` give them; the executor then does not gather them again."""
+        self.__dict__["_window_keys"] = (window_keys, window_valid)
+        self.__dict__["window_values"] = window_values
+        self.__dict__["t_bulk"] = t_bulk
+
     def note_fail_safe(self, forced_dense: torch.Tensor) -> None:
         """Count heads forced dense because a value was NaN/inf (kept on the device, no sync)."""
         count = forced_dense.sum()

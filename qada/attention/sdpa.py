@@ -62,14 +62,15 @@ class SDPAExecutor(AttentionExecutor):
         decision on the host only on the CPU, where that is no round trip (there is no device queue to drain)."""
         return self.host_skip is not True
 
-    def _chunks(self, step: DecodeStep) -> int:
-        """How many key chunks one read group is split into (1: none)."""
-        if step.device.type != "cpu" or not step.full_rows or _FLASH_CPU is None:
+    def _chunks(self, step: DecodeStep, real: torch.Tensor | None, length: int) -> int:
+        """How many key chunks one read group of ``length`` keys is split into (1: none); ``real``: the mask of the
+        keys attended (``None``: every row holds all of them)."""
+        if step.device.type != "cpu" or real is not None or _FLASH_CPU is None:
             return 1
         if step.query.dtype not in (torch.float32, torch.bfloat16) or step.keys.stride(-1) != 1:
             return 1
         wanted = self.splits if self.splits is not None else torch.get_num_threads()
-        return max(1, min(wanted, step.length // self.min_split))
+        return max(1, min(wanted, length // self.min_split))
 
     def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, None]:
         local, read = decision
@@ -100,7 +101,7 @@ class SDPAExecutor(AttentionExecutor):
         if step.end is not None:  # a preallocated buffer: read on the host how far the rows reach, attend only there
             key, value, real = _filled(key, value, real, step)
             T = key.shape[2]
-        chunks = self._chunks(step)
+        chunks = self._chunks(step, real, T)
         if n == b * H_kv and chunks == 1:
             mask = None if real is None else real[:, None, None, :]
             full = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)

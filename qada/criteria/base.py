@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -89,6 +89,14 @@ class HeadCriterion(Component, abc.ABC):
         children = getattr(self, "children", None)
         for child in children() if callable(children) else ():
             child.bind_layers(global_layers)
+
+    def fused_decision(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+        """The decision as a pure function of fixed-shape tensors,
+        ``f(query [b, H, d], window_keys [b, H_kv, W, d], window_valid [b, W], mean, cov, t_bulk [b], scale)
+        -> (local [b, H], fail_safe [b, H])``, that the wrapper may compile together with the moment source's step
+        (:class:`qada.models.fused.FusedDecision`) on a preallocated buffer; ``None`` (the default): the criterion
+        decides through :meth:`decide`."""
+        return None
 
     def __call__(self, step: DecodeStep) -> torch.Tensor:
         local = self.decide(step)

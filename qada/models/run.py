@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from qada.attention.base import AttentionExecutor
+from qada.attention.base import AttentionExecutor, ExecutorOutput, GroupDecision
 from qada.criteria.base import HeadCriterion
+from qada.models.fused import FusedDecision
 from qada.models.guards import (
     CacheGuard,
     StaleStateError,
@@ -87,6 +88,7 @@ class QAdARun:
         self._first_layer: int | None = None  # the first global layer prefilled: it checks the rows' growth
         self._last_layer: int | None = None  # the last one: its step drops the per-step mask cache
         self._static_shapes: bool | None = None
+        self._fused: FusedDecision | None | object = _UNSET
 
     @property
     def static_shapes(self) -> bool:
@@ -258,6 +260,10 @@ class QAdARun:
         return self._decide_and_attend(layer, query, key, value, scale, start, end, step_index)
 
     def _decide_and_attend(self, layer, query, key, value, scale, start, end, step_index) -> torch.Tensor:
+        if end is not None and self.fused is not None:
+            decision = self.fused(layer, query[:, :, 0], key, value, start, end, scale)
+            if decision is not None:
+                return self._attend_fused(layer, query, key, value, scale, start, end, step_index, decision)
         moments = None
         if self.uses_moments:
             source, window = self.moments, self.window
@@ -276,11 +282,38 @@ class QAdARun:
         self.fanout.decision(step, local, result)
         return result.output
 
+    def _attend_fused(self, layer, query, key, value, scale, start, end, step_index, decision) -> torch.Tensor:
+        """The executor on a step whose decision :attr:`fused` computed (window, bulk sizes shared with it)."""
+        self.criterion.observe_append(layer, key, end)
+        step = DecodeStep(query[:, :, 0], key, scale, self.window, layer=layer, step=step_index, start=start,
+                          end=end, moments=decision.moments, values=value)
+        step.share(window_keys=decision.window_keys, window_valid=decision.window_valid,
+                   window_values=decision.window_values, t_bulk=decision.t_bulk)
+        step.fail_safe = decision.counts[2]
+        output, bulk_blocks = self.executor.attend(step, GroupDecision(decision.local, decision.read))
+        self.stats.add(layer, decision.counts)
+        if self.fanout.observers:
+            result = ExecutorOutput(output, decision.local, decision.counts[0].float(), decision.counts[1].float(),
+                                    bulk_blocks)
+            self.fanout.decision(step, decision.decided, result)
+        return output
+
+    @property
+    def fused(self) -> FusedDecision | None:
+        """The run's :class:`~qada.models.fused.FusedDecision` (one compiled function for the moment step and the
+        decision of a buffer step) when its criterion and moment source offer one, else ``None``; built once."""
+        if self._fused is _UNSET:
+            self._fused = FusedDecision.for_run(self)
+        return self._fused
+
     def remove(self) -> None:
         """Unwrap the model (restore its previous attention implementation)."""
         if self._remove is not None:
             self._remove()
             self._remove = None
+
+
+_UNSET = object()
 
 
 def _version(tensor: torch.Tensor | None) -> int | None:

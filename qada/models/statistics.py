@@ -64,6 +64,15 @@ class DecodeStatistics:
         if fail_safe is not None:
             self.fail_safe.add_(fail_safe.detach().to(self.fail_safe.dtype))
 
+    def add(self, layer: int, counts: torch.Tensor) -> None:
+        """Add one decode step of ``layer`` from ``counts [3]`` float64 (sparsity, kv_sparsity, heads forced dense),
+        as :class:`qada.models.fused.LayerDecision` gives them: two in-place additions, no sync."""
+        if self.sums is None or layer >= self.sums.shape[0]:
+            self.prepare(layer + 1, counts.device)
+        self.sums[layer, :2].add_(counts[:2])
+        self.sums[layer, 2].add_(1.0)
+        self.fail_safe.add_(counts[2].to(self.fail_safe.dtype))
+
     def merge(self, other: DecodeStatistics) -> None:
         """Add ``other``'s sums (e.g. from another run or process)."""
         if other.sums is None:

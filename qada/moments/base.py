@@ -28,6 +28,7 @@ valid until the next call for that layer; rows without a bulk get harmless zeros
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -70,6 +71,18 @@ class MomentSource(Component, abc.ABC):
         ``window`` is the window decoding will use (``bucketed`` precomputes its buckets for it; ``None``
         means the default :class:`~qada.window.Window`).
         """
+
+    def fused_step(self, window: Window) -> Callable[..., BulkMoments] | None:
+        """The buffer step (:meth:`append` + :meth:`moments` with ``end``) as a pure function
+        ``f(*fused_state(layer), keys [b, H_kv, C, d], start [b] or None, end [b]) -> BulkMoments`` that updates
+        the state in place, for the wrapper to compile with the criterion's decision
+        (:class:`qada.models.fused.FusedDecision`); the same function for every layer. ``None`` (the default):
+        the source is stepped through :meth:`append` and :meth:`moments`."""
+        return None
+
+    def fused_state(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+        """The tensors :meth:`fused_step`'s function reads and updates for ``layer`` (``None``: no buffer state)."""
+        return None
 
     @abc.abstractmethod
     def reset(self) -> None:

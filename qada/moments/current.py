@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ from qada.moments.math import MomentState, add_key, block_moments, merge_moments
 from qada.step import BulkMoments
 from qada.window import Window
 
-__all__ = ["CurrentMoments"]
+__all__ = ["CurrentMoments", "current_buffer_step", "frozen_buffer_step"]
 
 
 @register_moment_source("current")
@@ -89,24 +90,23 @@ class CurrentMoments(MomentSource):
 
     def _append_buffer(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                        end: torch.Tensor) -> None:
-        """One decode step on a preallocated buffer: rows now end at ``end [b]`` (device; each grew by one key).
-        The key at ``end - 1 - T_recent`` enters the bulk of the rows whose bulk grew; Welford's rank-1 update,
-        written in place (state and the float32 moments handed to criteria). No host sync."""
+        """One decode step on a preallocated buffer (:func:`current_buffer_step`), in place. No host sync."""
         if self.freeze:
             return
-        b, H_kv, _, d = keys.shape
-        starts = _row_starts(start, b, keys.device)
-        index = (end - 1 - window.t_recent).clamp(min=0)  # [b]
-        entering = keys.gather(2, index[:, None, None, None].expand(b, H_kv, 1, d))[:, :, 0]  # [b, H_kv, d]
-        before = (end - 1 - starts - window.t_local).clamp(min=0)
-        weight = (end - starts - window.t_local > before).to(torch.float64)[:, None]
-        state = self._states[layer]
-        new = add_key(state, entering, weight)
-        for target, value in zip(state, new, strict=True):
-            target.copy_(value)
-        mean, cov = to_bulk_moments(state)
-        self._cached[layer].mean.copy_(mean)
-        self._cached[layer].cov.copy_(cov)
+        current_buffer_step(*self.fused_state(layer, keys.device), keys, start, end, t_local=window.t_local,
+                            t_recent=window.t_recent)
+
+    def fused_step(self, window: Window):
+        """:func:`current_buffer_step` for ``window`` (frozen moments: :func:`frozen_buffer_step`)."""
+        if self.freeze:
+            return frozen_buffer_step
+        return functools.partial(current_buffer_step, t_local=window.t_local, t_recent=window.t_recent)
+
+    def fused_state(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+        if layer not in self._buffered:
+            return None
+        state, moments = self._states[layer], self._cached[layer]
+        return (state.count, state.mean, state.m2, moments.mean, moments.cov)
 
     def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                end: torch.Tensor | None = None) -> None:
@@ -156,6 +156,38 @@ class CurrentMoments(MomentSource):
             mean, cov = to_bulk_moments(self._states[layer])
             self._cached[layer] = BulkMoments(mean.to(keys.device), cov.to(keys.device))
         return self._cached[layer]
+
+
+def current_buffer_step(
+    count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, out_mean: torch.Tensor, out_cov: torch.Tensor,
+    keys: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor, *, t_local: int, t_recent: int,
+) -> BulkMoments:
+    """One decode step of the current-prompt moments on a buffer ``keys [b, H_kv, C, d]`` whose rows now end at
+    ``end [b]`` (each grew by one key): the key at ``end - 1 - T_recent`` enters the bulk of the rows whose bulk
+    grew (Welford's rank-1 update of the float64 ``count [b, H_kv]``, ``mean [b, H_kv, d]``,
+    ``m2 [b, H_kv, d, d]``), written in place with the float32 moments ``out_mean``, ``out_cov`` handed to
+    criteria, which are returned. A pure function of device tensors."""
+    b, H_kv, _, d = keys.shape
+    starts = _row_starts(start, b, keys.device)
+    index = (end - 1 - t_recent).clamp(min=0)  # [b]
+    entering = keys.gather(2, index[:, None, None, None].expand(b, H_kv, 1, d))[:, :, 0]  # [b, H_kv, d]
+    before = (end - 1 - starts - t_local).clamp(min=0)
+    weight = (end - starts - t_local > before).to(torch.float64)[:, None]
+    state = MomentState(count, mean, m2)
+    new = add_key(state, entering, weight)
+    for target, value in zip(state, new, strict=True):
+        target.copy_(value)
+    moments = to_bulk_moments(new)
+    out_mean.copy_(moments.mean)
+    out_cov.copy_(moments.cov)
+    return BulkMoments(out_mean, out_cov)
+
+
+def frozen_buffer_step(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, out_mean: torch.Tensor,
+                       out_cov: torch.Tensor, keys: torch.Tensor, start: torch.Tensor | None,
+                       end: torch.Tensor) -> BulkMoments:
+    """The buffer step of frozen moments: the prefill's moments, unchanged."""
+    return BulkMoments(out_mean, out_cov)
 
 
 def _row_starts(start: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:

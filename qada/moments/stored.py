@@ -29,7 +29,8 @@ from qada.moments.reference import (
 from qada.step import BulkMoments
 from qada.window import Window
 
-__all__ = ["ReferenceMomentSource", "StoredMoments", "advance_reference_range", "reference_bulk_end"]
+__all__ = ["ReferenceMomentSource", "StoredMoments", "advance_reference_range", "reference_bulk_end",
+           "stored_buffer_step"]
 
 MAX_CHECKPOINT_BYTES = 256 * 2**20  # prefix-sum checkpoints of the reference, all layers
 
@@ -319,6 +320,19 @@ class StoredMoments(ReferenceMomentSource):
              state.moments.cov, ref[layer], shift[layer], n, window.t_local, self.offset, state.first,
              self.min_bulk_keys)
 
+    def fused_step(self, window: Window):
+        """:func:`stored_buffer_step` with this source's offset, short-prompt rule and window."""
+        return functools.partial(stored_buffer_step, t_local=window.t_local, offset=self.offset,
+                                 first=self.first(window), min_bulk_keys=self.min_bulk_keys)
+
+    def fused_state(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+        state = self._buffers.get(layer)
+        if state is None:
+            return None
+        ref, shift = self._on(device)
+        return (state.count, state.s1, state.s2, state.old_end, state.jump_n, *state.jump_sums, state.moments.mean,
+                state.moments.cov, ref[layer], shift[layer])
+
     def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                 end: torch.Tensor | None = None) -> BulkMoments:
         if end is not None and layer in self._buffers:
@@ -433,6 +447,20 @@ def advance_reference_range(
     moments = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
     mean.copy_(moments.mean)
     cov.copy_(moments.cov)
+
+
+def stored_buffer_step(
+    count: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, old_end: torch.Tensor, jump_n: torch.Tensor,
+    jump_count: torch.Tensor, jump_s1: torch.Tensor, jump_s2: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor,
+    ref: torch.Tensor, shift: torch.Tensor, keys: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor, *,
+    t_local: int, offset: int, first: int, min_bulk_keys: int,
+) -> BulkMoments:
+    """:func:`advance_reference_range` for rows ``[start, end)`` of a buffer (the keys themselves are not read:
+    stored moments depend on the length only); returns the updated ``(mean, cov)``."""
+    n = end if start is None else end - start
+    advance_reference_range(count, s1, s2, old_end, jump_n, jump_count, jump_s1, jump_s2, mean, cov, ref, shift, n,
+                            t_local, offset, first, min_bulk_keys)
+    return BulkMoments(mean, cov)
 
 
 @functools.cache

@@ -130,9 +130,9 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     ``dense`` (the unwrapped model, the reference), the unwrapped model on the other cache kind (what a user who
     changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``qada dense`` (the
     wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor),
-    ``qada fused`` (the same with its decision compiled, if ``workload.fused``), ``static rho_kv=...`` (whole KV
-    groups forced local), and ``<name> compiled`` for each name of ``workload.compiled``: the same run, decode steps
-    through ``torch.compile`` (CUDA graphs on a GPU).
+    ``qada fused`` (its layer's decision as one compiled function, if ``workload.fused``),
+    ``static rho_kv=...`` (whole KV groups forced local), and ``<name> compiled`` for each name of
+    ``workload.compiled``: the same run, decode steps through ``torch.compile`` (CUDA graphs on a GPU).
     """
     c = model.config
     kind = suite.e2e_cache

@@ -24,7 +24,8 @@ class Workload:
             GPU), each as a row ``"<name> compiled"``.
         real_up_to: SmolLM2 only: real prefills up to this length, random K/V beyond (timing only).
         layers: keep only the first ``layers`` layers (dry run: the real model's code path at a tiny cost).
-        fused: also decode ``qada fused`` (QAdA with its decision compiled by inductor, ``compile=True``).
+        fused: also decode ``qada fused`` (QAdA with ``compile=True``: on the static cache the moment step, eqs. 5-7,
+            the threshold, the group policy and the sparsities of a layer as one compiled function).
     """
 
     model: str
@@ -77,12 +78,12 @@ SUITES = {
     ),
     "quick": Suite(
         "quick", "cpu", [SMOLLM2], [8192, 32768], ["sdpa"], 5, 5, False, [SMOLLM2], [8192, 32768], 5, 5,
-        [Workload("smollm2", (4096, 7680))], 8, 2, "sdpa", "stored",
+        [Workload("smollm2", (4096, 7680), fused=True)], 8, 2, "sdpa", "stored",
     ),
     "full": Suite(
         "full", "cpu", [SMOLLM2, LLAMA8B_F32], [8192, 32768], ["reference", "sdpa", "flex"], 7, 10, None,
         [SMOLLM2, LLAMA8B_F32], [8192, 32768], 7, 10,
-        [Workload("smollm2", (4096, 7680, 32768))], 32, 5, "sdpa", "stored",
+        [Workload("smollm2", (4096, 7680, 32768), fused=True)], 32, 5, "sdpa", "stored",
         copy_bytes=1024 * 2**20,
     ),
     "gpu": Suite(

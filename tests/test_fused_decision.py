@@ -118,5 +118,5 @@ def test_the_uncompiled_function_equals_the_step_objects():
     assert torch.equal(got.local, local) and torch.equal(got.read, read)
     assert torch.equal(got.window_keys, step.window_keys) and torch.equal(got.window_values, step.window_values)
     assert torch.equal(got.t_bulk, step.t_bulk)
-    assert got.counts.tolist() == pytest.approx([local.float().mean().item(), (~read).float().mean().item(), 0.0])
+    assert got.counts.tolist() == pytest.approx([local.float().mean().item(), (~read).float().mean().item(), 1.0, 0.0])
     assert got.decided[2].all() and not got.decided[:2].all()  # row 2 (8 real tokens) has no bulk: all local

@@ -106,22 +106,52 @@ class SDPAExecutor(AttentionExecutor):
             mask = None if real is None else real[:, None, None, :]
             full = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
         else:
-            # Each read (row, KV group) attends over views of its own K/V: no copy of the cache.
+            # The read KV groups of a row attend in as few calls as possible, over views of the cache (no copy): the
+            # groups of an arithmetic progression are one strided view, one call that the threads share.
             full = (out.clone() if out is not None else torch.empty_like(step.query)[:, :, None]).view(
                 b, H_kv, H // H_kv, d)
-            for row, group in pairs.tolist():
-                q = rows[row : row + 1, group : group + 1]  # [1, 1, G, d]
-                k, v = key[row : row + 1, group : group + 1], value[row : row + 1, group : group + 1]
-                if chunks > 1:
-                    full[row, group] = split_k_attention(q, k, v, scale, chunks)
-                else:
-                    full[row, group] = F.scaled_dot_product_attention(
-                        q, k, v, attn_mask=None if real is None else real[row : row + 1, None, None, :], scale=scale
-                    )[0, 0]
+            for row, groups in _groups_by_row(pairs.tolist()):
+                for run in _progressions(groups):
+                    q = rows[row : row + 1, run]  # [1, n, G, d]
+                    k, v = _head_view(key, row, run), _head_view(value, row, run)
+                    if chunks > 1 and len(run) == 1:
+                        full[row, run[0]] = split_k_attention(q, k, v, scale, chunks)
+                    else:
+                        full[row, run] = F.scaled_dot_product_attention(
+                            q, k, v, attn_mask=None if real is None else real[row : row + 1, None, None, :],
+                            scale=scale)[0]
             full = full.view(b, H, 1, d)
         if out is None:
             return full, None
         return torch.where(local[:, :, None, None], out, full), None
+
+
+def _groups_by_row(pairs: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """``[(row, [KV heads ascending])]`` from ``(row, KV head)`` pairs in row-major order (``nonzero``'s)."""
+    grouped: dict[int, list[int]] = {}
+    for row, group in pairs:
+        grouped.setdefault(row, []).append(group)
+    return list(grouped.items())
+
+
+def _progressions(groups: list[int]) -> list[list[int]]:
+    """Ascending ``groups`` cut into runs of equal steps (arithmetic progressions), each one strided view."""
+    runs = [[groups[0]]]
+    for group in groups[1:]:
+        run = runs[-1]
+        if len(run) == 1 or group - run[-1] == run[1] - run[0]:
+            run.append(group)
+        else:
+            runs.append([group])
+    return runs
+
+
+def _head_view(x: torch.Tensor, row: int, heads: list[int]) -> torch.Tensor:
+    """``x[row:row+1, heads]`` of ``x [b, H_kv, T, d]`` for an arithmetic progression ``heads``, as a view."""
+    step = heads[1] - heads[0] if len(heads) > 1 else 1
+    size = (1, len(heads), x.shape[2], x.shape[3])
+    stride = (x.stride(0), step * x.stride(1), x.stride(2), x.stride(3))
+    return x.as_strided(size, stride, x.storage_offset() + row * x.stride(0) + heads[0] * x.stride(1))
 
 
 def _filled(key: torch.Tensor, value: torch.Tensor, real: torch.Tensor, step: DecodeStep):

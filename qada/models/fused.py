@@ -32,7 +32,8 @@ class LayerDecision(NamedTuple):
         local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool, the bulks to read.
         window_keys, window_values: ``[b, H_kv, W, d]``; ``window_valid``: ``[b, W]`` bool.
         t_bulk: ``[b]`` bulk sizes; ``moments``: the step's bulk moments.
-        counts: ``[3]`` float64: sparsity, kv_sparsity and the heads forced dense (fail-safe).
+        counts: ``[4]`` float64: sparsity, kv_sparsity, 1 (a step) and the heads forced dense (fail-safe), a
+            row of :class:`~qada.models.statistics.DecodeStatistics`.
     """
 
     decided: torch.Tensor
@@ -79,7 +80,8 @@ def fused_layer_decision(
     t_bulk = bulk_count(C, t_local, t_sink, start, end=end)
     decided, broken = decide(query, window_keys, valid, moments.mean, moments.cov, t_bulk, scale)
     local, read = apply_group_policy(decided, t_bulk > 0, keys.shape[1], policy)
-    counts = torch.stack([local.double().mean(), (~read).double().mean(), broken.sum().double()])
+    one = torch.ones_like(t_bulk[0], dtype=torch.float64)
+    counts = torch.stack([local.double().mean(), (~read).double().mean(), one, broken.sum().double()])
     return LayerDecision(decided, local, read, window_keys, window_values, valid, t_bulk, moments, counts)
 
 

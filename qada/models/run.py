@@ -289,7 +289,7 @@ class QAdARun:
                           end=end, moments=decision.moments, values=value)
         step.share(window_keys=decision.window_keys, window_valid=decision.window_valid,
                    window_values=decision.window_values, t_bulk=decision.t_bulk)
-        step.fail_safe = decision.counts[2]
+        step.fail_safe = decision.counts[3]
         output, bulk_blocks = self.executor.attend(step, GroupDecision(decision.local, decision.read))
         self.stats.add(layer, decision.counts)
         if self.fanout.observers:

@@ -13,27 +13,31 @@ import torch
 
 __all__ = ["DecodeStatistics"]
 
-_SPARSITY, _KV_SPARSITY, _STEPS = 0, 1, 2
+_SPARSITY, _KV_SPARSITY, _STEPS, _FAIL_SAFE = 0, 1, 2, 3
 
 
 class DecodeStatistics:
-    """Per-layer sums of sparsity and kv_sparsity over decode steps, step counts and the fail-safe count.
+    """Per-layer sums of sparsity and kv_sparsity over decode steps, step counts and fail-safe counts.
 
-    State: ``sums [L, 3]`` float64 (sparsity, kv_sparsity, steps per layer) and ``fail_safe`` (0-d int64), on the
-    device of the first :meth:`prepare` or :meth:`update`.
+    State: ``sums [L, 4]`` float64 (sparsity, kv_sparsity, steps and heads forced dense, per layer; counts are
+    exact in float64 up to 2^53), on the device of the first :meth:`prepare` or :meth:`update`: one decode step of
+    a layer is one in-place addition to one row.
     """
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        """Forget the sums (the buffers are kept and zeroed in place, so a captured graph keeps writing them)."""
+        """Forget the sums (the buffer is kept and zeroed in place, so a captured graph keeps writing it)."""
         if getattr(self, "sums", None) is not None:
             self.sums.zero_()
-            self.fail_safe.zero_()
             return
         self.sums: torch.Tensor | None = None
-        self.fail_safe: torch.Tensor | None = None
+
+    @property
+    def fail_safe(self) -> torch.Tensor | None:
+        """0-d float64: heads forced dense over all layers and steps (``None`` before any preparation)."""
+        return None if self.sums is None else self.sums[:, _FAIL_SAFE].sum()
 
     def prepare(self, num_layers: int, device: torch.device | str) -> None:
         """Allocate the sums for ``num_layers`` layers on ``device`` (before decoding: no allocation later)."""
@@ -41,12 +45,9 @@ class DecodeStatistics:
         if self.sums is not None and self.sums.shape[0] >= num_layers and self.sums.device == device:
             return
         old = self.sums
-        self.sums = torch.zeros(num_layers, 3, dtype=torch.float64, device=device)
-        fail_safe = torch.zeros((), dtype=torch.long, device=device)
+        self.sums = torch.zeros(num_layers, 4, dtype=torch.float64, device=device)
         if old is not None:  # a later, larger or moved preparation keeps what was counted
             self.sums[: old.shape[0]] += old.to(device)
-            fail_safe += self.fail_safe.to(device)
-        self.fail_safe = fail_safe
 
     def update(
         self,
@@ -58,20 +59,17 @@ class DecodeStatistics:
         """Add one decode step of ``layer`` (0-d tensors from the executor; ``fail_safe``: heads forced dense)."""
         if self.sums is None or layer >= self.sums.shape[0]:
             self.prepare(layer + 1, sparsity.device)  # eager use without a prefill: allocate once
-        one = torch.ones((), dtype=torch.float64, device=self.sums.device)
-        self.sums[layer].add_(torch.stack([sparsity.detach().to(torch.float64), kv_sparsity.detach().to(torch.float64),
-                                           one]))
-        if fail_safe is not None:
-            self.fail_safe.add_(fail_safe.detach().to(self.fail_safe.dtype))
+        f64 = dict(dtype=torch.float64, device=self.sums.device)
+        forced = torch.zeros((), **f64) if fail_safe is None else fail_safe.detach().to(**f64)
+        self.sums[layer].add_(torch.stack([sparsity.detach().to(**f64), kv_sparsity.detach().to(**f64),
+                                           torch.ones((), **f64), forced]))
 
     def add(self, layer: int, counts: torch.Tensor) -> None:
-        """Add one decode step of ``layer`` from ``counts [3]`` float64 (sparsity, kv_sparsity, heads forced dense),
-        as :class:`qada.models.fused.LayerDecision` gives them: two in-place additions, no sync."""
+        """Add one decode step of ``layer`` from ``counts [4]`` float64 (sparsity, kv_sparsity, 1, heads forced
+        dense), as :class:`qada.models.fused.LayerDecision` gives them: one in-place addition, no sync."""
         if self.sums is None or layer >= self.sums.shape[0]:
             self.prepare(layer + 1, counts.device)
-        self.sums[layer, :2].add_(counts[:2])
-        self.sums[layer, 2].add_(1.0)
-        self.fail_safe.add_(counts[2].to(self.fail_safe.dtype))
+        self.sums[layer].add_(counts)
 
     def merge(self, other: DecodeStatistics) -> None:
         """Add ``other``'s sums (e.g. from another run or process)."""
@@ -79,7 +77,6 @@ class DecodeStatistics:
             return
         self.prepare(other.sums.shape[0], other.sums.device if self.sums is None else self.sums.device)
         self.sums[: other.sums.shape[0]] += other.sums.to(self.sums.device)
-        self.fail_safe += other.fail_safe.to(self.fail_safe.device)
 
     @property
     def steps(self) -> dict[int, int]:
@@ -105,5 +102,5 @@ class DecodeStatistics:
             "kv_sparsity": sum(row[_KV_SPARSITY] for _, row in decoded) / steps if steps else float("nan"),
             "sparsity_per_layer": per_layer,
             "kv_sparsity_per_layer": per_layer_kv,
-            "fail_safe": int(self.fail_safe.item()) if self.fail_safe is not None else 0,
+            "fail_safe": int(sum(row[_FAIL_SAFE] for row in sums)),
         }

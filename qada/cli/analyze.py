@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from qada.cli.common import IMPORTS, HelpFormatter, add_model_arguments, existing_file, model_placement, positive_int
 
@@ -19,6 +20,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="decode steps per prompt (default: the answer's length + 4, stopping at EOS)")
     parser.add_argument("--moments", default="current", help="moment source behind the estimate")
     parser.add_argument("--tau", type=float, default=0.6, help="threshold for head maps and per-token sparsity")
+    parser.add_argument("--criteria", action="append", default=None, metavar="SPEC",
+                        help="a criterion whose decisions are compared with the oracle's at --tau on the recorded "
+                             "steps (decision_diagnostics.md/json: recall of the oracle's dense heads, false-dense "
+                             "rate, log error on dense heads, share of A_bulk in the exact set): a name (with "
+                             "tau=--tau where it has one), a YAML/JSON mapping or a file; repeatable (default: qada, "
+                             "qada_tail)")
     add_model_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     parser.add_argument("--out", required=True, help="output folder")
@@ -31,6 +38,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="sparsity interval LO,HI of the mean score and the dominance grid (steps of 0.05), "
                              "with --compare")
     parser.set_defaults(run=run)
+
+
+DEFAULT_PROBES = ("qada", "qada_tail")
+
+
+def probed_criteria(specs, tau: float) -> dict:
+    """``label -> criterion`` of ``--criteria`` specs; a plain name gets ``tau`` where the criterion has one."""
+    from qada.cli.common import parse_component_spec, spec_label
+    from qada.criteria import CRITERIA
+
+    probes = {}
+    for text in specs:
+        spec = parse_component_spec(text)
+        if isinstance(spec, str):
+            has_tau = any(name == "tau" for name, _, _ in CRITERIA.parameters(spec))
+            spec = {"name": spec, "tau": tau} if has_tau else spec
+        label = spec_label(spec)
+        if label in probes:
+            raise ValueError(f"--criteria {text!r} is given twice")
+        probes[label] = CRITERIA.build(spec)
+    return probes
 
 
 def sparsity_range(text: str) -> tuple[float, float]:
@@ -83,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.compare:
         return compare(args)
+    from qada.criteria import CRITERIA
     from qada.eval.analysis import (
         DecisionLog,
         analysis_markdown,
@@ -94,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from qada.eval.configs import paper_taus
     from qada.eval.decode import decode_greedy, prefill
+    from qada.eval.diagnostics import CriterionProbe, decision_diagnostics, diagnostics_markdown
     from qada.eval.evaluator import answer_budget
     from qada.eval.plots import plot_curves, plot_head_maps
     from qada.eval.tasks import TASKS
@@ -103,11 +133,12 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = model_placement(args)  # a missing GPU fails before any work
     out = check_output_dir(args.out, "--out")
     TASKS.get(args.task)
+    probe = CriterionProbe(CRITERIA.build("dense"), probed_criteria(args.criteria or DEFAULT_PROBES, args.tau))
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     samples = TASKS.build(args.task).generate(tokenizer, args.length, args.samples, args.seed)
     log = DecisionLog()
-    run = prepare_run(build_run("dense", args.moments, "sdpa", None, [log]), model, tokenizer)
+    run = prepare_run(build_run(probe, args.moments, "sdpa", None, [log]), model, tokenizer)
     eos = {tokenizer.eos_token_id} - {None}
     for sample in samples:
         ids = tokenizer(sample.input, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
@@ -146,6 +177,15 @@ def run(args: argparse.Namespace) -> int:
               f"{row['abs_log_gap_bulk_vs_local']:>28.3f}")
     for name, t in types.items():
         print(f"head types ({name}, tau {args.tau}): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+    diagnostics = decision_diagnostics(probe.arrays(), args.tau)
+    (out / "decision_diagnostics.json").write_text(json.dumps({**meta, "rows": diagnostics}, indent=2))
+    probes = " ".join(f"--criteria {shlex.quote(c)}" for c in args.criteria or ())
+    (out / "decision_diagnostics.md").write_text(diagnostics_markdown(diagnostics, args.tau, f"{command} {probes}"))
+    print(f"{'criterion':<28} {'sparsity':>9} {'recall':>7} {'false dense':>12} {'log error':>10} {'E share':>8}")
+    for row in diagnostics:
+        cells = [row[k] for k in ("sparsity", "recall", "false_dense", "log_error_dense", "exact_share_dense")]
+        print(f"{row['criterion']:<28} " + " ".join(f"{'-' if v is None else f'{v:.3f}':>{w}}"
+                                                    for v, w in zip(cells, (9, 7, 12, 10, 8), strict=True)))
     print(f"wrote {out}/table2_log_error.json, head_maps.png/json, sparsity_vs_tau.png/json, "
-          "per_token_sparsity.png/json")
+          "per_token_sparsity.png/json, decision_diagnostics.md/json")
     return 0

@@ -10,6 +10,7 @@ import torch
 
 from benchmarks.end_to_end import DecodeConfig, dense_run, group_static_mask, qada_run, static_run
 from benchmarks.suites import Suite, Workload
+from qada.models import build_run, prepare_run
 
 __all__ = ["build_configs", "build_contexts", "build_model", "passkey_rows"]
 
@@ -124,13 +125,21 @@ def build_contexts(suite: Suite, workload: Workload, model: Any, tokenizer: Any)
             for T in workload.lengths for B in workload.batches}  # fmt: skip
 
 
+TAIL_CONFIGS = {  # the tail-aware criterion at tau 0.3 (issue 23), its default pages and fewer, larger ones
+    "qada_tail": {"name": "qada_tail", "tau": 0.3},
+    "qada_tail pages 4x64": {"name": "qada_tail", "tau": 0.3, "page_size": 64, "pages": 4},
+}
+
+
 def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, batch: int) -> dict[str, DecodeConfig]:
     """name -> :class:`~benchmarks.end_to_end.DecodeConfig`, all on the suite's cache unless named otherwise.
 
     ``dense`` (the unwrapped model, the reference), the unwrapped model on the other cache kind (what a user who
     changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``qada dense`` (the
     wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor),
-    ``qada fused`` (its layer's decision as one compiled function, if ``workload.fused``),
+    ``qada fused`` (its layer's decision as one compiled function, if ``workload.fused``), the tail-aware rows of
+    :data:`TAIL_CONFIGS` (if ``workload.tail``; the shared prefill has no prompt queries, so their heavy set is
+    empty and only the pages count),
     ``static rho_kv=...`` (whole KV groups forced local), and ``<name> compiled`` for each name of
     ``workload.compiled``: the same run, decode steps through ``torch.compile`` (CUDA graphs on a GPU).
     """
@@ -146,6 +155,11 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     if workload.fused:
         fused = lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor, fused=True)  # noqa: E731
         configs["qada fused"] = DecodeConfig(kind, fused, count_events=True)
+    if workload.tail:
+        for name, criterion in TAIL_CONFIGS.items():
+            configs[name] = DecodeConfig(kind, lambda criterion=criterion: prepare_run(
+                build_run(criterion=criterion, moments=suite.e2e_moments, executor=suite.e2e_executor), model,
+                tokenizer))
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
         configs[f"static rho_kv={rho}"] = DecodeConfig(kind, lambda mask=mask: static_run(mask, suite.e2e_executor))

@@ -26,6 +26,7 @@ class Workload:
         layers: keep only the first ``layers`` layers (dry run: the real model's code path at a tiny cost).
         fused: also decode ``qada fused`` (QAdA with ``compile=True``: on the static cache the moment step, eqs. 5-7,
             the threshold, the group policy and the sparsities of a layer as one compiled function).
+        tail: also decode the tail-aware rows (``qada_tail`` at tau 0.3, default pages and 4 pages of 64).
     """
 
     model: str
@@ -35,6 +36,7 @@ class Workload:
     real_up_to: int = 8192
     layers: int | None = None
     fused: bool = False
+    tail: bool = False
 
 
 @dataclass
@@ -73,17 +75,17 @@ SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32), compiled=("dense", "
 SUITES = {
     "smoke": Suite(
         "smoke", "cpu", [TINY], [512], ["sdpa"], 1, 1, False, [TINY], [512], 1, 1,
-        [Workload("tiny-random", (300,), batches=(1, 2))], 2, 1, "sdpa", "current",
+        [Workload("tiny-random", (300,), batches=(1, 2), tail=True)], 2, 1, "sdpa", "current",
         copy_bytes=4 * 2**20,
     ),
     "quick": Suite(
         "quick", "cpu", [SMOLLM2], [8192, 32768], ["sdpa"], 5, 5, False, [SMOLLM2], [8192, 32768], 5, 5,
-        [Workload("smollm2", (4096, 7680), fused=True)], 8, 2, "sdpa", "stored",
+        [Workload("smollm2", (4096, 7680), fused=True, tail=True)], 8, 2, "sdpa", "stored",
     ),
     "full": Suite(
         "full", "cpu", [SMOLLM2, LLAMA8B_F32], [8192, 32768], ["reference", "sdpa", "flex"], 7, 10, None,
         [SMOLLM2, LLAMA8B_F32], [8192, 32768], 7, 10,
-        [Workload("smollm2", (4096, 7680, 32768), fused=True)], 32, 5, "sdpa", "stored",
+        [Workload("smollm2", (4096, 7680, 32768), fused=True, tail=True)], 32, 5, "sdpa", "stored",
         copy_bytes=1024 * 2**20,
     ),
     "gpu": Suite(

@@ -29,7 +29,8 @@ from benchmarks.report import NEEDS_GPU, evaluate_goals, markdown  # noqa: E402
 
 STATUSES = {"met", "miss", "not measured", NEEDS_GPU, "not measured (CPU suite)"}
 COMPILED = {"dense compiled", "qada compiled"}
-EAGER = {"dense", "qada dense", "qada", "static rho_kv=0.5", "static rho_kv=0.875"}
+EAGER = {"dense", "qada dense", "qada", "static rho_kv=0.5", "static rho_kv=0.875", "qada_tail",
+         "qada_tail pages 4x64"}
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,10 @@ def test_no_state_leaks_between_configurations_and_resume_skips_finished_work(mo
         mine = [r for r in rows if r["config"] == label]
         assert results[label]["score"] == pytest.approx(sum(r["score"] for r in mine) / len(mine))
         assert results[label]["sparsity"] == pytest.approx(sum(r["sparsity"] for r in mine) / len(mine), abs=1e-6)
-    assert results["dense"]["sparsity"] == 0.0
+    assert results["dense"]["sparsity"] == 0.0 and results["dense"]["kv_read"] == 1.0
+    qada_rows = [r for r in rows if r["config"] == "qada"]
+    assert results["qada"]["kv_read"] == pytest.approx(sum(r["kv_read"] for r in qada_rows) / len(qada_rows))
+    assert 0.0 < results["qada"]["kv_read"] < 1.0
     assert results["oracle"]["oracle_agreement"] == 1.0, "the oracle agrees with itself"
     assert 0.0 <= results["qada"]["oracle_agreement"] <= 1.0
 
@@ -84,6 +87,7 @@ def test_no_state_leaks_between_configurations_and_resume_skips_finished_work(mo
         assert rebuilt[label]["n"] == len(samples)
         assert rebuilt[label]["score"] == pytest.approx(results[label]["score"])
         assert rebuilt[label]["sparsity"] == pytest.approx(results[label]["sparsity"], abs=1e-6)
+        assert rebuilt[label]["kv_read"] == pytest.approx(results[label]["kv_read"], abs=1e-6)
 
     calls = []
     import qada.eval.evaluator as module

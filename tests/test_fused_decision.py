@@ -42,7 +42,7 @@ def test_the_fused_decision_equals_the_eager_one(model, reference, source, execu
     assert calls == [True] * (STEPS * model.config.num_hidden_layers)  # every step of every layer was fused
     assert torch.equal(eager[0], fused[0])
     torch.testing.assert_close(fused[1], eager[1], atol=1e-5, rtol=1e-5)
-    for key in ("sparsity", "kv_sparsity"):
+    for key in ("sparsity", "kv_sparsity", "kv_read"):
         assert fused[2][key] == pytest.approx(eager[2][key], abs=1e-9)
     assert fused[2]["decode_steps"] == eager[2]["decode_steps"] == STEPS
     assert fused[2]["fail_safe"] == eager[2]["fail_safe"]
@@ -89,7 +89,7 @@ def test_without_compile_or_with_another_criterion_there_is_no_fused_decision(re
 def test_the_uncompiled_function_equals_the_step_objects():
     """:func:`fused_layer_decision` run eagerly on random tensors: the decision of ``QAdACriterion`` on a
     ``DecodeStep`` with the same moments, and the effective mask of the executor's group policy."""
-    from qada.attention.group_policy import apply_group_policy
+    from qada.attention.group_policy import apply_group_policy, kv_read
     from qada.criteria import QAdACriterion
     from qada.functional.fused import qada_threshold_decision
     from qada.step import BulkMoments, DecodeStep
@@ -118,5 +118,6 @@ def test_the_uncompiled_function_equals_the_step_objects():
     assert torch.equal(got.local, local) and torch.equal(got.read, read)
     assert torch.equal(got.window_keys, step.window_keys) and torch.equal(got.window_values, step.window_values)
     assert torch.equal(got.t_bulk, step.t_bulk)
-    assert got.counts.tolist() == pytest.approx([local.float().mean().item(), (~read).float().mean().item(), 1.0, 0.0])
+    assert got.counts.tolist() == pytest.approx([local.float().mean().item(), (~read).float().mean().item(), 1.0, 0.0,
+                                        kv_read(read, step.t_bulk + 8, 8).item()])
     assert got.decided[2].all() and not got.decided[:2].all()  # row 2 (8 real tokens) has no bulk: all local

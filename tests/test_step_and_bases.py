@@ -177,7 +177,7 @@ def test_decode_statistics_update_compute_merge_reset():
     summary = a.compute()
     assert summary["sparsity"] == pytest.approx(0.5) and summary["sparsity_per_layer"] == {0: 0.25, 1: 1.0}
     assert summary["fail_safe"] == 3 and summary["decode_steps"] == 2
-    assert isinstance(a.sums, torch.Tensor) and a.sums.shape == (2, 4)  # sums stay on the device until compute
+    assert isinstance(a.sums, torch.Tensor) and a.sums.shape == (2, 5)  # sums stay on the device until compute
     a.reset()
     assert a.compute()["decode_steps"] == 0
 

@@ -12,7 +12,7 @@ import torch
 
 from qada.functional.checks import group_size
 
-__all__ = ["GROUP_POLICIES", "apply_group_policy", "check_group_policy", "head_sparsity", "kv_sparsity"]
+__all__ = ["GROUP_POLICIES", "apply_group_policy", "check_group_policy", "head_sparsity", "kv_read", "kv_sparsity"]
 
 GROUP_POLICIES = ("exact", "promote")
 
@@ -56,3 +56,21 @@ def head_sparsity(local: torch.Tensor) -> torch.Tensor:
 def kv_sparsity(read: torch.Tensor) -> torch.Tensor:
     """0-d float32 tensor: fraction of (batch, KV head) bulk reads skipped (``read [b, H_kv]``)."""
     return (~read).float().mean()
+
+
+def kv_read(read: torch.Tensor, length: torch.Tensor, t_local: int, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """0-d float64 tensor: the K/V a step reads as a fraction of what dense attention reads.
+
+    Per (row, KV head): ``2 T`` vectors (keys and values of the row's ``T`` real tokens) when its bulk is read, else
+    ``2 min(T, T_local)`` (the window), plus ``extra [b]`` vectors the criterion reads besides (e.g. the exact set's
+    keys and the page extrema of the tail-aware criteria, :meth:`~qada.criteria.HeadCriterion.extra_reads`);
+    summed over rows and heads and divided by ``2 T`` summed likewise.
+
+    Args:
+        read: ``[b, H_kv]`` bool, the bulks read; ``length``: ``[b]`` real tokens per row.
+    """
+    T = length.to(torch.float64)[:, None]  # [b, 1]
+    reads = torch.where(read, 2 * T, 2 * T.clamp(max=t_local))
+    if extra is not None:
+        reads = reads + extra.to(torch.float64)[:, None]
+    return reads.sum() / (2 * T * read.shape[1]).sum().clamp(min=1.0)

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"criterion: {described}  moments: {spec_label(moments) if moments is not None else None}  "
           f"executor: {spec_label(executor)}")
     print(f"sparsity: {number_cell(summary['sparsity'])}  kv_sparsity: {number_cell(summary['kv_sparsity'])}  "
-          f"fail-safe fallbacks: {summary['fail_safe']}"
+          f"kv_read: {number_cell(summary.get('kv_read'))}  fail-safe fallbacks: {summary['fail_safe']}"
           + ("  (global layers)" if summary.get("sliding_layers") else ""))
     if summary.get("sliding_layers"):
         print(f"over all layers, the {len(summary['sliding_layers'])} sliding-window layers counted as local: "

@@ -90,6 +90,18 @@ class HeadCriterion(Component, abc.ABC):
         for child in children() if callable(children) else ():
             child.bind_layers(global_layers)
 
+    def extra_reads(self, step: DecodeStep) -> torch.Tensor | None:
+        """``[b]`` key/value vectors this criterion reads per KV head and step beyond the window and the executor's
+        reads (counted in the run's ``kv_read``), e.g. the exact set's keys and the page extrema of the
+        tail-aware criteria; ``None``: none. The default sums those of ``children()``, if any."""
+        children = getattr(self, "children", None)
+        total = None
+        for child in children() if callable(children) else ():
+            extra = child.extra_reads(step)
+            if extra is not None:
+                total = extra if total is None else total + extra
+        return total
+
     def fused_decision(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
         """The decision as a pure function of fixed-shape tensors,
         ``f(query [b, H, d], window_keys [b, H_kv, W, d], window_valid [b, W], mean, cov, t_bulk [b], scale)

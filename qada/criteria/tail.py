@@ -95,6 +95,13 @@ class TailEstimate:
                             & ~state.member[rows, groups, clamped])  # fmt: skip
         return torch.cat([heavy_scores, page_scores], -1), torch.cat([heavy_valid, page_valid_slots], -1)
 
+    def extra_reads(self, step: DecodeStep) -> torch.Tensor:
+        """``[b]`` vectors read per KV head and step: the heavy keys, at most ``G * pages * page_size`` page keys (the
+        pages of its ``G`` query heads) and two extrema per page of the buffer."""
+        n_pages = -(-step.length // self.page_size)
+        per_head = (self.heavy + step.group_size * min(self.pages, n_pages) * self.page_size + 2 * n_pages)
+        return torch.full((step.batch_size,), float(per_head), dtype=torch.float64, device=step.device)
+
     def tail_log_bulk(self, step: DecodeStep) -> torch.Tensor:
         """``[b, H]`` the tail-aware ``log Â_bulk``."""
         scores, valid = self.exact_set(step)

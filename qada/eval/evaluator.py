@@ -59,6 +59,8 @@ def _single_process_fabric(Fabric: Any, device: torch.device) -> Any:
 #: Sparsity over all layers, sliding-window layers (hybrid models) counted as local; ``sparsity`` and
 #: ``kv_sparsity`` are over the global layers qada decides on.
 ALL_LAYER_FIELDS = ("sparsity_all_layers", "kv_sparsity_all_layers")
+# besides: the K/V read per step as a fraction of dense attention's (windows and the criterion's own reads included)
+DECODE_FIELDS = (*ALL_LAYER_FIELDS, "kv_read")
 ROW_FIELDS = ("sample", "config", "task", "score", "sparsity", "kv_sparsity", "seconds", "new_tokens")
 
 #: Tokens generated beyond the reference answer's length (part of the run identity).
@@ -199,7 +201,7 @@ class Evaluator:
         if row["sparsity"] is not None:
             metrics["sparsity"].update(torch.tensor(row["sparsity"], dtype=torch.float32))
             metrics["kv_sparsity"].update(torch.tensor(row["kv_sparsity"], dtype=torch.float32))
-        for name in ALL_LAYER_FIELDS:
+        for name in DECODE_FIELDS:
             if row.get(name) is not None:
                 metrics[name].update(torch.tensor(row[name], dtype=torch.float32))
         self.wall_time[row["config"]] += row["seconds"]
@@ -304,13 +306,13 @@ class Evaluator:
         if run is not None:
             summary = run.summary()
         else:  # the model as it is: no global head is local, every sliding-window head is
-            summary = {"sparsity": 0.0, "kv_sparsity": 0.0, "fail_safe": 0,
+            summary = {"sparsity": 0.0, "kv_sparsity": 0.0, "kv_read": 1.0, "fail_safe": 0,
                        "sparsity_per_layer": dict.fromkeys(self.layers.global_layers, 0.0),
                        "kv_sparsity_per_layer": dict.fromkeys(self.layers.global_layers, 0.0)}
             summary.update(all_layer_sparsity(summary, self.layers))
         if len(tokens) == 1:  # no decode step ran: the first token comes from the dense prefill
             summary = {**summary, "sparsity": None, "kv_sparsity": None,
-                       **dict.fromkeys(ALL_LAYER_FIELDS, None)}
+                       **dict.fromkeys(DECODE_FIELDS, None)}
         return {
             "sample": sample_key(sample), "config": config.label, "task": sample.task, "length": sample.length,
             "index": sample.index, "prediction": prediction, "outputs": sample.outputs,
@@ -318,7 +320,7 @@ class Evaluator:
             "sparsity": summary["sparsity"], "kv_sparsity": summary["kv_sparsity"],
             "fail_safe": summary.get("fail_safe", 0), "new_tokens": len(tokens), "seconds": seconds,
             # over all layers, sliding-window layers counted as local (equal to the above without them)
-            **{name: summary.get(name) for name in ALL_LAYER_FIELDS},
+            **{name: summary.get(name) for name in DECODE_FIELDS},
         }
 
     def compute(self) -> dict[str, dict]:
@@ -327,7 +329,7 @@ class Evaluator:
         for config in self.configs:
             metrics = self.metrics[config.label]
             values = {name: metrics[name].compute() if _updated(metrics[name]) else None
-                      for name in ("score", "sparsity", "kv_sparsity", *ALL_LAYER_FIELDS)}
+                      for name in ("score", "sparsity", "kv_sparsity", *DECODE_FIELDS)}
             values["oracle"] = metrics["oracle"].compute() if _updated(metrics["oracle"]) else torch.zeros(5)
             missing = {}
             if values["score"] is None:
@@ -341,7 +343,7 @@ class Evaluator:
                 "score": _float(values["score"]),
                 "sparsity": _float(values["sparsity"]),
                 "kv_sparsity": _float(values["kv_sparsity"]),
-                **{name: _float(values[name]) for name in ALL_LAYER_FIELDS},
+                **{name: _float(values[name]) for name in DECODE_FIELDS},
                 "decode_seconds": self.wall_time[config.label],
                 # decode only (the prefill is timed apart): steps after the first token, cache copy and moment
                 # set-up included; None when no decode step ran

@@ -20,8 +20,9 @@ __all__ = ["ConfigMetrics", "OracleAgreement", "agreement_summary"]
 
 class ConfigMetrics(MetricCollection):
     """Per-configuration means over samples: ``score`` (0-100), ``sparsity``, ``kv_sparsity`` (global layers) and
-    the same two over all layers (``*_all_layers``, sliding-window layers counted as local); plus ``oracle``
-    stat scores (local = positive) when the oracle is recorded alongside. Synced across processes by torchmetrics.
+    the same two over all layers (``*_all_layers``, sliding-window layers counted as local), ``kv_read``; plus
+    ``oracle`` stat scores (local = positive) when the oracle is recorded alongside. Synced across processes by
+    torchmetrics.
     """
 
     def __init__(self) -> None:
@@ -32,6 +33,7 @@ class ConfigMetrics(MetricCollection):
                 "kv_sparsity": MeanMetric(),
                 "sparsity_all_layers": MeanMetric(),
                 "kv_sparsity_all_layers": MeanMetric(),
+                "kv_read": MeanMetric(),
                 "oracle": BinaryStatScores(),
             },
             compute_groups=False,

@@ -44,7 +44,7 @@ def result_record(entry: dict, task: str, length: int | None, n: int, model: Any
         "sparsity": entry["sparsity"],
         "kv_sparsity": entry["kv_sparsity"],
         # over all layers, sliding-window layers (hybrid models) counted as local
-        **{k: entry[k] for k in ("sparsity_all_layers", "kv_sparsity_all_layers") if k in entry},
+        **{k: entry[k] for k in ("sparsity_all_layers", "kv_sparsity_all_layers", "kv_read") if k in entry},
         **{k: v for k, v in entry.items() if k.startswith("oracle_")},
         "decode_seconds": entry["decode_seconds"],
         "decode_tokens_per_s": entry.get("decode_tokens_per_s"),
@@ -105,7 +105,7 @@ def write_results(
     json_path = write_json(out / f"{name}.json", list(records))
     csv_path = out / f"{name}.csv"
     columns = ["task", "length", "n", "family", "label", "score", "sparsity", "kv_sparsity", "sparsity_all_layers",
-               "kv_sparsity_all_layers", "oracle_agreement", "decode_seconds", "decode_tokens_per_s"]
+               "kv_sparsity_all_layers", "kv_read", "oracle_agreement", "decode_seconds", "decode_tokens_per_s"]
     with csv_path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -174,6 +174,12 @@ def plot_score_vs_sparsity(records: Sequence[dict], path: str | Path, title: str
     return path
 
 
+def _mean_of(rows: list[dict], name: str) -> dict[str, float]:
+    """``{name: mean}`` over the rows that have ``name`` (none where no row has it, e.g. older results)."""
+    values = [r[name] for r in rows if r.get(name) is not None]
+    return {name: sum(values) / len(values)} if values else {}
+
+
 def records_from_rows(folder: str | Path) -> list[dict]:
     """Per-configuration records rebuilt from the per-sample ``results-rank*.jsonl`` under ``folder`` (recursively).
 
@@ -210,6 +216,7 @@ def records_from_rows(folder: str | Path) -> list[dict]:
             "score": sum(r["score"] for r in rows) / len(rows),
             "sparsity": sum(r["sparsity"] for r in measured) / len(measured) if measured else None,
             "kv_sparsity": sum(r["kv_sparsity"] for r in measured) / len(measured) if measured else None,
+            **_mean_of(measured, "kv_read"),
             "decode_seconds": sum(r["seconds"] for r in rows),
             "decode_tokens_per_s": _rate(sum(max(r.get("new_tokens", 1) - 1, 0) for r in rows),
                                          sum(r["seconds"] for r in rows)),

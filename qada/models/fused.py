@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from qada.attention.group_policy import apply_group_policy
+from qada.attention.group_policy import apply_group_policy, kv_read
 from qada.functional.window import bulk_count, gather_window
 from qada.step import BulkMoments
 
@@ -32,8 +32,8 @@ class LayerDecision(NamedTuple):
         local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool, the bulks to read.
         window_keys, window_values: ``[b, H_kv, W, d]``; ``window_valid``: ``[b, W]`` bool.
         t_bulk: ``[b]`` bulk sizes; ``moments``: the step's bulk moments.
-        counts: ``[4]`` float64: sparsity, kv_sparsity, 1 (a step) and the heads forced dense (fail-safe), a
-            row of :class:`~qada.models.statistics.DecodeStatistics`.
+        counts: ``[5]`` float64: sparsity, kv_sparsity, 1 (a step), the heads forced dense (fail-safe) and
+            kv_read, a row of :class:`~qada.models.statistics.DecodeStatistics`.
     """
 
     decided: torch.Tensor
@@ -81,7 +81,9 @@ def fused_layer_decision(
     decided, broken = decide(query, window_keys, valid, moments.mean, moments.cov, t_bulk, scale)
     local, read = apply_group_policy(decided, t_bulk > 0, keys.shape[1], policy)
     one = torch.ones_like(t_bulk[0], dtype=torch.float64)
-    counts = torch.stack([local.double().mean(), (~read).double().mean(), one, broken.sum().double()])
+    length = t_bulk + t_local  # the rows' real tokens where they have a bulk; a row without one reads all it has
+    counts = torch.stack([local.double().mean(), (~read).double().mean(), one, broken.sum().double(),
+                          kv_read(read, length, t_local)])
     return LayerDecision(decided, local, read, window_keys, window_values, valid, t_bulk, moments, counts)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from qada.attention.base import AttentionExecutor, ExecutorOutput, GroupDecision
+from qada.attention.group_policy import kv_read
 from qada.criteria.base import HeadCriterion
 from qada.models.fused import FusedDecision
 from qada.models.guards import (
@@ -278,9 +279,16 @@ class QAdARun:
                           end=end, moments=moments, values=value)
         local = self.criterion(step)
         result = self.executor(step, local)
-        self.stats.update(layer, result.sparsity, result.kv_sparsity, step.fail_safe)
+        self.stats.update(layer, result.sparsity, result.kv_sparsity, step.fail_safe, self._kv_read(step, result))
         self.fanout.decision(step, local, result)
         return result.output
+
+    def _kv_read(self, step: DecodeStep, result: ExecutorOutput) -> torch.Tensor:
+        """What the step read, as a fraction of dense attention's K/V (:func:`~qada.attention.group_policy.kv_read`):
+        the executor's bulks and windows and the criterion's extra reads."""
+        b, H = result.local.shape
+        read = (~result.local).view(b, step.num_kv_heads, H // step.num_kv_heads).any(-1)
+        return kv_read(read, step.t_bulk + self.window.t_local, self.window.t_local, self.criterion.extra_reads(step))
 
     def _attend_fused(self, layer, query, key, value, scale, start, end, step_index, decision) -> torch.Tensor:
         """The executor on a step whose decision :attr:`fused` computed (window, bulk sizes shared with it)."""

@@ -13,15 +13,16 @@ import torch
 
 __all__ = ["DecodeStatistics"]
 
-_SPARSITY, _KV_SPARSITY, _STEPS, _FAIL_SAFE = 0, 1, 2, 3
+_SPARSITY, _KV_SPARSITY, _STEPS, _FAIL_SAFE, _KV_READ = 0, 1, 2, 3, 4
+COLUMNS = 5
 
 
 class DecodeStatistics:
-    """Per-layer sums of sparsity and kv_sparsity over decode steps, step counts and fail-safe counts.
+    """Per-layer sums of sparsity, kv_sparsity and kv_read over decode steps, step counts and fail-safe counts.
 
-    State: ``sums [L, 4]`` float64 (sparsity, kv_sparsity, steps and heads forced dense, per layer; counts are
-    exact in float64 up to 2^53), on the device of the first :meth:`prepare` or :meth:`update`: one decode step of
-    a layer is one in-place addition to one row.
+    State: ``sums [L, 5]`` float64 (sparsity, kv_sparsity, steps, heads forced dense and kv_read per layer, see
+    :func:`~qada.attention.group_policy.kv_read`; counts are exact in float64 up to 2^53), on the device of the
+    first :meth:`prepare` or :meth:`update`: one decode step of a layer is one in-place addition to one row.
     """
 
     def __init__(self) -> None:
@@ -45,7 +46,7 @@ class DecodeStatistics:
         if self.sums is not None and self.sums.shape[0] >= num_layers and self.sums.device == device:
             return
         old = self.sums
-        self.sums = torch.zeros(num_layers, 4, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(num_layers, COLUMNS, dtype=torch.float64, device=device)
         if old is not None:  # a later, larger or moved preparation keeps what was counted
             self.sums[: old.shape[0]] += old.to(device)
 
@@ -55,18 +56,22 @@ class DecodeStatistics:
         sparsity: torch.Tensor,
         kv_sparsity: torch.Tensor,
         fail_safe: torch.Tensor | None = None,
+        kv_read: torch.Tensor | None = None,
     ) -> None:
-        """Add one decode step of ``layer`` (0-d tensors from the executor; ``fail_safe``: heads forced dense)."""
+        """Add one decode step of ``layer`` (0-d tensors from the executor; ``fail_safe``: heads forced dense;
+        ``kv_read``: the fraction of the dense K/V read, ``None``: not known, and the run's ``kv_read`` is then
+        ``nan``)."""
         if self.sums is None or layer >= self.sums.shape[0]:
             self.prepare(layer + 1, sparsity.device)  # eager use without a prefill: allocate once
         f64 = dict(dtype=torch.float64, device=self.sums.device)
         forced = torch.zeros((), **f64) if fail_safe is None else fail_safe.detach().to(**f64)
+        read = torch.full((), float("nan"), **f64) if kv_read is None else kv_read.detach().to(**f64)
         self.sums[layer].add_(torch.stack([sparsity.detach().to(**f64), kv_sparsity.detach().to(**f64),
-                                           torch.ones((), **f64), forced]))
+                                           torch.ones((), **f64), forced, read]))
 
     def add(self, layer: int, counts: torch.Tensor) -> None:
-        """Add one decode step of ``layer`` from ``counts [4]`` float64 (sparsity, kv_sparsity, 1, heads forced
-        dense), as :class:`qada.models.fused.LayerDecision` gives them: one in-place addition, no sync."""
+        """Add one decode step of ``layer`` from ``counts [5]`` float64 (sparsity, kv_sparsity, 1, heads forced
+        dense, kv_read), as :class:`qada.models.fused.LayerDecision` gives them: one in-place addition, no sync."""
         if self.sums is None or layer >= self.sums.shape[0]:
             self.prepare(layer + 1, counts.device)
         self.sums[layer].add_(counts)
@@ -87,7 +92,8 @@ class DecodeStatistics:
         return {layer: int(n) for layer, n in enumerate(counts) if n > 0}
 
     def compute(self) -> dict[str, Any]:
-        """Mean sparsity and kv_sparsity over all decoded (layer, step) pairs, per layer, and fail-safe count.
+        """Mean sparsity, kv_sparsity and kv_read over all decoded (layer, step) pairs, per layer, and the fail-safe
+        count.
 
         Without any decode step the means are ``nan``. Reads the device sums once (a host sync).
         """
@@ -96,11 +102,14 @@ class DecodeStatistics:
         steps = sum(row[_STEPS] for _, row in decoded)
         per_layer = {layer: row[_SPARSITY] / row[_STEPS] for layer, row in decoded}
         per_layer_kv = {layer: row[_KV_SPARSITY] / row[_STEPS] for layer, row in decoded}
+        per_layer_read = {layer: row[_KV_READ] / row[_STEPS] for layer, row in decoded}
         return {
             "decode_steps": int(max((row[_STEPS] for _, row in decoded), default=0)),
             "sparsity": sum(row[_SPARSITY] for _, row in decoded) / steps if steps else float("nan"),
             "kv_sparsity": sum(row[_KV_SPARSITY] for _, row in decoded) / steps if steps else float("nan"),
             "sparsity_per_layer": per_layer,
             "kv_sparsity_per_layer": per_layer_kv,
+            "kv_read": sum(row[_KV_READ] for _, row in decoded) / steps if steps else float("nan"),
+            "kv_read_per_layer": per_layer_read,
             "fail_safe": int(sum(row[_FAIL_SAFE] for row in sums)),
         }

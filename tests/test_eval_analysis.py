@@ -16,7 +16,7 @@ from qada.eval.analysis import (
     sparsity_vs_tau,
 )
 from qada.models import DecisionRecorder, apply
-from tests.tiny_models import tiny_model
+from tests.tiny_models import saved_tiny_model, tiny_model
 
 WINDOW = {"t_local": 32, "t_sink": 4}
 
@@ -69,15 +69,9 @@ def test_log_error_table_rows_and_exactness_of_the_control():
 
 
 def test_analyze_cli_writes_every_output(tmp_path):
-    from transformers import AutoTokenizer
-
     from qada.cli import main
-    from qada.models.loading import model_directory
 
-    tokenizer = AutoTokenizer.from_pretrained(model_directory(None))
-    model_dir = tmp_path / "tiny"
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = saved_tiny_model(tmp_path / "tiny")
     out = tmp_path / "analysis"
     assert main(["analyze", "--task", "niah_single_2", "--length", "300", "--samples", "2", "--tokens", "4",
                  "--tau", "0.2", "--model", str(model_dir), "--out", str(out)]) == 0

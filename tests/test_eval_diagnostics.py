@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import saved_tiny_model, tiny_model
 
 from qada.criteria import CRITERIA
 from qada.eval.diagnostics import CriterionProbe, decision_diagnostics, diagnostics_markdown
@@ -88,15 +88,9 @@ def test_probed_criteria_from_the_command_line():
 
 
 def test_analyze_writes_the_diagnostics(tmp_path, capsys):
-    from transformers import AutoTokenizer
-
     from qada.cli import main
-    from qada.models.loading import model_directory
 
-    tokenizer = AutoTokenizer.from_pretrained(model_directory(None))
-    model_dir = tmp_path / "tiny"
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = saved_tiny_model(tmp_path / "tiny")
     out = tmp_path / "analysis"
     assert main(["analyze", "--task", "niah_single_2", "--length", "300", "--samples", "1", "--tokens", "3",
                  "--tau", "0.2", "--model", str(model_dir), "--out", str(out), "--criteria", "oracle",

@@ -89,3 +89,16 @@ def tiny_model(arch: str = "llama", seed: int = 0, sharpen: bool = True, window:
                 elif name.endswith(("q_norm.weight", "k_norm.weight")):  # Gemma: scale (1 + w) from 1 to 2
                     parameter.add_(1.0)
     return model
+
+
+def saved_tiny_model(directory) -> str:
+    """A tiny Llama with the embedded model's tokenizer (and its vocabulary), saved to ``directory`` for the
+    command line's ``--model DIR``; returns the directory as a string."""
+    from transformers import AutoTokenizer
+
+    from qada.models.loading import model_directory
+
+    tokenizer = AutoTokenizer.from_pretrained(model_directory(None))
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)

@@ -107,7 +107,8 @@ class HeadCriterion(Component, abc.ABC):
         ``f(query [b, H, d], window_keys [b, H_kv, W, d], window_valid [b, W], mean, cov, t_bulk [b], scale)
         -> (local [b, H], fail_safe [b, H])``, that the wrapper may compile together with the moment source's step
         (:class:`qada.models.fused.FusedDecision`) on a preallocated buffer; ``None`` (the default): the criterion
-        decides through :meth:`decide`."""
+        decides through :meth:`decide`. The fused step counts no :meth:`extra_reads`: a criterion that reads more
+        than the window to decide keeps to :meth:`decide`."""
         return None
 
     def __call__(self, step: DecodeStep) -> torch.Tensor:

@@ -36,6 +36,7 @@ class ExecutorOutput(NamedTuple):
         kv_sparsity: 0-d float tensor, fraction of (batch, KV head) bulk reads skipped (a row without a bulk
             counts as skipped: nothing beyond the window is read).
         bulk_blocks: 0-d int tensor of bulk KV blocks loaded (fused kernels), else ``None``.
+        read: ``[b, H_kv]`` bool, the KV heads whose bulk was read (the group policy's), else ``None``.
     """
 
     output: torch.Tensor
@@ -43,6 +44,7 @@ class ExecutorOutput(NamedTuple):
     sparsity: torch.Tensor
     kv_sparsity: torch.Tensor
     bulk_blocks: torch.Tensor | None = None
+    read: torch.Tensor | None = None
 
 
 class GroupDecision(NamedTuple):
@@ -93,7 +95,7 @@ class AttentionExecutor(Component, abc.ABC):
         check_head_mask("local", local, step.batch_size, step.num_heads, step.device)
         local, read = apply_group_policy(local, step.has_bulk, step.num_kv_heads, self.group_policy)
         output, bulk_blocks = self.attend(step, GroupDecision(local, read))
-        return ExecutorOutput(output, local, head_sparsity(local), kv_sparsity(read), bulk_blocks)
+        return ExecutorOutput(output, local, head_sparsity(local), kv_sparsity(read), bulk_blocks, read)
 
 
 def check_step_for_attention(step: DecodeStep) -> None:

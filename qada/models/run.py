@@ -286,9 +286,8 @@ class QAdARun:
     def _kv_read(self, step: DecodeStep, result: ExecutorOutput) -> torch.Tensor:
         """What the step read, as a fraction of dense attention's K/V (:func:`~qada.attention.group_policy.kv_read`):
         the executor's bulks and windows and the criterion's extra reads."""
-        b, H = result.local.shape
-        read = (~result.local).view(b, step.num_kv_heads, H // step.num_kv_heads).any(-1)
-        return kv_read(read, step.t_bulk + self.window.t_local, self.window.t_local, self.criterion.extra_reads(step))
+        return kv_read(result.read, step.t_bulk + self.window.t_local, self.window.t_local,
+                       self.criterion.extra_reads(step))
 
     def _attend_fused(self, layer, query, key, value, scale, start, end, step_index, decision) -> torch.Tensor:
         """The executor on a step whose decision :attr:`fused` computed (window, bulk sizes shared with it)."""
@@ -302,7 +301,7 @@ class QAdARun:
         self.stats.add(layer, decision.counts)
         if self.fanout.observers:
             result = ExecutorOutput(output, decision.local, decision.counts[0].float(), decision.counts[1].float(),
-                                    bulk_blocks)
+                                    bulk_blocks, decision.read)
             self.fanout.decision(step, decision.decided, result)
         return output
 

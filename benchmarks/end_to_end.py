@@ -34,6 +34,7 @@ import torch
 from benchmarks.common import Timing, device_sync
 from qada.criteria import StaticCriterion
 from qada.models import attach, build_run, prepare_run
+from qada.models.prompt_queries import PromptQueries
 
 __all__ = ["CUDA_ONLY", "DecodeConfig", "Stepper", "byte_ceiling", "count_step_events", "group_static_mask",
            "run_end_to_end", "summarize_events"]  # fmt: skip
@@ -211,14 +212,20 @@ def count_step_events(model: Any, cache: Any, tokens: torch.Tensor, position: in
 
 
 @torch.no_grad()
+def rows_of(queries: PromptQueries, batch: int) -> PromptQueries:
+    """``queries`` with ``batch`` rows: a context whose one row is shared by the batch expands it."""
+    expand = {layer: q.expand(batch, *q.shape[1:]) if q.shape[0] == 1 else q for layer, q in queries.queries.items()}
+    return PromptQueries(queries.keep, expand, queries.scales)
+
+
 def _decode(model, cache, base_length: int, first: torch.Tensor, run, forward, warmup: int, steps: int, device,
-            cudagraphs: bool, count_steps: int) -> dict[str, Any]:
+            cudagraphs: bool, count_steps: int, queries: PromptQueries | None = None) -> dict[str, Any]:
     if run is not None:
         attach(model, run)
     try:
         if run is not None:
             run.reset_stats()
-            run.prefill_from_cache(cache)
+            run.prefill_from_cache(cache, queries=queries)
         stepper = Stepper(model, cache, first, base_length, forward, cudagraphs)
         times, first_logits = [], None
         for i in range(warmup + steps):
@@ -276,7 +283,7 @@ def _memory_check(model, T: int, B: int, capacity: int, base_rows: int, dynamic:
 
 def run_end_to_end(
     model: Any,
-    contexts: dict[tuple[int, int], Callable[[], tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]]],
+    contexts: dict[tuple[int, int], Callable[[], tuple]],
     configs: Callable[[int], dict[str, DecodeConfig]],
     steps: int,
     reps: int,
@@ -292,9 +299,9 @@ def run_end_to_end(
     """One row per (context, batch size, configuration).
 
     Args:
-        contexts: ``(T, B) -> () -> (per-layer [(K, V)], first token of each row)``, built lazily (one at a time in
-            memory); K/V with one row are shared by the ``B`` rows (a context's ``base_rows`` attribute says so
-            ahead, for the memory check on CUDA).
+        contexts: ``(T, B) -> () -> (per-layer [(K, V)], first token of each row[, the prompt's last queries])``,
+            built lazily (one at a time in memory); K/V and queries with one row are shared by the ``B`` rows (a
+            context's ``base_rows`` attribute says so ahead, for the memory check on CUDA).
         configs: ``B ->`` name -> :class:`DecodeConfig`; the config named ``dense`` is the reference for the
             ratios and the agreement (its cache is the suite's), ``speedup_vs_dense`` compares on the same cache,
             ``speedup_vs_dense_compiled`` with ``dense compiled``; a compiled row's ``eager_*`` agreement compares
@@ -321,7 +328,8 @@ def run_end_to_end(
                 on_case(rows[-1:])
             continue
         t0 = time.perf_counter()
-        base, first_tokens = make()
+        base, first_tokens, *recorded = make()  # the prompt's last queries (a PromptQueries), where recorded
+        queries = rows_of(recorded[0], B) if recorded else None
         first = torch.tensor(first_tokens, device=device)
         log(f"  end-to-end T={T} B={B}: prefill/cache built in {time.perf_counter() - t0:.1f} s")
         torch._dynamo.reset()  # each case compiles afresh: no recompile limit, no graph of another case
@@ -355,7 +363,8 @@ def run_end_to_end(
                     with _no_silent_fallback():
                         done = _decode(model, cache, T, first, runs[name], forwards.get(name), warmup, steps, device,
                                        cudagraphs and config.compiled,
-                                       count_steps if config.count_events and rep == reps - 1 else 0)  # fmt: skip
+                                       count_steps if config.count_events and rep == reps - 1 else 0,
+                                       queries)  # fmt: skip
                     del cache
                 except Exception as exc:
                     errors[name] = repr(exc)[:400]

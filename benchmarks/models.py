@@ -11,6 +11,7 @@ import torch
 from benchmarks.end_to_end import DecodeConfig, dense_run, group_static_mask, qada_run, static_run
 from benchmarks.suites import Suite, Workload
 from qada.models import build_run, prepare_run
+from qada.models.prompt_queries import PromptQueries
 
 __all__ = ["build_configs", "build_contexts", "build_model", "passkey_rows"]
 
@@ -77,31 +78,36 @@ def passkey_rows(tokenizer: Any, T: int, batch: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-Context = Callable[[], tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]]
+Context = Callable[[], tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int], PromptQueries]]
+PROMPT_QUERIES = 32  # the prompt's last queries kept per layer: the tail-aware rows' observation window
 
 
 def build_contexts(suite: Suite, workload: Workload, model: Any, tokenizer: Any) -> dict[tuple[int, int], Context]:
-    """``(T, B) -> () -> (per-layer [(K, V)], first token of each row)``.
+    """``(T, B) -> () -> (per-layer [(K, V)], first token of each row, the prompt's last queries per layer)``.
 
     SmolLM2 up to ``workload.real_up_to`` tokens: ``B`` real pass-key prompts (:func:`passkey_rows`), each
-    prefilled on its own, K/V ``[B, H_kv, T, d]``. Otherwise random K/V ``[1, H_kv, T, d]`` shared by the ``B``
-    rows (random models, and SmolLM2's long "timing only" case: no accuracy from it).
+    prefilled on its own, K/V ``[B, H_kv, T, d]``, its last :data:`PROMPT_QUERIES` queries recorded. Otherwise
+    random K/V ``[1, H_kv, T, d]`` and queries shared by the ``B`` rows (random models, and SmolLM2's long "timing
+    only" case: no accuracy from it).
     """
     from qada.eval.decode import prefill
 
     def real(T: int, B: int) -> Context:
         def make():
             ids = passkey_rows(tokenizer, T, B).to(suite.device)
-            keys, values, first = [], [], []
+            keys, values, first, queries = [], [], [], []
             for row in ids:
-                done = prefill(model, row[None])
+                done = prefill(model, row[None], keep_queries=PROMPT_QUERIES)
                 keys.append([layer.keys for layer in done.cache.layers])
                 values.append([layer.values for layer in done.cache.layers])
                 first.append(int(done.last_logits.argmax(-1)))
+                queries.append(done.queries)
                 del done
             base = [(torch.cat([k[layer] for k in keys]), torch.cat([v[layer] for v in values]))
                     for layer in range(len(keys[0]))]  # fmt: skip
-            return base, first
+            recorded = PromptQueries(PROMPT_QUERIES, {layer: torch.cat([q.queries[layer] for q in queries])
+                                                      for layer in queries[0].queries}, queries[0].scales)
+            return base, first, recorded
 
         return make
 
@@ -115,7 +121,11 @@ def build_contexts(suite: Suite, workload: Workload, model: Any, tokenizer: Any)
                 tuple(torch.randn(shape, generator=g, device=suite.device, dtype=suite.dtype) for _ in range(2))
                 for _ in range(c.num_hidden_layers)
             ]
-            return base, [1] * B
+            q_shape = (1, c.num_attention_heads, min(PROMPT_QUERIES, T), d)
+            queries = PromptQueries(PROMPT_QUERIES, {
+                layer: torch.randn(q_shape, generator=g, device=suite.device, dtype=suite.dtype)
+                for layer in range(c.num_hidden_layers)}, dict.fromkeys(range(c.num_hidden_layers), d ** -0.5))
+            return base, [1] * B, queries
 
         make.base_rows = 1  # the B rows share one row of K/V (the memory check of run_end_to_end)
         return make
@@ -138,8 +148,7 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``qada dense`` (the
     wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor),
     ``qada fused`` (its layer's decision as one compiled function, if ``workload.fused``), the tail-aware rows of
-    :data:`TAIL_CONFIGS` (if ``workload.tail``; the shared prefill has no prompt queries, so their heavy set is
-    empty and only the pages count),
+    :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded prompt queries),
     ``static rho_kv=...`` (whole KV groups forced local), and ``<name> compiled`` for each name of
     ``workload.compiled``: the same run, decode steps through ``torch.compile`` (CUDA graphs on a GPU).
     """

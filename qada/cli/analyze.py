@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     for sample in samples:
         ids = tokenizer(sample.input, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
         budget = args.tokens or answer_budget(sample, tokenizer)
-        decode_greedy(model, prefill(model, ids), budget, eos if args.tokens is None else (), run)
+        prefilled = prefill(model, ids, run.criterion.prompt_queries())
+        decode_greedy(model, prefilled, budget, eos if args.tokens is None else (), run)
         log.next_sequence()
     arrays = log.arrays()
     L, H = model.config.num_hidden_layers, model.config.num_attention_heads

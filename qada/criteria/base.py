@@ -90,6 +90,13 @@ class HeadCriterion(Component, abc.ABC):
         for child in children() if callable(children) else ():
             child.bind_layers(global_layers)
 
+    def prompt_queries(self) -> int:
+        """How many of the prompt's last queries per layer :meth:`observe_prefill` needs (0: none). A run started
+        from a cache prefilled elsewhere (:meth:`~qada.models.run.QAdARun.prefill_from_cache`) must be given at
+        least that many. The default is the largest of ``children()``, if any, else 0."""
+        children = getattr(self, "children", None)
+        return max((child.prompt_queries() for child in (children() if callable(children) else ())), default=0)
+
     def extra_reads(self, step: DecodeStep) -> torch.Tensor | None:
         """``[b]`` key/value vectors this criterion reads per KV head and step beyond the window and the executor's
         reads (counted in the run's ``kv_read``), e.g. the exact set's keys and the page extrema of the

@@ -60,6 +60,10 @@ class TailEstimate:
     def observe_append(self, layer: int, keys: torch.Tensor, end: torch.Tensor | None) -> None:
         self._index.append(layer, keys, end)
 
+    def prompt_queries(self) -> int:
+        """The observation window when there is a heavy set to choose, else 0."""
+        return self.observe if self.heavy else 0
+
     def exact_set(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [b, H, n], valid [b, H, n])`` of ``E``: the heavy tokens, then the tokens of the top pages."""
         state = self._index.layers.get(step.layer)

@@ -97,7 +97,8 @@ def _decode_samples(model: Any, tokenizer: Any, samples: Sequence[Sample], run: 
     eos = {tokenizer.eos_token_id} - {None}
     for sample in tqdm(samples, desc="qada calibrate", disable=not progress):
         ids = tokenizer(sample.input, return_tensors="pt", add_special_tokens=False)["input_ids"]
-        decode_greedy(model, prefill(model, ids.to(model.device)), answer_budget(sample, tokenizer), eos, run)
+        prefilled = prefill(model, ids.to(model.device), run.criterion.prompt_queries())
+        decode_greedy(model, prefilled, answer_budget(sample, tokenizer), eos, run)
 
 
 @dataclass

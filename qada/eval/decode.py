@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 
 from qada.models.apply import attach
 from qada.models.generation import copy_to_cache
+from qada.models.prompt_queries import PromptQueries, recording_queries
 from qada.models.run import QAdARun
 
 __all__ = ["Prefilled", "decode_greedy", "prefill"]
@@ -17,23 +19,31 @@ __all__ = ["Prefilled", "decode_greedy", "prefill"]
 
 @dataclass
 class Prefilled:
-    """A prompt after the dense prefill: its cache, the logits of its last position, its length."""
+    """A prompt after the dense prefill: its cache, the logits of its last position, its length, and (when asked
+    for) the prompt's last queries per layer, for criteria that read them at the prefill."""
 
     cache: Any
     last_logits: torch.Tensor
     length: int
+    queries: PromptQueries | None = None
 
 
 @torch.no_grad()
-def prefill(model: Any, input_ids: torch.Tensor) -> Prefilled:
-    """Dense prefill of ``input_ids [1, T]`` with the model as it is (qada not attached), as in the paper."""
+def prefill(model: Any, input_ids: torch.Tensor, keep_queries: int = 0) -> Prefilled:
+    """Dense prefill of ``input_ids [1, T]`` with the model as it is (qada not attached), as in the paper.
+
+    ``keep_queries``: also record the prompt's last ``keep_queries`` queries per layer (the tail-aware criteria's
+    observation window, :meth:`~qada.criteria.HeadCriterion.prompt_queries`); 0: none. The outputs do not change.
+    """
     from transformers import DynamicCache
 
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"expected input_ids of shape [1, T] but got {tuple(input_ids.shape)}")
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return Prefilled(out.past_key_values, out.logits[:, -1].float(), input_ids.shape[1])
+    recording = recording_queries(model, keep_queries) if keep_queries else nullcontext(None)
+    with recording as queries:
+        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return Prefilled(out.past_key_values, out.logits[:, -1].float(), input_ids.shape[1], queries)
 
 
 @torch.no_grad()
@@ -48,7 +58,8 @@ def decode_greedy(
     """Greedy tokens after the prompt, decoded from a *copy* of the prefilled cache (the original stays intact).
 
     With ``run``, qada is attached for the decode steps only and removed afterwards; the run's moment source is
-    started from the copied cache (:meth:`~qada.models.run.QAdARun.prefill_from_cache`). Stops after
+    started from the copied cache and the prefill's recorded queries
+    (:meth:`~qada.models.run.QAdARun.prefill_from_cache`). Stops after
     ``max_new_tokens`` tokens or at an EOS token (which is included). ``cache``: the copy is a preallocated
     ``static`` cache (default: each step writes one key in place) or a ``dynamic`` one (grows by a copy per step).
     """
@@ -62,7 +73,7 @@ def decode_greedy(
         attach(model, run)
     try:
         if run is not None:
-            run.prefill_from_cache(cache)
+            run.prefill_from_cache(cache, queries=prefilled.queries)
         device = prefilled.last_logits.device
         while len(tokens) < max_new_tokens and token not in eos:
             out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)

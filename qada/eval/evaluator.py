@@ -252,9 +252,10 @@ class Evaluator:
             raise ValueError(f"expected unique samples but {repeated[:3]} appear more than once (duplicate indices)")
         mine = samples[self.fabric.global_rank :: self.fabric.world_size]
         token_ids = dict(zip((sample_key(s) for s in mine), self._tokenized(mine), strict=True))
+        keep_queries = 0  # the prompt queries the criteria read at the prefill (the tail-aware ones' heavy set)
         for config in self.configs:  # build every run first: bad parameters or artifacts fail before any work
             if config.family != "dense":
-                self._run(config)
+                keep_queries = max(keep_queries, self._run(config).criterion.prompt_queries())
         eos = {self.tokenizer.eos_token_id} | set(_as_list(getattr(self.model.generation_config, "eos_token_id", None)))
         eos.discard(None)
         shared = self.identity(eos)
@@ -280,7 +281,7 @@ class Evaluator:
                 if not configs:
                     continue
                 start = time.perf_counter()
-                prefilled = prefill(self.model, token_ids[sample_key(sample)].to(self.device))
+                prefilled = prefill(self.model, token_ids[sample_key(sample)].to(self.device), keep_queries)
                 prefill_seconds = time.perf_counter() - start
                 budget = answer_budget(sample, self.tokenizer)
                 for config in configs:

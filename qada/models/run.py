@@ -33,6 +33,7 @@ from qada.models.guards import (
 )
 from qada.models.layer_types import LayerTypes
 from qada.models.observers import Observer, ObserverFanout
+from qada.models.prompt_queries import PromptQueries
 from qada.models.statistics import DecodeStatistics
 from qada.moments.base import MomentSource
 from qada.step import DecodeStep
@@ -201,11 +202,23 @@ class QAdARun:
         self.criterion.observe_prefill(layer, key, query, scale, start, self.window, capacity)
         self.fanout.prefill(layer, key.shape[2])
 
-    def prefill_from_cache(self, cache: Any, start: torch.Tensor | None = None) -> None:
+    def prefill_from_cache(self, cache: Any, start: torch.Tensor | None = None,
+                           queries: PromptQueries | None = None) -> None:
         """Start decoding from an already prefilled transformers cache (e.g. a copy shared by a sweep).
 
-        Feeds every layer's cached keys ``[b, H_kv, T, d]`` to :meth:`prefill`, as a dense prefill would have.
+        Feeds every layer's cached keys ``[b, H_kv, T, d]`` to :meth:`prefill`, as a dense prefill would have, with
+        ``queries``: the prompt's last queries per layer, recorded by that prefill
+        (:func:`~qada.models.prompt_queries.recording_queries`). Raises ``ValueError`` when the criterion needs more
+        of them (:meth:`~qada.criteria.HeadCriterion.prompt_queries`) than ``queries`` holds.
         """
+        needed = self.criterion.prompt_queries()
+        if needed and (queries is None or queries.keep < needed):
+            held = "none" if queries is None else f"the last {queries.keep}"
+            raise ValueError(
+                f"criterion {self.criterion.registry_name or type(self.criterion).__name__!r} reads the prompt's last "
+                f"{needed} queries per layer at the prefill, but the shared prefill recorded {held}: prefill with "
+                f"qada.eval.decode.prefill(model, ids, keep_queries={needed}) and pass its queries"
+            )
         for layer, cache_layer in enumerate(cache.layers):
             if getattr(cache_layer, "is_sliding", False) or (self.layers is not None and
                                                               self.layers.is_sliding(layer)):
@@ -215,7 +228,11 @@ class QAdARun:
             capacity = None
             if filled < keys.shape[2]:
                 keys, capacity = keys[:, :, :filled], keys.shape[2]
-            self.prefill(layer, keys, start, capacity)
+            query = None if queries is None else queries.queries.get(layer)
+            if needed and query is None:
+                raise ValueError(f"layer {layer}: the recorded prompt queries have no entry for this layer")
+            self.prefill(layer, keys, start, capacity, query=query,
+                         scale=None if query is None else queries.scales[layer])
 
     def decode(
         self,

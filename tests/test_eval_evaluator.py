@@ -167,3 +167,13 @@ def test_moment_source_specs_for_ablations():
     cfg.build()  # the registry accepts it
     with pytest.raises(ValueError, match="key=value"):
         parse_moment_source("stored:text")
+
+
+def test_a_criterion_reading_prompt_queries_says_so_in_its_identity(model, tokenizer, tmp_path):
+    """Rows of a tail-aware criterion decoded without the prompt's queries (an empty heavy set) never resume."""
+    tail = EvalConfig("tail", {"name": "qada_tail", "tau": 0.25}, "current", "sdpa", WINDOW, "qada_tail")
+    pages_only = EvalConfig("pages", {"name": "qada_tail", "heavy": 0}, "current", "sdpa", WINDOW, "qada_tail")
+    evaluator = Evaluator(model, tokenizer, [*configs(), tail, pages_only], tmp_path, progress=False)
+    assert evaluator.config_identity(tail)["prompt_queries"] == 32
+    assert "prompt_queries" not in evaluator.config_identity(pages_only)
+    assert "prompt_queries" not in evaluator.config_identity(configs()[1])

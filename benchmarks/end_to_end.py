@@ -211,13 +211,13 @@ def count_step_events(model: Any, cache: Any, tokens: torch.Tensor, position: in
     return counts
 
 
-@torch.no_grad()
 def rows_of(queries: PromptQueries, batch: int) -> PromptQueries:
     """``queries`` with ``batch`` rows: a context whose one row is shared by the batch expands it."""
     expand = {layer: q.expand(batch, *q.shape[1:]) if q.shape[0] == 1 else q for layer, q in queries.queries.items()}
     return PromptQueries(queries.keep, expand, queries.scales)
 
 
+@torch.no_grad()
 def _decode(model, cache, base_length: int, first: torch.Tensor, run, forward, warmup: int, steps: int, device,
             cudagraphs: bool, count_steps: int, queries: PromptQueries | None = None) -> dict[str, Any]:
     if run is not None:

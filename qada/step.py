@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -29,6 +28,26 @@ from qada.functional.checks import check_float, check_ndim, group_size
 from qada.functional.lognormal import score_moments_unchecked
 from qada.functional.masses import grouped_scores_unchecked
 from qada.window import Window
+
+
+class cached_property:  # noqa: N801 - functools' name, without its lock
+    """``functools.cached_property`` without the lock Python 3.11 takes (``torch.compile`` cannot trace it): the
+    value is computed on first access and kept in the instance's ``__dict__``."""
+
+    def __init__(self, function):
+        self.function = function
+        self.name = function.__name__
+        self.__doc__ = function.__doc__
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        value = self.function(instance)
+        instance.__dict__[self.name] = value
+        return value
 
 __all__ = ["BulkMoments", "DecodeStep", "StepContext", "check_attention_inputs"]
 
@@ -49,7 +68,8 @@ class DecodeStep:
         keys: ``[b, H_kv, T, d]`` the layer's cache, the current token included (``H = G * H_kv``).
         scale: attention scaling (the module's own, normally ``1/sqrt(d)``), a finite float > 0.
         window: the local window sizes.
-        layer: layer index.
+        layer: layer index: an int, or (inside the run's layer step, which serves every layer) a 0-d long tensor;
+            per-layer data reaches a criterion through ``states``, not by indexing with it on the host.
         step: decode step since the prefill (for observers).
         start: ``[b]`` integer index of each row's first real token (left padding), ``None`` for no padding.
         end: ``[b]`` integer one past each row's last token on a preallocated cache (``keys`` is then the whole
@@ -57,6 +77,9 @@ class DecodeStep:
             ends at ``T``. A device tensor, never read on the host: shapes stay fixed while the cache fills.
         moments: bulk key moments, or a zero-argument callable returning them (called at most once).
         values: ``[b, H_kv, T, d]`` the cached values (executors need them; criteria do not).
+        states: the criteria's per-layer tensors by :attr:`~qada.criteria.HeadCriterion.state_key`
+            (:meth:`~qada.criteria.HeadCriterion.layer_states`), passed in by the run; ``None``: a step built by
+            hand, whose criteria build them from ``layer`` (:meth:`~qada.criteria.HeadCriterion.state`).
 
     Derived, cached on first access: ``t_bulk``, ``has_bulk`` ``[b]``; ``window_keys`` / ``window_values``
     ``[b, H_kv, W, d]`` with ``window_valid [b, W]``; ``local_scores [b, H, W]``; ``log_local [b, H]``;
@@ -74,6 +97,7 @@ class DecodeStep:
     end: torch.Tensor | None = None
     moments: BulkMoments | Callable[[], BulkMoments] | None = None
     values: torch.Tensor | None = None
+    states: dict[str, dict[str, torch.Tensor]] | None = None
     fail_safe: torch.Tensor | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -268,14 +292,15 @@ class DecodeStep:
 
     # --- bookkeeping -------------------------------------------------------------------------------------
     def share(self, *, window_keys: torch.Tensor, window_valid: torch.Tensor, window_values: torch.Tensor,
-              t_bulk: torch.Tensor) -> None:
-        """Take derived values computed elsewhere for this very step (the wrapper's fused decision,
-        :class:`qada.models.fused.FusedDecision`): ``window_keys``/``window_values`` ``[b, H_kv, W, d]``,
-        ``window_valid [b, W]`` and ``t_bulk [b]``, as :func:`~qada.functional.gather_window` and
-        :func:`~qada.functional.bulk_count` give them; the executor then does not gather them again."""
+              t_bulk: torch.Tensor, real: torch.Tensor | None) -> None:
+        """Take the derived values the run's layer step computed for this very step
+        (:class:`qada.models.layer_step.LayerStepResult`): ``window_keys``/``window_values`` ``[b, H_kv, W, d]``,
+        ``window_valid [b, W]``, ``t_bulk [b]`` and ``real [b, T]`` (or ``None``), as this step would compute them;
+        the executor then does not compute them again."""
         self.__dict__["_window_keys"] = (window_keys, window_valid)
         self.__dict__["window_values"] = window_values
         self.__dict__["t_bulk"] = t_bulk
+        self.__dict__["real"] = real
 
     def note_fail_safe(self, forced_dense: torch.Tensor) -> None:
         """Count heads forced dense because a value was NaN/inf (kept on the device, no sync)."""

@@ -9,6 +9,11 @@ from hypothesis import HealthCheck, settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The run compiles its layer step by default (seconds per configuration with inductor). Most tests decode many
+# configurations on tiny models, where that would dominate: they run the same step eagerly, and the tests of the
+# compiled step (tests/test_layer_step.py and friends) ask for compiling explicitly.
+os.environ.setdefault("QADA_COMPILE", "0")
+
 settings.register_profile(
     "qada",
     deadline=None,

@@ -1,6 +1,6 @@
 """Decoding on a preallocated cache (issue 22): the whole buffer, the rows' ends as device tensors.
 
-* the buffer path (``StaticCache``) equals the sliced path (``DynamicCache``) in tokens, logits and statistics,
+* the buffer (``StaticCache``) equals the growing cache (``DynamicCache``) in tokens, logits and statistics,
   for every built-in criterion, moment source and sync-free executor, with left padding and a stored range that
   jumps (the short-prompt rule switching) during decoding;
 * no host read inside a decode step of qada's parts (``item``, ``tolist``, ``nonzero``, ``bool``, ``int``,
@@ -23,6 +23,7 @@ from transformers import DynamicCache, StaticCache
 
 from qada.models import attach, build_run
 from qada.models.guards import StaleStateError
+from qada.models.layer_step import LayerStep
 from qada.models.run import QAdARun
 from qada.moments import BucketedMoments, StoredMoments
 from qada.moments.reference import collect_reference_keys, compute_bucketed_moments
@@ -65,7 +66,11 @@ CONFIGS = [
     ({"name": "qada", "tau": 0.3}, {"name": "current", "freeze": True}),
     ({"name": "qada", "tau": 0.3}, "stored"),
     ({"name": "qada", "tau": 0.3}, "bucketed"),
-    ({"name": "qada", "tau": 0.3, "compile": False}, "stored"),
+    ({"name": "qada_calibrated", "tau": 0.3, "slope": [[1.0, 0.9, 1.1, 1.0]] * 2, "offset": [[0.0, 0.2, -0.1, 0.0]] * 2},
+     "stored"),
+    ({"name": "hybrid", "base": {"name": "qada", "tau": 0.3}, "dense_mask": [[True, False, False, False],
+                                                                            [True, True, True, True]]}, "stored"),
+    ({"name": "not", "criterion": {"name": "oracle", "tau": 0.3}}, "none"),
     ({"name": "qada_budget", "sparsity": 0.6}, "stored"),
     ({"name": "static", "mask": [[True, False, True, False], [False, False, True, True]]}, "none"),
     ({"name": "any_of", "criteria": [{"name": "qada", "tau": 0.3}, "local"]}, "stored"),
@@ -115,22 +120,24 @@ def greedy(model, run: QAdARun, cache_kind: str, steps: int = STEPS, step_contex
 
 @contextlib.contextmanager
 def count_buffer_steps(counter: list):
-    original = QAdARun.decode_buffer
+    """Count the layer steps that ran on a preallocated buffer."""
+    original = LayerStep.__call__
 
-    def spy(self, *args, **kwargs):
-        counter.append(1)
-        return original(self, *args, **kwargs)
+    def spy(self, buffered, *args, **kwargs):
+        if buffered:
+            counter.append(1)
+        return original(self, buffered, *args, **kwargs)
 
-    QAdARun.decode_buffer = spy
+    LayerStep.__call__ = spy
     try:
         yield
     finally:
-        QAdARun.decode_buffer = original
+        LayerStep.__call__ = original
 
 
 @pytest.mark.parametrize("executor", EXECUTORS, ids=["sdpa-no-host-skip", "sdpa", "reference"])
 @pytest.mark.parametrize("criterion, source", CONFIGS, ids=[f"config{i}" for i in range(len(CONFIGS))])
-def test_buffer_path_equals_sliced_path(model, reference, criterion, source, executor):
+def test_static_cache_equals_dynamic_cache(model, reference, criterion, source, executor):
     sliced = greedy(model, make_run(criterion, source, executor, reference), "dynamic")
     calls: list = []
     with count_buffer_steps(calls):
@@ -166,7 +173,7 @@ HOST_WRITES = ("tensor", "as_tensor")  # Python data -> a device tensor: a host-
 def no_host_reads_in_decode_steps():
     """Fail every host read of a tensor, and every tensor made from Python data, while qada's decode step of a
     layer runs (transformers' own code around it may read the host: dense has its one sync too)."""
-    original = QAdARun.decode_buffer
+    original = QAdARun.decode
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
     saved_writes = {name: getattr(torch, name) for name in HOST_WRITES}
 
@@ -183,11 +190,11 @@ def no_host_reads_in_decode_steps():
             for name, function in saved_writes.items():
                 setattr(torch, name, function)
 
-    QAdARun.decode_buffer = guarded
+    QAdARun.decode = guarded
     try:
         yield
     finally:
-        QAdARun.decode_buffer = original
+        QAdARun.decode = original
 
 
 def held_tensors(obj, path: str = "run", seen: set | None = None, found: dict | None = None) -> dict:
@@ -357,7 +364,7 @@ def test_gpu_decode_steps_never_sync(model, reference, source, executor):
     on: the first compiles kernels, which may synchronise)."""
     on_gpu = copy.deepcopy(model).cuda()
     run = make_run({"name": "qada", "tau": 0.3}, source, executor, reference)
-    original = QAdARun.decode_buffer
+    original = QAdARun.decode
     calls = []
 
     def strict(self, *args, **kwargs):
@@ -370,11 +377,11 @@ def test_gpu_decode_steps_never_sync(model, reference, source, executor):
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    QAdARun.decode_buffer = strict
+    QAdARun.decode = strict
     try:
         got = greedy_compiled(on_gpu, run, 6, {"disable": True}, device="cuda")
     finally:
-        QAdARun.decode_buffer = original
+        QAdARun.decode = original
     expected = greedy_compiled(model, make_run({"name": "qada", "tau": 0.3}, source, "sdpa", reference), 6,
                                {"disable": True})
     assert torch.equal(got[0].cpu(), expected[0])
@@ -396,27 +403,42 @@ def test_gpu_cuda_graphs_replay_equals_eager(model, reference, executor):
         assert graphs[1][key] == pytest.approx(eager[1][key])
 
 
-def test_a_source_subclass_with_the_older_signature_falls_back_to_slicing(model, reference):
-    """A plugin that overrides ``prefill/append/moments`` without ``capacity``/``end`` keeps working: its steps
-    slice the filled part of the cache, as before, and decide as the buffer path does."""
+def test_a_source_without_a_device_step_still_decodes(model, reference):
+    """A plugin that implements only ``prefill/append/moments`` (the analysis API, no ``step_state``/``step``) keeps
+    working: the default :meth:`~qada.moments.MomentSource.step` reads the layer's index on the host, and decides
+    as the built-in source does."""
 
-    class OldStyle(StoredMoments):
-        def prefill(self, layer, keys, start, window):
-            return super().prefill(layer, keys, start, window)
+    from dataclasses import dataclass
 
-    source = OldStyle(offset=12, min_bulk_keys=4)
-    source.set_reference(reference)
-    run = make_run({"name": "qada", "tau": 0.3}, source, "sdpa", reference)
-    assert not run.static_shapes
-    calls: list = []
-    with count_buffer_steps(calls):
-        old = greedy(model, run, "static")
-    assert not calls
+    from qada.moments import MomentSource
+
+    @dataclass
+    class OnlyMoments(MomentSource):
+        """A plugin of the analysis API: the built-in source behind it, reached through append/moments only."""
+
+        def __post_init__(self):
+            self.inner = StoredMoments(offset=12, min_bulk_keys=4)
+            self.inner.set_reference(reference)
+
+        def reset(self):
+            self.inner.reset()
+
+        def prefill(self, layer, keys, start, window, capacity=None):
+            self.inner.prefill(layer, keys, start, window, capacity=capacity)
+
+        def append(self, layer, keys, start, window, end=None):
+            self.inner.append(layer, keys, start, window, end=end)
+
+        def moments(self, layer, keys, start, window, end=None):
+            return self.inner.moments(layer, keys, start, window, end=end)
+
+    source = OnlyMoments()
+    old = greedy(model, make_run({"name": "qada", "tau": 0.3}, source, "sdpa", reference), "static")
     new = greedy(model, make_run({"name": "qada", "tau": 0.3}, "stored", "sdpa", reference), "static")
     assert torch.equal(old[0], new[0]) and old[2]["sparsity"] == pytest.approx(new[2]["sparsity"])
 
 
-def test_the_triton_executor_on_the_buffer_path_equals_sliced(model, reference):
+def test_the_triton_executor_on_the_buffer_equals_the_reference(model, reference):
     """The ``triton`` kernel (Triton's interpreter here) on the whole buffer with the rows' ends as device tensors."""
     if not TRITON_INTERPRETED:
         pytest.skip("needs TRITON_INTERPRET=1 on the CPU")

@@ -74,8 +74,8 @@ class AttentionExecutor(Component, abc.ABC):
     group_policy: str = "exact"
 
     static_shapes = False
-    """Attends on a step over a whole preallocated buffer (``step.end``) without host syncs (see
-    :attr:`qada.criteria.HeadCriterion.static_shapes`); False by default, set by the built-in executors."""
+    """Attends without host syncs, so a CUDA graph can capture it (every executor attends on steps over a whole
+    preallocated buffer, ``step.end``); False by default, set by the built-in executors that keep to it."""
 
     def __post_init__(self) -> None:
         check_group_policy(self.group_policy)

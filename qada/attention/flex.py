@@ -53,7 +53,7 @@ def flex_compile_support(device: torch.device) -> str | None:
 @dataclass
 class _BucketState:
     start: torch.Tensor  # [b] long
-    length: torch.Tensor  # 0-d long: the real T (the bucket is longer)
+    length: torch.Tensor  # [b] long: one past each row's last token (the bucket is longer)
     dense: torch.Tensor  # [b, H] bool
     block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
 
@@ -62,21 +62,24 @@ def _mask_mod(start: torch.Tensor, length: torch.Tensor, dense: torch.Tensor, t_
     """One closure per bucket: everything that changes per step is read from the captured tensors."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        first = start[b]
-        real = (kv_idx >= first) & (kv_idx < length)
-        bulk = (kv_idx >= first + t_sink) & (kv_idx < length - t_recent)
+        first, end = start[b], length[b]
+        real = (kv_idx >= first) & (kv_idx < end)
+        bulk = (kv_idx >= first + t_sink) & (kv_idx < end - t_recent)
         return real & (~bulk | dense[b, h])
 
     return mask_mod
 
 
-def _kv_blocks(start: torch.Tensor, T: int, dense: torch.Tensor, window: Window, num_blocks: int, block: int):
-    """``(kv_num_blocks [b, H, 1], kv_indices [b, H, 1, NB])`` int32: blocks holding an attended position."""
+def _kv_blocks(start: torch.Tensor, end: torch.Tensor, dense: torch.Tensor, window: Window, num_blocks: int,
+               block: int):
+    """``(kv_num_blocks [b, H, 1], kv_indices [b, H, 1, NB])`` int32: blocks holding an attended position of rows
+    ``[start, end)`` (``[b]`` each)."""
     lo = torch.arange(num_blocks, device=start.device) * block
     hi = lo + block
     first = start[:, None]
-    sink_end = (first + window.t_sink).clamp(max=T)
-    bulk_end = torch.maximum(torch.full_like(sink_end, T - window.t_recent), sink_end)
+    T = end[:, None]
+    sink_end = torch.minimum(first + window.t_sink, T)
+    bulk_end = torch.maximum(T - window.t_recent, sink_end)
     real = (lo < T) & (hi > first)  # [b, NB]
     in_window = ((lo < sink_end) & (hi > first) & (first < sink_end)) | ((hi > bulk_end) & (lo < T) & (bulk_end < T))
     need = torch.where(dense[:, :, None], real[:, None, :], in_window[:, None, :])  # [b, H, NB]
@@ -142,7 +145,7 @@ class FlexExecutor(AttentionExecutor):
             from torch.nn.attention.flex_attention import BlockMask
 
             start = torch.zeros(b, dtype=torch.long, device=device)
-            length = torch.zeros((), dtype=torch.long, device=device)
+            length = torch.zeros(b, dtype=torch.long, device=device)
             dense = torch.zeros(b, H, dtype=torch.bool, device=device)
             num_blocks = T_pad // self.block_size
             block_mask = BlockMask.from_kv_blocks(
@@ -166,10 +169,11 @@ class FlexExecutor(AttentionExecutor):
         T_pad = self.bucket_length(T)
         starts = step.starts
         state = self._state(step.device, b, H, T_pad, window)
+        ends = step.end if step.end is not None else torch.full_like(starts, T)
         state.start.copy_(starts)
-        state.length.fill_(T)
+        state.length.copy_(ends)
         state.dense.copy_(~local)
-        kv_num, kv_indices = _kv_blocks(starts, T, ~local, window, T_pad // self.block_size, self.block_size)
+        kv_num, kv_indices = _kv_blocks(starts, ends, ~local, window, T_pad // self.block_size, self.block_size)
         state.block_mask.kv_num_blocks.copy_(kv_num)
         state.block_mask.kv_indices.copy_(kv_indices)
         key, value = step.keys, step.values

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -24,26 +24,31 @@ class HeadCriterion(Component, abc.ABC):
     :class:`~qada.criteria.ThresholdCriterion` (give a per-head log bulk mass, the base applies ``tau``) or
     :class:`~qada.criteria.BudgetCriterion` (give a per-head score, the base keeps a fraction of heads local).
 
+    :meth:`decide` is the one way to decide, eagerly and inside the run's compiled layer step alike
+    (:mod:`qada.models.layer_step`): it reads the step's fixed-shape tensors and the criterion's own per-layer
+    tensors (:meth:`layer_state`, read back with :meth:`state`), never the host. A criterion that does not keep to
+    that still runs; the run then decides eagerly and says so once, in a warning
+    (:func:`qada.testing.check_graph_safe` tells in a test).
+
     Declared needs (class attributes, read by the wrapper and the command line before any work):
 
     * ``needs_moments``: reads ``step.log_bulk_estimate`` (bulk key moments, e.g. QAdA): a moment source is
       prepared for it (a stored reference prompt is built or loaded).
     * ``needs_full_scores``: reads ``step.log_bulk`` (all ``T`` scores, e.g. the oracle): an O(T) analysis tool.
     * ``needs_calibration``: its configuration comes from a calibration run or artifact (e.g. a static mask).
-    * ``static_shapes``: decides on a step over a whole preallocated buffer (``step.end``, see
-      :class:`~qada.step.DecodeStep`) without host syncs, so the wrapper may run it on ``StaticCache`` buffers
-      and inside CUDA graphs. False by default: a criterion that does not say so gets the filled part of the
-      cache, sliced on the host. Every built-in criterion sets it.
     """
 
     needs_full_scores: ClassVar[bool] = False
     needs_moments: ClassVar[bool] = False
     needs_calibration: ClassVar[bool] = False
-    static_shapes: ClassVar[bool] = False
 
     @abc.abstractmethod
     def decide(self, step: DecodeStep) -> torch.Tensor:
         """Return ``[b, H]`` bool, True = local."""
+
+    def children(self) -> list[HeadCriterion]:
+        """The criteria this one wraps (composites); none by default."""
+        return []
 
     def needs(self) -> dict[str, bool]:
         """What this criterion needs, by name (composites: what any child needs)."""
@@ -54,69 +59,65 @@ class HeadCriterion(Component, abc.ABC):
         """Raise ``ValueError`` if this criterion cannot serve a model of ``num_layers`` layers with ``num_heads``
         query heads (e.g. an override of a layer it does not have); called once, when a run is bound to a model."""
 
+    def bind_layers(self, global_layers: Sequence[int]) -> None:
+        """Learn which layers are decided: the model's global layers, ascending (on a hybrid model the
+        sliding-window layers pass through and never reach a criterion); called once, after :meth:`check_model`,
+        when a run is bound to a model (e.g. budget criteria spread their per-layer counts over the global layers)."""
+
     def to_device(self, device: torch.device) -> None:
         """Copy what the criterion reads at every step (masks, corrections) to ``device`` now, before decoding:
         called at the prefill, so that no tensor is first created inside a decode step (a CUDA graph's memory
-        pool would own it). The default does nothing itself and passes the call to ``children()``, if any."""
-        children = getattr(self, "children", None)
-        for child in children() if callable(children) else ():
-            child.to_device(device)
+        pool would own it)."""
 
     def observe_prefill(self, layer: int, keys: torch.Tensor, queries: torch.Tensor | None, scale: float | None,
                         start: torch.Tensor | None, window: Window, capacity: int | None = None) -> None:
         """After the dense prefill of ``layer``: its keys ``[b, H_kv, T, d]`` and queries ``[b, H, T, d]`` (``None``
         when the cache was prefilled elsewhere), for criteria that keep state per layer (e.g. the tail-aware ones);
-        ``capacity``: the slots of a preallocated cache. May read the host. The default does nothing itself and
-        passes the call to ``children()``, if any."""
-        children = getattr(self, "children", None)
-        for child in children() if callable(children) else ():
-            child.observe_prefill(layer, keys, queries, scale, start, window, capacity)
-
-    def observe_append(self, layer: int, keys: torch.Tensor, end: torch.Tensor | None) -> None:
-        """Before deciding a decode step of ``layer``: its cache ``keys [b, H_kv, T, d]`` holds the step's key at
-        ``end - 1`` (``T - 1`` without ``end``). Inside a decode step: device work only, state updated in place.
-        The default does nothing itself and passes the call to ``children()``, if any."""
-        children = getattr(self, "children", None)
-        for child in children() if callable(children) else ():
-            child.observe_append(layer, keys, end)
-
-    def bind_layers(self, global_layers: Sequence[int]) -> None:
-        """Learn which layers are decided: the model's global layers, ascending (on a hybrid model the
-        sliding-window layers pass through and never reach a criterion); called once, after :meth:`check_model`,
-        when a run is bound to a model. The default does nothing itself and passes the call to the criterion's
-        ``children()``, if it has any (composites); e.g. budget criteria spread their per-layer counts over the
-        global layers only."""
-        children = getattr(self, "children", None)
-        for child in children() if callable(children) else ():
-            child.bind_layers(global_layers)
+        ``capacity``: the slots of a preallocated cache. May read the host."""
 
     def prompt_queries(self) -> int:
         """How many of the prompt's last queries per layer :meth:`observe_prefill` needs (0: none). A run started
         from a cache prefilled elsewhere (:meth:`~qada.models.run.QAdARun.prefill_from_cache`) must be given at
-        least that many. The default is the largest of ``children()``, if any, else 0."""
-        children = getattr(self, "children", None)
-        return max((child.prompt_queries() for child in (children() if callable(children) else ())), default=0)
+        least that many."""
+        return 0
 
     def extra_reads(self, step: DecodeStep) -> torch.Tensor | None:
         """``[b]`` key/value vectors this criterion reads per KV head and step beyond the window and the executor's
         reads (counted in the run's ``kv_read``), e.g. the exact set's keys and the page extrema of the
-        tail-aware criteria; ``None``: none. The default sums those of ``children()``, if any."""
-        children = getattr(self, "children", None)
-        total = None
-        for child in children() if callable(children) else ():
-            extra = child.extra_reads(step)
-            if extra is not None:
-                total = extra if total is None else total + extra
-        return total
-
-    def fused_decision(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-        """The decision as a pure function of fixed-shape tensors,
-        ``f(query [b, H, d], window_keys [b, H_kv, W, d], window_valid [b, W], mean, cov, t_bulk [b], scale)
-        -> (local [b, H], fail_safe [b, H])``, that the wrapper may compile together with the moment source's step
-        (:class:`qada.models.fused.FusedDecision`) on a preallocated buffer; ``None`` (the default): the criterion
-        decides through :meth:`decide`. The fused step counts no :meth:`extra_reads`: a criterion that reads more
-        than the window to decide keeps to :meth:`decide`."""
+        tail-aware criteria; ``None``: none."""
         return None
+
+    # --- per-layer tensors ---------------------------------------------------------------------------------
+    def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
+        """The tensors :meth:`decide` reads (and may update in place) for ``layer`` of a cache of ``slots`` slots:
+        per-layer constants (a static mask's row, a correction's slope) and state kept between steps (the
+        tail-aware page extrema). The run gathers them before a step and passes them in, so one compiled step
+        serves every layer; ``{}`` by default. Called outside the step: may allocate, never inside a CUDA graph."""
+        return {}
+
+    def state(self, step: DecodeStep) -> dict[str, torch.Tensor]:
+        """This criterion's :meth:`layer_state` for ``step``: the tensors the run passed in, or (a step built by
+        hand) ``layer_state(step.layer, step.length)``."""
+        if step.states is not None:
+            return step.states[self.state_key]
+        return self.layer_state(int(step.layer), step.length)
+
+    @property
+    def state_key(self) -> str:
+        """Where :meth:`state` finds this criterion's tensors among a step's (set by :meth:`named_criteria`)."""
+        return self.__dict__.get("_state_key", "criterion")
+
+    def named_criteria(self, prefix: str = "criterion") -> list[tuple[str, HeadCriterion]]:
+        """``(key, criterion)`` for this criterion and every child, depth first; gives each its :attr:`state_key`."""
+        self.__dict__["_state_key"] = prefix
+        named = [(prefix, self)]
+        for index, child in enumerate(self.children()):
+            named += child.named_criteria(f"{prefix}.{index}")
+        return named
+
+    def layer_states(self, layer: int, slots: int) -> dict[str, dict[str, torch.Tensor]]:
+        """:meth:`layer_state` of this criterion and every child, by :attr:`state_key`: what a step reads."""
+        return {key: criterion.layer_state(layer, slots) for key, criterion in self.named_criteria()}
 
     def __call__(self, step: DecodeStep) -> torch.Tensor:
         local = self.decide(step)

@@ -17,7 +17,6 @@ __all__ = ["DenseCriterion", "LocalCriterion"]
 class DenseCriterion(HeadCriterion):
     """Every head attends to the full context."""
 
-    static_shapes = True
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         return torch.zeros(step.batch_size, step.num_heads, dtype=torch.bool, device=step.device)
@@ -28,7 +27,6 @@ class DenseCriterion(HeadCriterion):
 class LocalCriterion(HeadCriterion):
     """Every head attends to the local window only (sinks + recent tokens)."""
 
-    static_shapes = True
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         return torch.ones(step.batch_size, step.num_heads, dtype=torch.bool, device=step.device)

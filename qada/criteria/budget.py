@@ -29,24 +29,27 @@ from qada.step import DecodeStep
 __all__ = ["BudgetCriterion", "spread_count", "top_k_mask"]
 
 
-def spread_count(per_layer: float, layer: int) -> int:
+def spread_count(per_layer: float, layer: int | torch.Tensor) -> int | torch.Tensor:
     """Layer ``layer``'s integer share of a fractional count ``per_layer`` (e.g. ``0.85 * 9``): the counts of layers
     ``0..l`` add up to ``floor(per_layer * (l + 1) + 1/2)``, so every prefix of layers is within half a head of
-    the target and an integer ``per_layer`` is every layer's count."""
+    the target and an integer ``per_layer`` is every layer's count. ``layer`` may be a 0-d integer tensor (then the
+    count is one too, computed on its device in float64: the same numbers as on the host)."""
+    if isinstance(layer, torch.Tensor):
+        ordinal = layer.clamp(min=0).to(torch.float64)
+        return (torch.floor(per_layer * (ordinal + 1) + 0.5) - torch.floor(per_layer * ordinal + 0.5)).long()
     layer = max(int(layer), 0)
     return int(math.floor(per_layer * (layer + 1) + 0.5) - math.floor(per_layer * layer + 0.5))
 
 
-def top_k_mask(score: torch.Tensor, k: int) -> torch.Tensor:
-    """``[b, H]`` bool: True on the ``k`` highest scores of each row (ties: the lower head index first)."""
+def top_k_mask(score: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+    """``[b, H]`` bool: True on the ``k`` highest scores of each row (ties: the lower head index first); ``k`` an int
+    or a 0-d integer tensor (no host read: the rank of every head is compared with it)."""
     b, H = score.shape
-    if k <= 0:
-        return torch.zeros(b, H, dtype=torch.bool, device=score.device)
-    if k >= H:
-        return torch.ones(b, H, dtype=torch.bool, device=score.device)
     # a stable descending sort keeps equal scores in head order, so ties are deterministic
-    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
-    return torch.zeros(b, H, dtype=torch.bool, device=score.device).scatter_(1, order, True)
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    positions = torch.arange(H, device=score.device).expand(b, H)
+    rank = torch.empty_like(order).scatter_(1, order, positions)
+    return rank < k
 
 
 @dataclass
@@ -72,14 +75,18 @@ class BudgetCriterion(HeadCriterion):
         ordinals = getattr(self, "_layer_ordinal", None)
         return layer if ordinals is None else ordinals.get(layer, layer)
 
+    def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
+        """``ordinal``: the layer's :meth:`layer_ordinal` as a 0-d tensor (the step's count is computed from it)."""
+        return {"ordinal": torch.tensor(self.layer_ordinal(layer), dtype=torch.long)}
+
     @abc.abstractmethod
     def score(self, step: DecodeStep) -> torch.Tensor:
         """``[b, H]`` floating score per head: higher = more reason to be local; NaN/inf = never local."""
 
-    def local_count(self, step: DecodeStep) -> int:
-        """How many heads of each row are local at this step: :func:`spread_count` of ``sparsity * H`` over the
-        (global) layers (``floor(sparsity * H + 1/2)`` when that is an integer)."""
-        return spread_count(self.sparsity * step.num_heads, self.layer_ordinal(step.layer))
+    def local_count(self, step: DecodeStep) -> torch.Tensor:
+        """How many heads of each row are local at this step (0-d tensor): :func:`spread_count` of
+        ``sparsity * H`` over the (global) layers (``floor(sparsity * H + 1/2)`` when that is an integer)."""
+        return spread_count(self.sparsity * step.num_heads, self.state(step)["ordinal"])
 
     def checked_score(self, step: DecodeStep) -> torch.Tensor:
         """:meth:`score`, checked to be ``[b, H]`` floating (a clear error names the criterion otherwise)."""

@@ -47,8 +47,6 @@ class BudgetedQAdACriterion(BudgetCriterion):
         per_group: decide per KV group instead of per query head.
     """
 
-    static_shapes = True
-
     per_group: bool = False
     needs_moments = True
 
@@ -60,10 +58,10 @@ class BudgetedQAdACriterion(BudgetCriterion):
     def score(self, step: DecodeStep) -> torch.Tensor:
         return step.log_local - step.log_bulk_estimate
 
-    def group_count(self, step: DecodeStep) -> int:
+    def group_count(self, step: DecodeStep) -> torch.Tensor:
         """How many KV groups of each row are local with ``per_group``: ``sparsity * H_kv`` spread over the (global)
         layers (:func:`~qada.criteria.budget.spread_count`, :meth:`layer_ordinal`)."""
-        return spread_count(self.sparsity * step.num_kv_heads, self.layer_ordinal(step.layer))
+        return spread_count(self.sparsity * step.num_kv_heads, self.state(step)["ordinal"])
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         score = self.checked_score(step)

@@ -52,7 +52,6 @@ class CalibratedQAdACriterion(ThresholdCriterion):
         slope, offset: ``[L, H]`` nested lists or tensors (finite), instead of ``correction``.
     """
 
-    static_shapes = True
 
     correction: str | os.PathLike | None = None
     slope: Any = None
@@ -83,7 +82,6 @@ class CalibratedQAdACriterion(ThresholdCriterion):
                 raise ValueError(f"expected slope and offset of one shape but got {list(slope.shape)} and "
                                  f"{list(offset.shape)}")
         self._slope, self._offset = slope.float(), offset.float()
-        self._on_device: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def correction_shape(self) -> tuple[int, int]:
@@ -95,21 +93,16 @@ class CalibratedQAdACriterion(ThresholdCriterion):
             raise ValueError(f"expected a correction of shape [{num_layers}, {num_heads}] for this model but got "
                              f"{list(self.correction_shape)}")
 
-    def to_device(self, device: torch.device) -> None:
-        for dtype in (torch.float32, torch.float64):  # the estimate's dtype: float64 only for float64 inputs
-            key = (torch.device(device), dtype)
-            if key not in self._on_device:
-                self._on_device[key] = (self._slope.to(*key), self._offset.to(*key))
+    def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
+        """``slope`` and ``offset``: ``[H]`` float64, the layer's correction."""
+        return {"slope": self._slope[layer].double(), "offset": self._offset[layer].double()}
 
     def log_bulk(self, step: DecodeStep) -> torch.Tensor:
-        L, H = self.correction_shape
-        if not 0 <= step.layer < L or step.num_heads != H:
-            raise ValueError(f"correction of shape [{L}, {H}] does not fit layer {step.layer} with "
+        state = self.state(step)
+        if state["slope"].shape[0] != step.num_heads:
+            raise ValueError(f"correction of {state['slope'].shape[0]} heads does not fit a step with "
                              f"{step.num_heads} heads")
         estimate = step.log_bulk_estimate
         mu_s, var_s = step.score_moments
-        key = (estimate.device, estimate.dtype)
-        if key not in self._on_device:
-            self._on_device[key] = (self._slope.to(*key), self._offset.to(*key))
-        slope, offset = self._on_device[key]
-        return apply_log_correction(estimate, mu_s + 0.5 * var_s, slope[step.layer], offset[step.layer])
+        slope, offset = state["slope"].to(estimate.dtype), state["offset"].to(estimate.dtype)
+        return apply_log_correction(estimate, mu_s + 0.5 * var_s, slope, offset)

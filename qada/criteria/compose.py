@@ -11,6 +11,7 @@ import torch
 
 from qada.criteria.base import CRITERIA, HeadCriterion, register_criterion
 from qada.step import DecodeStep
+from qada.window import Window
 
 __all__ = ["MAX_DEPTH", "AllOf", "AnyOf", "LayerOverride", "Not"]
 
@@ -58,7 +59,8 @@ def layer_index(layer: Any) -> int:
 
 
 class _Composite(HeadCriterion):
-    """Needs whatever any child needs; refuses a composition deeper than :data:`MAX_DEPTH`."""
+    """Wraps child criteria: needs whatever any child needs, passes every hook on to them (:meth:`children`), and
+    refuses a composition deeper than :data:`MAX_DEPTH`."""
 
     def children(self) -> list[HeadCriterion]:
         raise NotImplementedError
@@ -73,6 +75,31 @@ class _Composite(HeadCriterion):
         for child in self.children():
             child.check_model(num_layers, num_heads)
 
+    def bind_layers(self, global_layers: Sequence[int]) -> None:
+        for child in self.children():
+            child.bind_layers(global_layers)
+
+    def to_device(self, device: torch.device) -> None:
+        for child in self.children():
+            child.to_device(device)
+
+    def observe_prefill(self, layer: int, keys: torch.Tensor, queries: torch.Tensor | None, scale: float | None,
+                        start: torch.Tensor | None, window: Window, capacity: int | None = None) -> None:
+        for child in self.children():
+            child.observe_prefill(layer, keys, queries, scale, start, window, capacity)
+
+    def prompt_queries(self) -> int:
+        return max((child.prompt_queries() for child in self.children()), default=0)
+
+    def extra_reads(self, step: DecodeStep) -> torch.Tensor | None:
+        """The children's extra reads, summed (each reads what it reads to decide)."""
+        total = None
+        for child in self.children():
+            extra = child.extra_reads(step)
+            if extra is not None:
+                total = extra if total is None else total + extra
+        return total
+
     @property
     def needs_full_scores(self) -> bool:  # type: ignore[override]
         return any(child.needs_full_scores for child in self.children())
@@ -84,10 +111,6 @@ class _Composite(HeadCriterion):
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
         return any(child.needs_calibration for child in self.children())
-
-    @property
-    def static_shapes(self) -> bool:  # type: ignore[override]
-        return all(getattr(child, "static_shapes", False) for child in self.children())
 
 
 @dataclass
@@ -187,5 +210,22 @@ class LayerOverride(_Composite):
             raise ValueError(f"expected override layers below the model's {num_layers} layers but got {beyond}")
         super().check_model(num_layers, num_heads)
 
+    def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
+        """``uses [n]`` bool: which override decides ``layer`` (none: the base), so one step serves every layer."""
+        uses = torch.tensor([layer == index for index in self.overrides], dtype=torch.bool)
+        return {"uses": uses.to(self.__dict__.get("_device", "cpu"))}
+
+    def to_device(self, device: torch.device) -> None:
+        super().to_device(device)
+        self.__dict__["_device"] = device
+
     def decide(self, step: DecodeStep) -> torch.Tensor:
-        return self.overrides.get(step.layer, self.base)(step)
+        """Every child decides (each keeps its state current); the layer's override, if any, is chosen on the
+        device."""
+        local = self.base(step)
+        if not self.overrides:
+            return local
+        uses = self.state(step)["uses"]
+        for index, child in enumerate(self.overrides.values()):
+            local = torch.where(uses[index], child(step), local)
+        return local

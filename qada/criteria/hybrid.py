@@ -124,8 +124,6 @@ class HybridCriterion(_Composite):
         self.base = _build(self.base)
         self._check_depth()
         self.always_dense = always_dense
-        self._all_dense = always_dense.all(-1).tolist()  # per layer, on the host once: skip the base there
-        self._on_device: dict[torch.device, torch.Tensor] = {}
 
     def children(self) -> list[HeadCriterion]:
         return [self.base]
@@ -143,19 +141,13 @@ class HybridCriterion(_Composite):
             )
         super().check_model(num_layers, num_heads)
 
-    def to_device(self, device: torch.device) -> None:
-        super().to_device(device)
-        if device not in self._on_device:
-            self._on_device[device] = ~self.always_dense.to(device)
+    def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
+        """``keep``: ``[H]`` bool, the heads of ``layer`` the base may make local (not always dense)."""
+        return {"keep": ~self.always_dense[layer]}
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
-        L, H = self.always_dense.shape
-        if not 0 <= step.layer < L or step.num_heads != H:
-            raise ValueError(
-                f"hybrid always-dense mask of shape [{L}, {H}] does not fit layer {step.layer} with "
-                f"{step.num_heads} heads"
-            )
-        if self._all_dense[step.layer]:
-            return torch.zeros(step.batch_size, H, dtype=torch.bool, device=step.device)
-        self.to_device(step.device)
-        return self.base(step) & self._on_device[step.device][step.layer]
+        keep = self.state(step)["keep"]
+        if keep.shape[0] != step.num_heads:
+            raise ValueError(f"hybrid always-dense mask of {keep.shape[0]} heads does not fit a step with "
+                             f"{step.num_heads} heads")
+        return self.base(step) & keep

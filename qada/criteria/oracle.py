@@ -22,7 +22,6 @@ class OracleCriterion(ThresholdCriterion):
         tau: threshold in ``[0, 1]``; higher means fewer local heads.
     """
 
-    static_shapes = True
 
     needs_full_scores = True
 

@@ -29,7 +29,6 @@ class StaticCriterion(BudgetCriterion):
             :meth:`from_frequency` (calibrated oracle frequencies, paper App. A).
     """
 
-    static_shapes = True
 
     mask: Any
     sparsity: float = field(default=0.0, init=False)  # derived from the mask (global layers once bound)
@@ -53,8 +52,6 @@ class StaticCriterion(BudgetCriterion):
             mask = mask.bool()
         self.mask = mask
         self.sparsity = float(mask.float().mean()) if mask.numel() else 0.0
-        self._counts = mask.sum(-1).tolist()  # local heads per layer, on the host once
-        self._on_device: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def from_frequency(cls, local_frequency: torch.Tensor, alpha: float) -> StaticCriterion:
@@ -79,21 +76,16 @@ class StaticCriterion(BudgetCriterion):
                 f"{list(self.mask.shape)}"
             )
 
-    def _check_layer(self, step: DecodeStep) -> None:
-        L, H = self.mask.shape
-        if not 0 <= step.layer < L or step.num_heads != H:
-            raise ValueError(
-                f"static mask of shape [{L}, {H}] does not fit layer {step.layer} with {step.num_heads} heads"
-            )
-
-    def to_device(self, device: torch.device) -> None:
-        if device not in self._on_device:
-            self._on_device[device] = self.mask.to(device, torch.float32)
+    def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
+        """``score``: the layer's mask row as floats (1 = local); ``count``: its local heads (0-d)."""
+        row = self.mask[layer] if 0 <= layer < self.mask.shape[0] else torch.zeros(self.mask.shape[1], dtype=torch.bool)
+        return {"score": row.float(), "count": row.sum()}
 
     def score(self, step: DecodeStep) -> torch.Tensor:
-        self._check_layer(step)
-        self.to_device(step.device)
-        return self._on_device[step.device][step.layer].expand(step.batch_size, -1)
+        score = self.state(step)["score"]
+        if score.shape[0] != step.num_heads:
+            raise ValueError(f"static mask of {score.shape[0]} heads does not fit a step with {step.num_heads} heads")
+        return score.expand(step.batch_size, -1)
 
-    def local_count(self, step: DecodeStep) -> int:
-        return self._counts[step.layer]
+    def local_count(self, step: DecodeStep) -> torch.Tensor:
+        return self.state(step)["count"]

@@ -17,7 +17,7 @@ import torch
 
 from qada.criteria.base import register_criterion
 from qada.criteria.budgeted import BudgetedQAdACriterion
-from qada.criteria.tail_index import TailIndex
+from qada.criteria.tail_index import LayerTail, TailIndex, append_step_key
 from qada.criteria.threshold import ThresholdCriterion
 from qada.functional.tail import page_bounds, page_slots, tail_log_bulk
 from qada.step import DecodeStep
@@ -57,8 +57,9 @@ class TailEstimate:
                         start: torch.Tensor | None, window: Window, capacity: int | None = None) -> None:
         self._index.prefill(layer, keys, queries, scale, start, window, capacity)
 
-    def observe_append(self, layer: int, keys: torch.Tensor, end: torch.Tensor | None) -> None:
-        self._index.append(layer, keys, end)
+    def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
+        """The layer's heavy set and page extrema (:meth:`~qada.criteria.tail_index.TailIndex.layer_state`)."""
+        return {**super().layer_state(layer, slots), **self._index.layer_state(layer, slots)}
 
     def prompt_queries(self) -> int:
         """The observation window when there is a heavy set to choose, else 0."""
@@ -66,10 +67,8 @@ class TailEstimate:
 
     def exact_set(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [b, H, n], valid [b, H, n])`` of ``E``: the heavy tokens, then the tokens of the top pages."""
-        state = self._index.layers.get(step.layer)
-        if state is None:
-            raise RuntimeError(f"layer {step.layer}: no prefill seen (the tail-aware criteria build their index "
-                               "at the prefill; decode through a run attached before it)")  # fmt: skip
+        tensors = self.state(step)
+        state = LayerTail(*(tensors[name] for name in ("heavy", "heavy_valid", "member", "kmin", "kmax")))
         query, keys, scale = step.query, step.keys, step.scale
         b, H, d = query.shape
         H_kv, C, G = step.num_kv_heads, step.length, step.group_size
@@ -107,7 +106,8 @@ class TailEstimate:
         return torch.full((step.batch_size,), float(per_head), dtype=torch.float64, device=step.device)
 
     def tail_log_bulk(self, step: DecodeStep) -> torch.Tensor:
-        """``[b, H]`` the tail-aware ``log Â_bulk``."""
+        """``[b, H]`` the tail-aware ``log Â_bulk``; first the step's key joins its page (in place)."""
+        append_step_key(self.state(step), step.keys, step.end, self.page_size)
         scores, valid = self.exact_set(step)
         log_exact = torch.logsumexp(scores.masked_fill(~valid, float("-inf")), dim=-1)
         mu_s, var_s = step.score_moments
@@ -125,7 +125,6 @@ class TailCriterion(TailEstimate, ThresholdCriterion):
     """
 
     needs_moments = True
-    static_shapes = True
 
     def __post_init__(self) -> None:
         ThresholdCriterion.__post_init__(self)

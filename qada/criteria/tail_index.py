@@ -23,7 +23,7 @@ from qada.functional.tail import heavy_votes, page_extrema, update_page_extrema
 from qada.functional.window import bulk_mask
 from qada.window import Window
 
-__all__ = ["LayerTail", "TailIndex"]
+__all__ = ["LayerTail", "TailIndex", "append_step_key"]
 
 
 @dataclass
@@ -87,23 +87,20 @@ class TailIndex:
             member.scatter_(2, heavy, valid)
         self.layers[layer] = LayerTail(heavy, valid, member, kmin, kmax)
 
-    def append(self, layer: int, keys: torch.Tensor, end: torch.Tensor | None) -> LayerTail:
-        """The decode step's key (slot ``end - 1`` of ``keys [b, H_kv, C, d]``; the last slot without ``end``) joins
-        its page; a growing cache grows the arrays first (its length is a host int there)."""
-        state = self.layers[layer]
-        b, H_kv, C, d = keys.shape
-        if end is None:
-            if C > state.slots:
-                state = self._grown(layer, state, C)
-            slot = torch.full((b,), C - 1, dtype=torch.long, device=keys.device)
-            key = keys[:, :, C - 1]
-        else:
-            slot = (end.to(keys.device) - 1).clamp(min=0)
-            key = keys.gather(2, slot.view(b, 1, 1, 1).expand(b, H_kv, 1, d))[:, :, 0]
-        update_page_extrema(state.kmin, state.kmax, key, slot, self.page_size)
-        return state
+    def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
+        """The tensors of ``layer`` for a cache of ``slots`` slots (a growing cache grows them first, doubling):
+        ``heavy``, ``heavy_valid``, ``member``, ``kmin``, ``kmax`` (:class:`LayerTail`)."""
+        state = self.layers.get(layer)
+        if state is None:
+            raise RuntimeError(f"layer {layer}: no prefill seen (the tail-aware criteria build their index at the "
+                               "prefill; decode through a run attached before it)")
+        if slots > state.slots:
+            state = self._grown(layer, state, slots)
+        return {"heavy": state.heavy, "heavy_valid": state.heavy_valid, "member": state.member, "kmin": state.kmin,
+                "kmax": state.kmax}
 
     def _grown(self, layer: int, state: LayerTail, slots: int) -> LayerTail:
+        """``state`` grown to at least ``slots`` slots (new pages empty), kept as ``layer``'s."""
         slots = max(slots, 2 * state.slots)  # amortised: the arrays double
         n_pages = -(-slots // self.page_size)
         member = torch.cat([state.member, state.member.new_zeros(*state.member.shape[:2], slots - state.slots)], 2)
@@ -119,3 +116,16 @@ def _grow(extrema: torch.Tensor, n_pages: int, fill: float) -> torch.Tensor:
     if n >= n_pages:
         return extrema
     return torch.cat([extrema, extrema.new_full((b, H_kv, n_pages - n, d), fill)], 2)
+
+
+def append_step_key(state: dict[str, torch.Tensor], keys: torch.Tensor, end: torch.Tensor | None,
+                    page_size: int) -> None:
+    """In place: the decode step's key (slot ``end - 1`` of ``keys [b, H_kv, C, d]``; the last slot without ``end``)
+    joins its page's extrema in ``state`` (:meth:`TailIndex.layer_state`). No host read."""
+    b, H_kv, C, d = keys.shape
+    if end is None:
+        slot = torch.full((b,), C - 1, dtype=torch.long, device=keys.device)
+    else:
+        slot = (end - 1).clamp(min=0)
+    key = keys.gather(2, slot.view(b, 1, 1, 1).expand(b, H_kv, 1, d))[:, :, 0]
+    update_page_extrema(state["kmin"], state["kmax"], key, slot, page_size)

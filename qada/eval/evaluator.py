@@ -33,7 +33,7 @@ from qada.eval.metrics import ConfigMetrics, OracleAgreement, agreement_summary
 from qada.eval.results_file import ResultsFile, read_rows, write_json
 from qada.eval.tasks import Sample, score
 from qada.models.layer_types import layer_types
-from qada.models.run import all_layer_sparsity
+from qada.models.statistics import all_layer_sparsity
 
 __all__ = ["Evaluator", "answer_budget", "model_device", "sample_key"]
 

@@ -85,14 +85,16 @@ def build_run(
     window: Window | Mapping | None = None,
     observers: Sequence[Observer] = (),
     config: str | os.PathLike | Mapping | None = None,
+    compile: bool | str | None = None,
 ) -> QAdARun:
-    """A :class:`~qada.models.run.QAdARun` from components (objects, names or configs), not yet attached."""
+    """A :class:`~qada.models.run.QAdARun` from components (objects, names or configs), not yet attached;
+    ``compile`` as for :func:`enable`."""
     built_criterion, built_moments, built_executor, built_window = _components(
         criterion, moments, executor, window, config
     )
     if built_criterion.needs_moments and built_moments is None:
         raise ValueError(f"criterion {built_criterion.registry_name!r} needs a moment source but moments is None")
-    return QAdARun(built_criterion, built_moments, built_executor, built_window, observers)
+    return QAdARun(built_criterion, built_moments, built_executor, built_window, observers, compile=compile)
 
 
 def check_run_fits(run: QAdARun, model: Any) -> None:
@@ -151,6 +153,7 @@ def enable(
     observers: Sequence[Observer] = (),
     tokenizer: Any = None,
     config: str | os.PathLike | Mapping | None = None,
+    compile: bool | str | None = None,
 ) -> QAdARun:
     """Wrap ``model`` until ``run.remove()`` is called; returns the :class:`~qada.models.run.QAdARun`.
 
@@ -159,9 +162,16 @@ def enable(
     Defaults: ``qada`` criterion (tau 0.6), ``stored`` moments (a random-words reference built once per model and
     cached), ``sdpa`` executor, window 128/16. Moments are prepared (the reference run) only if the criterion
     or an observer needs them. ``tokenizer`` is needed to build a stored reference prompt.
+
+    ``compile``: how a decode step of a global layer on a preallocated cache (``StaticCache``) runs. ``True`` (the
+    default, unless the environment variable ``QADA_COMPILE`` says otherwise): the whole layer step (moment step,
+    decision, group policy, statistics, window gather) is compiled once by ``torch.compile`` (inductor,
+    ``fullgraph=True``) and reused by every layer and step; ``False``: the very same function, eagerly (for
+    debugging); a string: that ``torch.compile`` backend. A growing cache (``DynamicCache``) changes shape every
+    step and always runs the step eagerly. A criterion that cannot be compiled runs eagerly, with one warning.
     """
     _check_model(model)
-    run = build_run(criterion, moments, executor, window, observers, config)
+    run = build_run(criterion, moments, executor, window, observers, config, compile=compile)
     return attach(model, prepare_run(run, model, tokenizer))
 
 

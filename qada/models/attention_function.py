@@ -54,34 +54,31 @@ def qada_attention_forward(
                                       **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if query.shape[2] == 1 and run.uses_buffer(layer, key.shape[2]):
+    if query.shape[2] == 1 and run.on_buffer(layer, key.shape[2]):
         # A decode step on a preallocated cache: the whole buffer, the rows' ends as device tensors, no sync.
-        output = decode_on_buffer(run, layer, query, key, value, attention_mask, scaling,
-                                  kwargs.get("position_ids"))
+        output = decode_step(run, layer, query, key, value, attention_mask, scaling, kwargs.get("position_ids"))
         return output.transpose(1, 2), None
     T = run.filled_length(layer, query.shape[2], attention_mask, key.shape[2])
     capacity = None
-    if T < key.shape[2]:  # a preallocated cache (StaticCache): only its first T slots hold tokens
+    if T < key.shape[2]:  # a preallocated cache (StaticCache) at its prefill: only its first T slots hold tokens
         capacity = key.shape[2]
         key, value = key[:, :, :T], value[:, :, :T]
     q_len = query.shape[2]
-    start = run.starts(attention_mask, T)
     if q_len > 1 or T == q_len:  # prefill (a 1-token prompt included, or a resumed chunk): dense, as in the paper
         mask = None if attention_mask is None else attention_mask[..., :T]
         output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-        run.prefill(layer, key, start, capacity, query=query, scale=scaling)
+        run.prefill(layer, key, run.rows.starts(attention_mask, T), capacity, query=query, scale=scaling)
         return output, None
-    output = run.decode(layer, query, key, value, scaling, start)
+    output = decode_step(run, layer, query, key, value, attention_mask, scaling, kwargs.get("position_ids"))
     return output.transpose(1, 2), None
 
 
-def decode_on_buffer(run: QAdARun, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float,
-                     position_ids: torch.Tensor | None) -> torch.Tensor:
-    """:meth:`QAdARun.decode_buffer`, as one opaque operator when traced by ``torch.compile`` (see
+def decode_step(run: QAdARun, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, scaling: float, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """:meth:`QAdARun.decode`, as one opaque operator when ``torch.compile`` traces the model (see
     :mod:`qada.models.compiled`): the compiler sees one call without host syncs, not qada's Python."""
     if torch.compiler.is_compiling():
         from qada.models.compiled import decode_op
 
         return decode_op(run, layer, query, key, value, attention_mask, scaling, position_ids)
-    return run.decode_buffer(layer, query, key, value, scaling, attention_mask, position_ids)
+    return run.decode(layer, query, key, value, scaling, attention_mask, position_ids)

@@ -3,8 +3,8 @@
 When ``torch.compile`` traces a model that qada wraps, the decode step of a global layer on a preallocated cache
 becomes one call of the custom operator ``qada::decode_buffer`` (:func:`decode_op`): the compiler never traces
 qada's Python (its registries, dataclasses and state), so the model's step compiles with ``fullgraph=True``.
-At run time the operator runs :meth:`~qada.models.run.QAdARun.decode_buffer`, which is a pure function of
-device tensors and of state updated in place (DESIGN §7): recorded into a CUDA graph
+At run time the operator runs :meth:`~qada.models.run.QAdARun.decode`, which on a preallocated cache is a pure
+function of device tensors and of state updated in place (no host read, fixed shapes): recorded into a CUDA graph
 (``mode="reduce-overhead"``), its kernels replay with the state they update.
 
 The operator is registered on first use (no global side effect at import).
@@ -54,7 +54,7 @@ def _operator():
         run = _RUNS.get(run_id)
         if run is None:
             raise RuntimeError("the qada run of this compiled model was removed: compile the model again")
-        output = run.decode_buffer(layer, query, key, value, scaling, attention_mask, position_ids)
+        output = run.decode(layer, query, key, value, scaling, attention_mask, position_ids)
         return output if output._base is None else output.clone()  # an operator's output must not alias
 
     @decode_buffer.register_fake
@@ -67,7 +67,7 @@ def _operator():
 def decode_op(run: Any, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, scaling: float,
               position_ids: torch.Tensor | None) -> torch.Tensor:
-    """``run.decode_buffer(...)`` through the ``qada::decode_buffer`` operator: ``query [b, H, 1, d]``,
+    """``run.decode(...)`` through the ``qada::decode_buffer`` operator: ``query [b, H, 1, d]``,
     ``key, value [b, H_kv, C, d]`` (the whole buffer) -> ``[b, H, 1, d]``."""
     return torch.ops.qada.decode_buffer(query, key, value, attention_mask, position_ids, run.op_number, layer,
                                         float(scaling))

@@ -11,10 +11,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecodeStatistics"]
+__all__ = ["DecodeStatistics", "all_layer_sparsity", "step_counts"]
 
 _SPARSITY, _KV_SPARSITY, _STEPS, _FAIL_SAFE, _KV_READ = 0, 1, 2, 3, 4
 COLUMNS = 5
+
+
+def step_counts(local: torch.Tensor, read: torch.Tensor, fail_safe: torch.Tensor | None,
+                kv_read: torch.Tensor) -> torch.Tensor:
+    """One decode step of one layer as a row of :class:`DecodeStatistics`, ``[5]`` float64: the fraction of query
+    heads local (``local [b, H]``), of bulk reads skipped (``read [b, H_kv]``), 1 (a step), the heads forced dense
+    (``fail_safe``, 0-d or ``None``) and ``kv_read`` (0-d). Device work only."""
+    f64 = dict(dtype=torch.float64, device=local.device)
+    forced = torch.zeros((), **f64) if fail_safe is None else fail_safe.to(**f64)
+    return torch.stack([local.to(torch.float64).mean(), (~read).to(torch.float64).mean(), torch.ones((), **f64),
+                        forced, kv_read.to(**f64)])
 
 
 class DecodeStatistics:
@@ -70,8 +81,8 @@ class DecodeStatistics:
                                            torch.ones((), **f64), forced, read]))
 
     def add(self, layer: int, counts: torch.Tensor) -> None:
-        """Add one decode step of ``layer`` from ``counts [5]`` float64 (sparsity, kv_sparsity, 1, heads forced
-        dense, kv_read), as :class:`qada.models.fused.LayerDecision` gives them: one in-place addition, no sync."""
+        """Add one decode step of ``layer`` from ``counts [5]`` float64 (:func:`step_counts`, as the run's layer step
+        returns them): one in-place addition, no sync."""
         if self.sums is None or layer >= self.sums.shape[0]:
             self.prepare(layer + 1, counts.device)
         self.sums[layer].add_(counts)
@@ -113,3 +124,18 @@ class DecodeStatistics:
             "kv_read_per_layer": per_layer_read,
             "fail_safe": int(sum(row[_FAIL_SAFE] for row in sums)),
         }
+
+
+def all_layer_sparsity(summary: dict[str, Any], layers: Any) -> dict[str, Any]:
+    """``sparsity_all_layers`` / ``kv_sparsity_all_layers``: the per-layer means of ``summary`` (global layers)
+    averaged with 1.0 for every sliding-window layer (all of its heads are local), plus ``global_layers`` and
+    ``sliding_layers``. ``None`` where no global layer decoded (and the model has global layers)."""
+    result: dict[str, Any] = {"global_layers": layers.global_layers, "sliding_layers": layers.sliding}
+    for name in ("sparsity", "kv_sparsity"):
+        per_layer = summary.get(f"{name}_per_layer") or {}
+        decided = [per_layer[layer] for layer in layers.global_layers if layer in per_layer]
+        if layers.global_layers and not decided:
+            result[f"{name}_all_layers"] = None
+            continue
+        result[f"{name}_all_layers"] = (sum(decided) + len(layers.sliding)) / (len(decided) + len(layers.sliding))
+    return result

@@ -2,19 +2,17 @@
 
 A moment source gives, for one layer and the current decode step, the mean ``mu_K [b, H_kv, d]`` and the
 population covariance ``Sigma_K [b, H_kv, d, d]`` of the bulk keys that QAdA's lognormal estimate needs
-(paper §3.2). The wrapper calls, per layer:
+(paper §3.2). The run calls, per layer:
 
-* :meth:`prefill` once after the dense prefill, with the whole prefilled cache;
-* :meth:`append` on every decode step, after the new key was appended (the cache grew by exactly one);
-* :meth:`moments` when a criterion asks for them at that step.
+* :meth:`prefill` once after the dense prefill, with the prefilled keys and the cache's ``capacity`` (its slots
+  on a preallocated cache, the filled length on a growing one): the source sets up its per-layer tensors;
+* :meth:`step_state` to get those tensors, and :meth:`step` inside every decode step of the layer: the rows of
+  the cache (the whole buffer ``[b, H_kv, C, d]``) end at ``end [b]`` (device tensors), the source updates its
+  tensors in place and returns the step's moments, without host reads (see :doc:`/howto/compile`);
 
 and :meth:`reset` before a new sequence (a new prefill), :meth:`prepare` once per model before the first
-prefill (only sources with ``needs_model`` do anything there).
-
-On a preallocated cache a source with ``static_shapes`` gets ``prefill(..., capacity=C)`` and then
-``append(..., end=end)`` / ``moments(..., end=end)`` with ``keys`` the whole buffer ``[b, H_kv, C, d]`` and
-``end [b]`` each row's filled length (a device tensor): it must not read the host there, and keeps its state in
-tensors allocated at the prefill and updated in place (see :doc:`/howto/compile`).
+prefill (only sources with ``needs_model`` do anything there). :meth:`append` and :meth:`moments` are the same
+source for analysis tools that hold a cache of their own (not the run's decode step).
 
 Keys are the cache's post-RoPE keys ``[b, H_kv, T, d]`` (padding included); ``start [b]`` is each row's first
 real token (left padding) or ``None``. Each row's real length is ``n_r = T - start_r``.
@@ -28,7 +26,6 @@ valid until the next call for that layer; rows without a bulk get harmless zeros
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -54,10 +51,6 @@ class MomentSource(Component, abc.ABC):
     needs_model: ClassVar[bool] = False
     per_row_state: ClassVar[bool] = False
     layer_state: ClassVar[tuple[str, ...]] = ()
-    static_shapes: ClassVar[bool] = False
-    """Follows a preallocated buffer: ``prefill(..., capacity=C)`` then ``append``/``moments`` with ``end=[b]``
-    (device tensors) without host syncs, state updated in place (see
-    :attr:`qada.criteria.HeadCriterion.static_shapes`); False by default."""
 
     def needs(self) -> dict[str, bool]:
         """What this source needs before decoding, by name (``model``: a run of the model in :meth:`prepare`;
@@ -72,17 +65,21 @@ class MomentSource(Component, abc.ABC):
         means the default :class:`~qada.window.Window`).
         """
 
-    def fused_step(self, window: Window) -> Callable[..., BulkMoments] | None:
-        """The buffer step (:meth:`append` + :meth:`moments` with ``end``) as a pure function
-        ``f(*fused_state(layer), keys [b, H_kv, C, d], start [b] or None, end [b]) -> BulkMoments`` that updates
-        the state in place, for the wrapper to compile with the criterion's decision
-        (:class:`qada.models.fused.FusedDecision`); the same function for every layer. ``None`` (the default):
-        the source is stepped through :meth:`append` and :meth:`moments`."""
-        return None
+    def step_state(self, layer: int) -> dict[str, torch.Tensor]:
+        """The tensors :meth:`step` reads and updates in place for ``layer`` (after its :meth:`prefill`), passed to
+        the run's layer step as arguments so that one compiled step serves every layer. The default holds the
+        layer's index only, for :meth:`step`'s eager fallback."""
+        return {"layer": torch.tensor(layer)}
 
-    def fused_state(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...] | None:
-        """The tensors :meth:`fused_step`'s function reads and updates for ``layer`` (``None``: no buffer state)."""
-        return None
+    def step(self, state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
+             end: torch.Tensor, window: Window) -> BulkMoments:
+        """One decode step: the rows of ``keys [b, H_kv, C, d]`` now end at ``end [b]`` (each grew by one key);
+        update ``state`` (:meth:`step_state`) in place and return the step's bulk moments. A built-in source does it
+        on the device without host reads. The default reads the layer's index on the host and calls
+        :meth:`append` and :meth:`moments` (the run then steps eagerly and says so)."""
+        layer = int(state["layer"])
+        self.append(layer, keys, start, window, end=end)
+        return self.moments(layer, keys, start, window, end=end)
 
     @abc.abstractmethod
     def reset(self) -> None:

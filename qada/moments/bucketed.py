@@ -32,8 +32,6 @@ class BucketedMoments(ReferenceMomentSource):
             :func:`~qada.moments.reference.bucket_ends`). Other arguments as for ``stored``.
     """
 
-    static_shapes = True
-
     bucket_size: int = 512
     layer_state = ()  # a stateless lookup: the bucket depends on the length only
 
@@ -91,6 +89,7 @@ class BucketedMoments(ReferenceMomentSource):
                     f"moments built from {self.data.first}"
                 )
             self._device_data(keys.device)
+            self.__dict__["_device"] = keys.device
             longest = capacity - self._cpu_starts(start, keys.shape[0])  # each row's length when the cache is full
             self._within_reference(  # warns once if the longest prompt needs more than the reference
                 reference_bulk_end(longest, window, self.offset, self.first(window), self.min_bulk_keys),
@@ -143,14 +142,27 @@ class BucketedMoments(ReferenceMomentSource):
         slot = (self.bucket_index(keys, start, window) + 1).to(keys.device)
         return BulkMoments(mean[layer, slot], cov[layer, slot])
 
-    def _moments_on_buffer(self, layer: int, start: torch.Tensor | None, window: Window,
-                           end: torch.Tensor) -> BulkMoments:
-        """The lookup for rows ending at ``end [b]`` on a preallocated buffer, on the device (no host read):
-        the largest bucket whose end is ``<=`` the row's reference end (:func:`reference_bulk_end`)."""
-        mean, cov, ends = self._device_data(end.device)
+    def step_state(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's bucket table: ``mean [J+1, H_kv, d]``, ``cov [J+1, H_kv, d, d]`` (slot 0: zeros) and the
+        bucket ``ends [J]``, on the device of the last prefill."""
+        mean, cov, ends = self._device_data(self.__dict__.get("_device", torch.device("cpu")))
+        if not 0 <= layer < mean.shape[0]:
+            raise ValueError(f"expected a layer in [0, {mean.shape[0]}) but got {layer}")
+        return {"mean": mean[layer], "cov": cov[layer], "ends": ends}
+
+    def step(self, state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
+             end: torch.Tensor, window: Window) -> BulkMoments:
+        """The lookup for rows ending at ``end [b]``, on the device (no host read): the largest bucket whose end is
+        ``<=`` the row's reference end (:func:`reference_bulk_end`)."""
+        mean, cov, ends = state["mean"], state["cov"], state["ends"]
         first = self.first(window)
         n = end if start is None else end - start
         target = reference_bulk_end(n, window, self.offset, first, self.min_bulk_keys).clamp(max=ends[-1])
         index = torch.searchsorted(ends, target, right=True) - 1
         slot = torch.where(target > first, index.clamp(min=0) + 1, 0)
-        return BulkMoments(mean[layer, slot], cov[layer, slot])
+        return BulkMoments(mean[slot], cov[slot])
+
+    def _moments_on_buffer(self, layer: int, start: torch.Tensor | None, window: Window,
+                           end: torch.Tensor) -> BulkMoments:
+        mean, cov, ends = self._device_data(end.device)
+        return self.step({"mean": mean[layer], "cov": cov[layer], "ends": ends}, mean, start, end, window)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +12,7 @@ from qada.moments.math import MomentState, add_key, block_moments, merge_moments
 from qada.step import BulkMoments
 from qada.window import Window
 
-__all__ = ["CurrentMoments", "current_buffer_step", "frozen_buffer_step"]
+__all__ = ["CurrentMoments", "current_buffer_step"]
 
 
 @register_moment_source("current")
@@ -36,7 +35,6 @@ class CurrentMoments(MomentSource):
     freeze: bool = False
     update_every: int = 1
     per_row_state = True
-    static_shapes = True  # per step (update_every = 1) or frozen; blocks of update_every > 1 slice on the host
     layer_state = ("float64 count, mean and co-moment of each row's bulk keys", "the cache length they cover")
 
     def __post_init__(self) -> None:
@@ -49,8 +47,6 @@ class CurrentMoments(MomentSource):
         self._cached: dict[int, BulkMoments] = {}
         self._buffered: set[int] = set()  # layers prefilled on a preallocated buffer: state updated in place
         self._kept: dict[int, tuple[MomentState, BulkMoments]] = {}  # their tensors, reused by the next prefill
-        if self.update_every > 1 and not self.freeze:
-            self.static_shapes = False  # a block's size depends on how many keys entered: sliced on the host
 
     def reset(self) -> None:
         self._states.clear()
@@ -90,27 +86,36 @@ class CurrentMoments(MomentSource):
 
     def _append_buffer(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                        end: torch.Tensor) -> None:
-        """One decode step on a preallocated buffer (:func:`current_buffer_step`), in place. No host sync."""
-        if self.freeze:
-            return
-        current_buffer_step(*self.fused_state(layer, keys.device), keys, start, end, t_local=window.t_local,
-                            t_recent=window.t_recent)
+        """One decode step on a buffer state (:meth:`step`), in place. No host sync."""
+        if not self.freeze:
+            self.step(self.step_state(layer), keys, start, end, window)
 
-    def fused_step(self, window: Window):
-        """:func:`current_buffer_step` for ``window`` (frozen moments: :func:`frozen_buffer_step`)."""
-        if self.freeze:
-            return frozen_buffer_step
-        return functools.partial(current_buffer_step, t_local=window.t_local, t_recent=window.t_recent)
-
-    def fused_state(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    def step_state(self, layer: int) -> dict[str, torch.Tensor]:
+        """The float64 Welford state ``count, mean, m2`` and the float32 moments ``out_mean, out_cov`` of
+        ``layer`` (blocks of ``update_every > 1``: the layer's index, stepped eagerly)."""
+        if self.update_every > 1 and not self.freeze:
+            return super().step_state(layer)
         if layer not in self._buffered:
-            return None
+            raise RuntimeError(f"layer {layer} has no moments yet: call prefill first")
         state, moments = self._states[layer], self._cached[layer]
-        return (state.count, state.mean, state.m2, moments.mean, moments.cov)
+        return {"count": state.count, "mean": state.mean, "m2": state.m2, "out_mean": moments.mean,
+                "out_cov": moments.cov}
+
+    def step(self, state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
+             end: torch.Tensor, window: Window) -> BulkMoments:
+        """:func:`current_buffer_step` (frozen: the prefill's moments; blocks: the host path)."""
+        if "layer" in state:  # blocks: their size depends on how many keys entered, so on the host
+            layer, filled = int(state["layer"]), int(end.max())
+            self.append(layer, keys[:, :, :filled], start, window)
+            return self.moments(layer, keys[:, :, :filled], start, window)
+        if self.freeze:
+            return BulkMoments(state["out_mean"], state["out_cov"])
+        return current_buffer_step(state["count"], state["mean"], state["m2"], state["out_mean"], state["out_cov"],
+                                   keys, start, end, t_local=window.t_local, t_recent=window.t_recent)
 
     def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                end: torch.Tensor | None = None) -> None:
-        if end is not None and layer in self._buffered:
+        if end is not None and layer in self._buffered and (self.freeze or self.update_every == 1):
             return self._append_buffer(layer, keys, start, window, end)
         if layer not in self._states:
             raise RuntimeError(f"append on layer {layer} before prefill: call prefill on the prefilled cache")
@@ -146,7 +151,7 @@ class CurrentMoments(MomentSource):
 
     def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                 end: torch.Tensor | None = None) -> BulkMoments:
-        if end is not None and layer in self._buffered:
+        if end is not None and layer in self._buffered and (self.freeze or self.update_every == 1):
             return self._cached[layer]  # brought up to date by append(..., end=...)
         if layer not in self._states:
             self.prefill(layer, keys, start, window)
@@ -180,13 +185,6 @@ def current_buffer_step(
     moments = to_bulk_moments(new)
     out_mean.copy_(moments.mean)
     out_cov.copy_(moments.cov)
-    return BulkMoments(out_mean, out_cov)
-
-
-def frozen_buffer_step(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, out_mean: torch.Tensor,
-                       out_cov: torch.Tensor, keys: torch.Tensor, start: torch.Tensor | None,
-                       end: torch.Tensor) -> BulkMoments:
-    """The buffer step of frozen moments: the prefill's moments, unchanged."""
     return BulkMoments(out_mean, out_cov)
 
 

@@ -7,7 +7,6 @@ For a row of real length ``n`` the moments come from the reference bulk ``[first
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -185,7 +184,6 @@ class StoredMoments(ReferenceMomentSource):
     """
 
     layer_state = ("float64 shifted sums of each row's reference range", "the range's ends")
-    static_shapes = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -284,9 +282,13 @@ class StoredMoments(ReferenceMomentSource):
         ref, shift = self._layer_reference(layer, keys)
         b, T, N = keys.shape[0], keys.shape[2], ref.shape[1]
         first = self.first(window)
-        n = (T - self._cpu_starts(start, b))[:, None] + torch.arange(capacity - T + 1)  # [b, steps + 1] lengths
+        # the lengths to look ahead to: the cache's capacity, and at least past the lengths where the short-prompt
+        # rule may switch (a growing cache has no capacity: its range only moves by one key beyond them)
+        horizon = max(capacity, T + 1, self.offset + first + self.min_bulk_keys + window.t_local + 2)
+        n = (T - self._cpu_starts(start, b))[:, None] + torch.arange(horizon - T + 1)  # [b, steps + 1] lengths
         ends = reference_bulk_end(n.flatten(), window, self.offset, first, self.min_bulk_keys).view(n.shape)
-        ends = self._within_reference(ends, N, "this prompt may need at the cache's capacity")
+        self._within_reference(ends[:, : capacity - T + 1], N, "this prompt may need at the cache's capacity")
+        ends = ends.clamp(max=N)
         self._move(layer, ref, shift, first, ends[:, 0].clone())
         count, s1, s2, _, _ = self._state.pop(layer)
         jumps = (ends[:, 1:] - ends[:, :-1]).abs() > 1  # [b, steps]: where a rank-1 update is not enough
@@ -310,28 +312,27 @@ class StoredMoments(ReferenceMomentSource):
                             jump_sums, first, BulkMoments(mean.clone(), cov.clone()))
 
     def _step_buffer(self, layer: int, start: torch.Tensor | None, window: Window, end: torch.Tensor) -> None:
-        """One decode step on a preallocated buffer, in place (:func:`advance_reference_range`; compiled into a
-        few fused kernels on CUDA, eager elsewhere). No host read."""
-        state = self._buffers[layer]
-        ref, shift = self._on(end.device)
-        n = end if start is None else end - start
-        step = _compiled_advance() if end.device.type == "cuda" else advance_reference_range
-        step(state.count, state.s1, state.s2, state.old_end, state.jump_n, *state.jump_sums, state.moments.mean,
-             state.moments.cov, ref[layer], shift[layer], n, window.t_local, self.offset, state.first,
-             self.min_bulk_keys)
+        """One decode step on a buffer state, in place (:meth:`step`). No host read."""
+        state = self.step_state(layer)
+        self.step(state, state["ref"], start, end, window)
 
-    def fused_step(self, window: Window):
-        """:func:`stored_buffer_step` with this source's offset, short-prompt rule and window."""
-        return functools.partial(stored_buffer_step, t_local=window.t_local, offset=self.offset,
-                                 first=self.first(window), min_bulk_keys=self.min_bulk_keys)
-
-    def fused_state(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    def step_state(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's float64 shifted sums and range ends, its prepared jumps, the float32 moments handed to
+        criteria and the layer's reference keys and shift (:func:`stored_buffer_step`'s arguments)."""
         state = self._buffers.get(layer)
         if state is None:
-            return None
-        ref, shift = self._on(device)
-        return (state.count, state.s1, state.s2, state.old_end, state.jump_n, *state.jump_sums, state.moments.mean,
-                state.moments.cov, ref[layer], shift[layer])
+            raise RuntimeError(f"layer {layer} has no stored-moment state: call prefill first")
+        ref, shift = self._on(state.count.device)
+        jump_count, jump_s1, jump_s2 = state.jump_sums
+        return {"count": state.count, "s1": state.s1, "s2": state.s2, "old_end": state.old_end,
+                "jump_n": state.jump_n, "jump_count": jump_count, "jump_s1": jump_s1, "jump_s2": jump_s2,
+                "mean": state.moments.mean, "cov": state.moments.cov, "ref": ref[layer], "shift": shift[layer]}
+
+    def step(self, state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
+             end: torch.Tensor, window: Window) -> BulkMoments:
+        """:func:`stored_buffer_step` with this source's offset, short-prompt rule and window."""
+        return stored_buffer_step(**state, keys=keys, start=start, end=end, t_local=window.t_local,
+                                  offset=self.offset, first=self.first(window), min_bulk_keys=self.min_bulk_keys)
 
     def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                 end: torch.Tensor | None = None) -> BulkMoments:
@@ -461,12 +462,6 @@ def stored_buffer_step(
     advance_reference_range(count, s1, s2, old_end, jump_n, jump_count, jump_s1, jump_s2, mean, cov, ref, shift, n,
                             t_local, offset, first, min_bulk_keys)
     return BulkMoments(mean, cov)
-
-
-@functools.cache
-def _compiled_advance():
-    """:func:`advance_reference_range` compiled once per process (shapes are fixed while decoding)."""
-    return torch.compile(advance_reference_range, dynamic=False)
 
 
 class _BufferState(NamedTuple):

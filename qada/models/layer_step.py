@@ -1,0 +1,199 @@
+"""One decode step of one global layer: the one function qada runs, eagerly or compiled.
+
+:func:`layer_step` is a pure function of buffer-shaped tensors (the cache as a buffer whose rows end at ``end``; a
+growing cache passes ``end=None``: its rows end at its length) and of the components' per-layer tensors, which it
+receives as arguments and updates in place:
+
+1. the moment source's step (:meth:`~qada.moments.MomentSource.step`),
+2. the criterion's decision (:meth:`~qada.criteria.HeadCriterion.decide`, with whatever it reads to decide),
+3. the group policy (:func:`~qada.attention.group_policy.apply_group_policy`),
+4. the step's statistics row (:func:`~qada.models.statistics.step_counts`, ``kv_read`` included),
+5. the window gather the executor reuses.
+
+:class:`LayerStep` runs it for a run: compiled by ``torch.compile`` (``fullgraph=True``, static shapes) on a
+preallocated cache, once per run and reused by every layer and step (the layer's tensors are arguments, not
+constants), or eagerly, the very same function. A part that cannot be compiled (a criterion of a user's that
+reads the host) makes the step eager, with one warning that names it and says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import types
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+
+from qada.attention.group_policy import apply_group_policy, kv_read
+from qada.criteria.base import HeadCriterion
+from qada.models.statistics import step_counts
+from qada.moments.base import MomentSource
+from qada.step import BulkMoments, DecodeStep
+from qada.window import Window
+
+__all__ = ["COMPILE_ENV", "LayerStep", "LayerStepResult", "layer_step", "resolve_compile"]
+
+COMPILE_ENV = "QADA_COMPILE"
+"""Environment variable giving the default of ``compile`` (``0``/``false``: eager; ``1``/``true``: inductor; any
+other value: that ``torch.compile`` backend, e.g. ``aot_eager``) where :func:`qada.apply` is not told."""
+
+
+class LayerStepResult(NamedTuple):
+    """What :func:`layer_step` returns.
+
+    Attributes:
+        decided: ``[b, H]`` bool, the criterion's decision (True = local).
+        local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool, the bulks to read.
+        counts: ``[5]`` float64, the step's row of :class:`~qada.models.statistics.DecodeStatistics`.
+        window_keys, window_values: ``[b, H_kv, W, d]``; ``window_valid``: ``[b, W]`` bool.
+        t_bulk: ``[b]`` bulk sizes; ``real``: ``[b, C]`` bool, the slots holding a row's tokens (``None``: all).
+        moments: the step's bulk moments (``None`` without a moment source).
+    """
+
+    decided: torch.Tensor
+    local: torch.Tensor
+    read: torch.Tensor
+    counts: torch.Tensor
+    window_keys: torch.Tensor
+    window_values: torch.Tensor
+    window_valid: torch.Tensor
+    t_bulk: torch.Tensor
+    real: torch.Tensor | None
+    moments: BulkMoments | None
+
+
+def layer_step(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: torch.Tensor | None,
+    end: torch.Tensor | None,
+    scale: float,
+    layer: torch.Tensor,
+    moment_state: dict[str, torch.Tensor] | None,
+    criterion_states: dict[str, dict[str, torch.Tensor]],
+    *,
+    criterion: HeadCriterion,
+    moments: MomentSource | None,
+    window: Window,
+    policy: str,
+) -> LayerStepResult:
+    """The decision of one decode step of one layer, and what the executor reuses.
+
+    Args:
+        query: ``[b, H, d]``; ``keys, values``: ``[b, H_kv, C, d]`` the layer's cache (a preallocated buffer's
+            every slot, or a growing cache).
+        start: ``[b]`` each row's first real token or ``None``; ``end``: ``[b]`` one past each row's last token
+            (``None``: every row ends at ``C``).
+        layer: 0-d long tensor, the layer's index (a tensor, so that a compiled step serves every layer).
+        moment_state: the source's :meth:`~qada.moments.MomentSource.step_state` (``None``: no moments).
+        criterion_states: :meth:`~qada.criteria.HeadCriterion.layer_states` of the criterion.
+        criterion, moments, window, policy: the run's components and the executor's group policy.
+    """
+    bulk = None
+    if moments is not None:
+        rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
+        bulk = moments.step(moment_state, keys, start, rows_end, window)
+    step = DecodeStep(query, keys, scale, window, layer=layer, start=start, end=end, moments=bulk, values=values,
+                      states=criterion_states)
+    decided = criterion(step)
+    local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
+    reads = kv_read(read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))
+    counts = step_counts(local, read, step.fail_safe, reads)
+    return LayerStepResult(decided, local, read, counts, step.window_keys, step.window_values, step.window_valid,
+                           step.t_bulk, step.real, bulk)
+
+
+def resolve_compile(compile: bool | str | None) -> str | None:
+    """The ``torch.compile`` backend of ``compile`` (``None``: eager): ``True`` is inductor, a string a backend,
+    ``None`` the :data:`COMPILE_ENV` default (inductor when unset)."""
+    if compile is None:
+        value = os.environ.get(COMPILE_ENV, "1").strip().lower()
+        compile = {"0": False, "false": False, "no": False, "off": False, "1": True, "true": True, "yes": True,
+                   "on": True, "": True}.get(value, value)
+    if compile is True:
+        return "inductor"
+    if compile is False:
+        return None
+    if isinstance(compile, str) and compile:
+        return compile
+    raise ValueError(f"expected compile to be a bool or a torch.compile backend name but got {compile!r}")
+
+
+class LayerStep:
+    """:func:`layer_step` bound to a run's components: compiled once (``backend``; ``None``: eager) and reused by
+    every layer and step of a preallocated cache; a growing cache's steps (new shapes every step) run eagerly.
+
+    Attributes:
+        eager_reason: why the step runs eagerly although compiling was asked for (``None``: it compiles).
+    """
+
+    def __init__(self, criterion: HeadCriterion, moments: MomentSource | None, window: Window, policy: str,
+                 backend: str | None) -> None:
+        self.criterion, self.moments, self.backend = criterion, moments, backend
+        bound = dict(criterion=criterion, moments=moments, window=window, policy=policy)
+        self.eager = functools.partial(layer_step, **bound)
+        self.eager_reason: str | None = None
+        self._compiled: Any = None
+        if backend is not None:
+            # A fresh code object per run: torch.compile keeps its cache (and its recompile limit) per code object,
+            # so runs of one process never evict each other's compiled step.
+            own = types.FunctionType(layer_step.__code__.replace(), layer_step.__globals__, "layer_step",
+                                     layer_step.__defaults__, layer_step.__closure__)
+            own.__kwdefaults__ = layer_step.__kwdefaults__
+            self._compiled = torch.compile(functools.partial(own, **bound), backend=backend, fullgraph=True,
+                                           dynamic=False)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether steps on a preallocated cache run compiled."""
+        return self._compiled is not None and self.eager_reason is None
+
+    def __call__(self, buffered: bool, *args: Any) -> LayerStepResult:
+        """:func:`layer_step` on ``args``; compiled when ``buffered`` (fixed shapes) and :attr:`compiled`."""
+        if not (buffered and self.compiled):
+            return self.eager(*args)
+        try:
+            return self._compiled(*args)
+        except Exception as error:  # noqa: BLE001 - decided below: an error of the part itself, or of compiling
+            result = self.eager(*args)  # raises the part's own error, if it is one
+            self.eager_reason = _reason(error)
+            warnings.warn(f"qada: {self._culprit(error)} cannot be compiled into the layer step, so every decode "
+                          f"step of this run runs eagerly (slower; compile=False silences this): {self.eager_reason}",
+                          RuntimeWarning, stacklevel=4)
+            return result
+
+    def _culprit(self, error: Exception) -> str:
+        """The part (criterion or moment source) whose code the compile error points at last (the deepest)."""
+        text = f"{error}\n{''.join(_frames(error))}"
+        parts = [(f"criterion {c.registry_name or type(c).__name__!r}", c) for _, c in self.criterion.named_criteria()]
+        if self.moments is not None:
+            parts.append((f"moment source {self.moments.registry_name or type(self.moments).__name__!r}",
+                          self.moments))
+        found = [(text.rfind(_source_file(part)), name) for name, part in parts if _source_file(part)]
+        found = [item for item in found if item[0] >= 0]
+        if not found:
+            return f"criterion {self.criterion.registry_name or type(self.criterion).__name__!r}"
+        return max(found)[1]
+
+
+def _source_file(part: Any) -> str:
+    try:
+        return inspect.getsourcefile(type(part)) or ""
+    except TypeError:
+        return ""
+
+
+def _frames(error: Exception) -> list[str]:
+    import traceback
+
+    return traceback.format_exception(type(error), error, error.__traceback__)
+
+
+def _reason(error: Exception) -> str:
+    """The first lines of a compile error, which say what could not be traced."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines[:3])[:400] or type(error).__name__

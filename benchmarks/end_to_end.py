@@ -507,7 +507,8 @@ def dense_run(executor: str):
     return build_run(criterion="dense", moments="none", executor=executor)
 
 
-def qada_run(model, tokenizer, moments: Any, executor: str, tau: float = 0.6, fused: bool = False):
-    """QAdA at ``tau``; ``fused``: its decision compiled by inductor (the criterion's ``compile=True``)."""
-    criterion = {"name": "qada", "tau": tau, **({"compile": True} if fused else {})}
-    return prepare_run(build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer)
+def qada_run(model, tokenizer, moments: Any, executor: str, tau: float = 0.6, compile: bool | None = None):
+    """QAdA at ``tau``; ``compile``: as for :func:`qada.apply` (``None``: the default, the compiled layer step)."""
+    criterion = {"name": "qada", "tau": tau}
+    return prepare_run(build_run(criterion=criterion, moments=moments, executor=executor, compile=compile), model,
+                       tokenizer)

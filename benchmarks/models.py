@@ -135,9 +135,9 @@ def build_contexts(suite: Suite, workload: Workload, model: Any, tokenizer: Any)
             for T in workload.lengths for B in workload.batches}  # fmt: skip
 
 
-TAIL_CONFIGS = {  # the tail-aware criterion at tau 0.3 (issue 23), its default pages and fewer, larger ones
+TAIL_CONFIGS = {  # the tail-aware criteria (issue 23): the threshold rule at tau 0.3, the budget rule at 0.85
     "qada_tail": {"name": "qada_tail", "tau": 0.3},
-    "qada_tail pages 4x64": {"name": "qada_tail", "tau": 0.3, "page_size": 64, "pages": 4},
+    "qada_tail_budget": {"name": "qada_tail_budget", "sparsity": 0.85},
 }
 
 
@@ -146,11 +146,12 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
 
     ``dense`` (the unwrapped model, the reference), the unwrapped model on the other cache kind (what a user who
     changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``qada dense`` (the
-    wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor),
-    ``qada fused`` (its layer's decision as one compiled function, if ``workload.fused``), the tail-aware rows of
-    :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded prompt queries),
-    ``static rho_kv=...`` (whole KV groups forced local), and ``<name> compiled`` for each name of
-    ``workload.compiled``: the same run, decode steps through ``torch.compile`` (CUDA graphs on a GPU).
+    wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor), the
+    tail-aware rows of :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded
+    prompt queries), ``static rho_kv=...`` (whole KV groups forced local): every qada row on the run's default path
+    (its layer step compiled on the static cache); with ``workload.eager`` also ``<name> eager`` for ``qada`` and
+    the tail rows (``compile=False``: the same step, eagerly); and ``<name> compiled`` for each name of
+    ``workload.compiled``: the same run, the model's decode steps through ``torch.compile`` (CUDA graphs on a GPU).
     """
     c = model.config
     kind = suite.e2e_cache
@@ -159,16 +160,12 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     if batch == 1:
         configs[f"dense {other} cache"] = DecodeConfig(other)
     configs["qada dense"] = DecodeConfig(kind, lambda: dense_run(suite.e2e_executor))
-    configs["qada"] = DecodeConfig(kind, lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor),
-                                   count_events=True)  # fmt: skip
-    if workload.fused:
-        fused = lambda: qada_run(model, tokenizer, suite.e2e_moments, suite.e2e_executor, fused=True)  # noqa: E731
-        configs["qada fused"] = DecodeConfig(kind, fused, count_events=True)
-    if workload.tail:
-        for name, criterion in TAIL_CONFIGS.items():
-            configs[name] = DecodeConfig(kind, lambda criterion=criterion: prepare_run(
-                build_run(criterion=criterion, moments=suite.e2e_moments, executor=suite.e2e_executor), model,
-                tokenizer))
+    criteria = {"qada": {"name": "qada", "tau": 0.6}, **(TAIL_CONFIGS if workload.tail else {})}
+    for name, criterion in criteria.items():
+        for compile, suffix in ((None, ""),) + (((False, " eager"),) if workload.eager else ()):
+            configs[name + suffix] = DecodeConfig(kind, lambda criterion=criterion, compile=compile: prepare_run(
+                build_run(criterion=criterion, moments=suite.e2e_moments, executor=suite.e2e_executor,
+                          compile=compile), model, tokenizer), count_events=name == "qada")
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
         configs[f"static rho_kv={rho}"] = DecodeConfig(kind, lambda mask=mask: static_run(mask, suite.e2e_executor))

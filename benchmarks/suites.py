@@ -24,9 +24,9 @@ class Workload:
             GPU), each as a row ``"<name> compiled"``.
         real_up_to: SmolLM2 only: real prefills up to this length, random K/V beyond (timing only).
         layers: keep only the first ``layers`` layers (dry run: the real model's code path at a tiny cost).
-        fused: also decode ``qada fused`` (QAdA with ``compile=True``: on the static cache the moment step, eqs. 5-7,
-            the threshold, the group policy and the sparsities of a layer as one compiled function).
-        tail: also decode the tail-aware rows (``qada_tail`` at tau 0.3, default pages and 4 pages of 64).
+        eager: also decode ``<name> eager`` for ``qada`` and the tail rows: the same run with ``compile=False`` (its
+            layer step eagerly; the default rows compile it on the static cache).
+        tail: also decode the tail-aware rows (``qada_tail`` at tau 0.3, ``qada_tail_budget`` at sparsity 0.85).
     """
 
     model: str
@@ -35,7 +35,7 @@ class Workload:
     compiled: tuple[str, ...] = ("dense", "qada")
     real_up_to: int = 8192
     layers: int | None = None
-    fused: bool = False
+    eager: bool = False
     tail: bool = False
 
 
@@ -70,7 +70,7 @@ TINY = Shape("tiny", 1, 8, 2, 64, torch.float32)
 TINY_BF16 = Shape("tiny-bf16", 1, 8, 2, 64, torch.bfloat16)
 LLAMA8B_CASES = Workload("llama3-8b-random", (32768, 131072), batches=(1, 8),
                          compiled=("dense", "qada", "static rho_kv=0.875"))  # fmt: skip
-SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32), compiled=("dense", "qada", "qada fused"), fused=True)
+SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32), compiled=("dense", "qada"), eager=True, tail=True)
 
 SUITES = {
     "smoke": Suite(
@@ -80,12 +80,12 @@ SUITES = {
     ),
     "quick": Suite(
         "quick", "cpu", [SMOLLM2], [8192, 32768], ["sdpa"], 5, 5, False, [SMOLLM2], [8192, 32768], 5, 5,
-        [Workload("smollm2", (4096, 7680), fused=True, tail=True)], 8, 2, "sdpa", "stored",
+        [Workload("smollm2", (4096, 7680), eager=True, tail=True)], 8, 2, "sdpa", "stored",
     ),
     "full": Suite(
         "full", "cpu", [SMOLLM2, LLAMA8B_F32], [8192, 32768], ["reference", "sdpa", "flex"], 7, 10, None,
         [SMOLLM2, LLAMA8B_F32], [8192, 32768], 7, 10,
-        [Workload("smollm2", (4096, 7680, 32768), fused=True, tail=True)], 32, 5, "sdpa", "stored",
+        [Workload("smollm2", (4096, 7680, 32768), eager=True, tail=True)], 32, 5, "sdpa", "stored",
         copy_bytes=1024 * 2**20,
     ),
     "gpu": Suite(
@@ -96,7 +96,8 @@ SUITES = {
     ),
     "gpu-dryrun": Suite(
         "gpu-dryrun", "cpu", [TINY_BF16], [1024], ["sdpa", "flex", "triton"], 1, 1, False, [TINY_BF16], [1024], 1, 1,
-        [Workload("smollm2", (256,), batches=(2,), layers=2, compiled=SMOLLM2_GPU.compiled, fused=True),
+        [Workload("smollm2", (256,), batches=(2,), layers=2, compiled=SMOLLM2_GPU.compiled, eager=True,
+                  tail=True),
          Workload("tiny-random", (600,), compiled=LLAMA8B_CASES.compiled)],
         2, 1, "triton", "current",
         e2e_warmup=2, e2e_count_steps=2, copy_bytes=4 * 2**20, static_rho_kv=[0.875], dtype=torch.bfloat16,

@@ -100,10 +100,15 @@ class TailEstimate:
 
     def extra_reads(self, step: DecodeStep) -> torch.Tensor:
         """``[b]`` vectors read per KV head and step: the heavy keys, at most ``G * pages * page_size`` page keys (the
-        pages of its ``G`` query heads) and two extrema per page of the buffer."""
-        n_pages = -(-step.length // self.page_size)
-        per_head = (self.heavy + step.group_size * min(self.pages, n_pages) * self.page_size + 2 * n_pages)
-        return torch.full((step.batch_size,), float(per_head), dtype=torch.float64, device=step.device)
+        pages of its ``G`` query heads) and two extrema per page that holds a token of the row (a preallocated
+        buffer's empty pages are not read)."""
+        if step.end is None:
+            filled = torch.full((step.batch_size,), step.length, dtype=torch.float64, device=step.device)
+        else:
+            filled = step.end.to(torch.float64)
+        n_pages = torch.ceil(filled / self.page_size)
+        pages = n_pages.clamp(max=self.pages)
+        return self.heavy + step.group_size * pages * self.page_size + 2 * n_pages
 
     def tail_log_bulk(self, step: DecodeStep) -> torch.Tensor:
         """``[b, H]`` the tail-aware ``log Â_bulk``; first the step's key joins its page (in place)."""

@@ -34,7 +34,7 @@ from qada.moments.base import MomentSource
 from qada.step import BulkMoments, DecodeStep
 from qada.window import Window
 
-__all__ = ["COMPILE_ENV", "LayerStep", "LayerStepResult", "layer_step", "resolve_compile"]
+__all__ = ["COMPILE_ENV", "LayerStep", "LayerStepResult", "compile_layer_step", "layer_step", "resolve_compile"]
 
 COMPILE_ENV = "QADA_COMPILE"
 """Environment variable giving the default of ``compile`` (``0``/``false``: eager; ``1``/``true``: inductor; any
@@ -47,7 +47,8 @@ class LayerStepResult(NamedTuple):
     Attributes:
         decided: ``[b, H]`` bool, the criterion's decision (True = local).
         local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool, the bulks to read.
-        counts: ``[5]`` float64, the step's row of :class:`~qada.models.statistics.DecodeStatistics`.
+        counts: ``[1, 5]`` float64, the step's row of :class:`~qada.models.statistics.DecodeStatistics`.
+        fail_safe: 0-d, the heads the criterion forced dense (non-finite values).
         window_keys, window_values: ``[b, H_kv, W, d]``; ``window_valid``: ``[b, W]`` bool.
         t_bulk: ``[b]`` bulk sizes; ``real``: ``[b, C]`` bool, the slots holding a row's tokens (``None``: all).
         moments: the step's bulk moments (``None`` without a moment source).
@@ -57,6 +58,7 @@ class LayerStepResult(NamedTuple):
     local: torch.Tensor
     read: torch.Tensor
     counts: torch.Tensor
+    fail_safe: torch.Tensor
     window_keys: torch.Tensor
     window_values: torch.Tensor
     window_valid: torch.Tensor
@@ -84,7 +86,7 @@ def layer_step(
     """The decision of one decode step of one layer, and what the executor reuses.
 
     Args:
-        query: ``[b, H, d]``; ``keys, values``: ``[b, H_kv, C, d]`` the layer's cache (a preallocated buffer's
+        query: ``[b, H, 1, d]``; ``keys, values``: ``[b, H_kv, C, d]`` the layer's cache (a preallocated buffer's
             every slot, or a growing cache).
         start: ``[b]`` each row's first real token or ``None``; ``end``: ``[b]`` one past each row's last token
             (``None``: every row ends at ``C``).
@@ -97,19 +99,19 @@ def layer_step(
     if moments is not None:
         rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
         bulk = moments.step(moment_state, keys, start, rows_end, window)
-    step = DecodeStep(query, keys, scale, window, layer=layer, start=start, end=end, moments=bulk, values=values,
+    step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk, values=values,
                       states=criterion_states)
     decided = criterion(step)
     local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
     reads = kv_read(read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))
     counts = step_counts(local, read, step.fail_safe, reads)
-    return LayerStepResult(decided, local, read, counts, step.window_keys, step.window_values, step.window_valid,
+    return LayerStepResult(decided, local, read, counts[None], counts[3], step.window_keys, step.window_values, step.window_valid,
                            step.t_bulk, step.real, bulk)
 
 
-def resolve_compile(compile: bool | str | None) -> str | None:
-    """The ``torch.compile`` backend of ``compile`` (``None``: eager): ``True`` is inductor, a string a backend,
-    ``None`` the :data:`COMPILE_ENV` default (inductor when unset)."""
+def resolve_compile(compile: Any) -> Any:
+    """The ``torch.compile`` backend of ``compile`` (``None``: eager): ``True`` is inductor, a string or a callable
+    a backend, ``None`` the :data:`COMPILE_ENV` default (inductor when unset)."""
     if compile is None:
         value = os.environ.get(COMPILE_ENV, "1").strip().lower()
         compile = {"0": False, "false": False, "no": False, "off": False, "1": True, "true": True, "yes": True,
@@ -118,7 +120,7 @@ def resolve_compile(compile: bool | str | None) -> str | None:
         return "inductor"
     if compile is False:
         return None
-    if isinstance(compile, str) and compile:
+    if (isinstance(compile, str) and compile) or callable(compile):
         return compile
     raise ValueError(f"expected compile to be a bool or a torch.compile backend name but got {compile!r}")
 
@@ -139,13 +141,7 @@ class LayerStep:
         self.eager_reason: str | None = None
         self._compiled: Any = None
         if backend is not None:
-            # A fresh code object per run: torch.compile keeps its cache (and its recompile limit) per code object,
-            # so runs of one process never evict each other's compiled step.
-            own = types.FunctionType(layer_step.__code__.replace(), layer_step.__globals__, "layer_step",
-                                     layer_step.__defaults__, layer_step.__closure__)
-            own.__kwdefaults__ = layer_step.__kwdefaults__
-            self._compiled = torch.compile(functools.partial(own, **bound), backend=backend, fullgraph=True,
-                                           dynamic=False)
+            self._compiled = compile_layer_step(bound, backend)
 
     @property
     def compiled(self) -> bool:
@@ -180,6 +176,45 @@ class LayerStep:
         return max(found)[1]
 
 
+def compile_layer_step(bound: dict[str, Any], backend: Any) -> Any:
+    """:func:`layer_step` with the keyword arguments ``bound`` (the components), compiled by ``torch.compile``
+    (``fullgraph=True``, static shapes) with ``backend``.
+
+    The function compiled has a code object of its own: ``torch.compile`` keeps its cache (and its recompile limit,
+    8) per code object, so each run's step is compiled for that run's components and never evicts another's (a
+    ``functools.partial`` or a plain closure would share one code object across runs)."""
+
+    def step(query, keys, values, start, end, scale, layer, moment_state, criterion_states):  # noqa: ANN001
+        return layer_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states, **bound)
+
+    own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
+                             step.__closure__)
+    return torch.compile(own, backend=_refusing_host_reads(backend), fullgraph=True, dynamic=False)
+
+
+class HostReadError(RuntimeError):
+    """The traced layer step reads a value from the device on the host (a sync; no CUDA graph can hold it)."""
+
+
+def _refusing_host_reads(backend: Any) -> Any:
+    """``backend``, refusing a traced graph in which a value computed on the device decides something on the host
+    (``item``, ``tolist``, ``nonzero``, a data-dependent shape): ``torch.compile`` traces those into the graph, but
+    the compiled step would then wait for the device at every layer, and a CUDA graph could not capture it."""
+    from torch._dynamo import lookup_backend
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    compile_graph = lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def refusing(graph: torch.fx.GraphModule, example_inputs: list) -> Any:
+        for node in graph.graph.nodes:
+            if node.op in ("call_method", "call_function") and free_unbacked_symbols(node.meta.get("example_value")):
+                where = "".join(node.meta.get("stack_trace", "").strip().splitlines()[-2:]).strip()
+                raise HostReadError(f"it reads a device value on the host ({node.target}): {where}")
+        return compile_graph(graph, example_inputs)
+
+    return refusing
+
+
 def _source_file(part: Any) -> str:
     try:
         return inspect.getsourcefile(type(part)) or ""
@@ -195,5 +230,6 @@ def _frames(error: Exception) -> list[str]:
 
 def _reason(error: Exception) -> str:
     """The first lines of a compile error, which say what could not be traced."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = str(error).replace("backend='refusing' raised: ", "")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("Set TORCHDYNAMO")]
     return " ".join(lines[:3])[:400] or type(error).__name__

@@ -70,7 +70,7 @@ class QAdARun:
         self._first_layer: int | None = None  # the first global layer prefilled: it checks the rows' growth
         self._last_layer: int | None = None  # the last one: its step drops the per-step bounds
         self._step: LayerStep | None = None
-        self._inputs: dict[int, tuple[int, tuple]] = {}  # layer -> (slots, the layer step's per-layer arguments)
+        self._inputs: dict[int, tuple] = {}  # layer -> (slots, the layer step's per-layer arguments, [layer])
 
     @property
     def layer_step(self) -> LayerStep:
@@ -203,7 +203,7 @@ class QAdARun:
             step_index = self.guard.decode(layer, key)
         if layer == self._last_layer:  # the step's bounds die with it: under CUDA graphs no tensor made in a
             self.rows.clear()  # captured step may outlive it (the graph pool would hold it)
-        result = self.layer_step(buffered, query[:, :, 0], key, value, start, end, float(scale),
+        result = self.layer_step(buffered, query, key, value, start, end, float(scale),
                                  *self._layer_inputs(layer, key.shape[2], key.device))
         return self._attend(layer, step_index, query, key, value, scale, start, end, result)
 
@@ -217,7 +217,7 @@ class QAdARun:
         moment_state = None if moments is None else _on(moments.step_state(layer), device)
         states = {name: _on(state, device) for name, state in self.criterion.layer_states(layer, slots).items()}
         inputs = (torch.tensor(layer, device=device), moment_state, states)
-        self._inputs[layer] = (slots, inputs)
+        self._inputs[layer] = (slots, inputs, torch.tensor([layer], device=device))  # the last: the statistics' row
         return inputs
 
     def _attend(self, layer: int, step_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -228,11 +228,11 @@ class QAdARun:
                           moments=result.moments, values=value)
         step.share(window_keys=result.window_keys, window_valid=result.window_valid,
                    window_values=result.window_values, t_bulk=result.t_bulk, real=result.real)
-        step.fail_safe = result.counts[3]
+        step.fail_safe = result.fail_safe
         output, bulk_blocks = self.executor.attend(step, GroupDecision(result.local, result.read))
-        self.stats.add(layer, result.counts)
+        self.stats.add(self._inputs[layer][2], result.counts)
         if self.fanout.observers:
-            executed = ExecutorOutput(output, result.local, result.counts[0].float(), result.counts[1].float(),
+            executed = ExecutorOutput(output, result.local, result.counts[0, 0].float(), result.counts[0, 1].float(),
                                       bulk_blocks, result.read)
             self.fanout.decision(step, result.decided, executed)
         return output

@@ -33,6 +33,7 @@ import torch
 
 from benchmarks.common import Timing, device_sync
 from qada.criteria import StaticCriterion
+from qada.eval.decode import prefill_from_cache
 from qada.models import attach, build_run, prepare_run
 from qada.models.prompt_queries import PromptQueries
 
@@ -225,7 +226,7 @@ def _decode(model, cache, base_length: int, first: torch.Tensor, run, forward, w
     try:
         if run is not None:
             run.reset_stats()
-            run.prefill_from_cache(cache, queries=queries)
+            prefill_from_cache(run, cache, queries=queries)
         stepper = Stepper(model, cache, first, base_length, forward, cudagraphs)
         times, first_logits = [], None
         for i in range(warmup + steps):
@@ -339,9 +340,9 @@ def run_end_to_end(
             try:
                 runs[name] = config.make_run()
                 if config.compiled:
-                    if runs[name] is not None and not runs[name].static_shapes:
-                        raise RuntimeError("not graph-capturable: a part of the run does not declare static_shapes "
-                                           f"({_parts(runs[name])}), so its decode step cannot compile fullgraph")
+                    if runs[name] is not None and not runs[name].executor.static_shapes:
+                        raise RuntimeError(f"not graph-capturable: the executor {type(runs[name].executor).__name__} "
+                                           "reads the host, so its decode step cannot compile fullgraph")
                     forwards[name] = torch.compile(model.forward, **options)
             except Exception as exc:  # one configuration failing must not lose the others
                 errors[name] = repr(exc)[:400]
@@ -392,11 +393,6 @@ def _no_silent_fallback():
     if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
         return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
     return contextlib.nullcontext()
-
-
-def _parts(run) -> str:
-    parts = [run.criterion, run.executor] + ([run.moments] if run.uses_moments else [])
-    return ", ".join(type(p).__name__ for p in parts if not getattr(p, "static_shapes", False))
 
 
 def _agreement(runs: list[dict], reference: dict) -> tuple[float, int, int]:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     from benchmarks.common import machine_info
     from benchmarks.end_to_end import dense_run, fresh_cache, qada_run
-    from qada.eval.decode import prefill
+    from qada.eval.decode import prefill, prefill_from_cache
     from qada.eval.passkey import passkey_prompt
     from qada.models import attach, load_default_model
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> Path:
         if run is not None:
             attach(model, run)
             run.reset_stats()
-            run.prefill_from_cache(cache)
+            prefill_from_cache(run, cache)
         token, times = first, []
         try:
             with torch.no_grad():

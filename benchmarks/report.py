@@ -21,11 +21,12 @@ ANALYSIS = """\
 * On the CPU the SmolLM2 weights (~540 MB in float32) are read for every token whatever the context, so at
   4k-8k context attention is only part of a decode step: the ceiling of any attention sparsity is bounded by it.
   The byte-ceiling columns make that explicit.
-* qada's per-layer work (the criterion, the moment lookup, the executor's window pass and bookkeeping) is a few
-  dozen small tensor operations per layer and step, each a few microseconds of dispatch on the CPU; at 8k
-  context that is comparable to the attention it saves (`benchmarks/results/profile-cpu.md`).
-* On a GPU a decode step of a small model is bound by kernel launches and host round trips long before bytes
-  (DESIGN §7): the `dense compiled` row (CUDA graphs) is the baseline a GPU user compares with, and qada pays off
+* qada's per-layer work besides the attention (the moment step, the criterion's decision, the group policy, the
+  statistics, the window gather) is one compiled function per layer step by default; the `eager` rows run the same
+  function as a few dozen to a few hundred small tensor operations, each a few microseconds of dispatch on the CPU,
+  which at 8k context is comparable to the attention it saves (`benchmarks/results/profile-cpu.md`).
+* On a GPU a decode step of a small model is bound by kernel launches and host round trips long before bytes:
+  the `dense compiled` row (CUDA graphs) is the baseline a GPU user compares with, and qada pays off
   only inside the graph (`qada compiled`). The kernel and round-trip counts say what qada adds per step.
 * `static rho_kv=...` rows force whole KV groups local (the same groups at every step): they show the ceiling of
   the executor at that kv_sparsity, not an accuracy-preserving setting. The 32k rows of the CPU suite decode

@@ -132,12 +132,12 @@ def test_flex_block_lists_skip_the_bulk_by_hand():
     # T = 100, blocks of 16 (7 blocks), window (16, 4): row 0 real [0, 100), bulk [4, 88); row 1 real [40, 100)
     start = torch.tensor([0, 40])
     dense = torch.tensor([[False, True], [False, True]])
-    kv_num, kv_indices = _kv_blocks(start, 100, dense, Window(16, 4), 7, 16)
+    kv_num, kv_indices = _kv_blocks(start, torch.full_like(start, 100), dense, Window(16, 4), 7, 16)
     assert kv_num[:, :, 0].tolist() == [[3, 7], [3, 5]]  # local: the sink block + the recent blocks only
     assert kv_indices[0, 0, 0, :3].tolist() == [0, 5, 6]  # [0, 4) in block 0, [88, 100) in blocks 5, 6
     assert kv_indices[1, 0, 0, :3].tolist() == [2, 5, 6]  # row 1's sinks [40, 44) in block 2
     assert kv_num.dtype == torch.int32 and kv_indices.shape == (2, 2, 1, 7)
-    kv_num, kv_indices = _kv_blocks(start, 100, dense, Window(16, 0), 7, 16)
+    kv_num, kv_indices = _kv_blocks(start, torch.full_like(start, 100), dense, Window(16, 0), 7, 16)
     assert kv_indices[0, 0, 0, :2].tolist() == [5, 6] and kv_num[:, 0, 0].tolist() == [2, 2]  # no sinks
     assert kv_indices[1, 0, 0, :2].tolist() == [5, 6]  # block 2 holds row 1's first token but no sink
 

@@ -168,7 +168,7 @@ CASES = [
     Case("api_tau_as_string", lambda tmp: CRITERIA.build("qada", tau="0.5"), ValueError,
          r"tau in \[0, 1\] but got '0.5'"),
     Case("api_criterion_unknown_parameter", lambda tmp: CRITERIA.build("qada", tua=0.5), ValueError,
-         r"unknown parameter\(s\) \['tua'\]; expected some of \['tau', 'compile'\]"),
+         r"unknown parameter\(s\) \['tua'\]; expected some of \['tau'\]"),
     # --- registry specs and config files ---------------------------------------------------------------------
     Case("api_unknown_criterion_suggests", lambda tmp: CRITERIA.build("qadda"), ValueError,
          r"unknown criterion 'qadda'; expected one of .*; did you mean 'qada'\?"),

@@ -29,7 +29,7 @@ from benchmarks.report import NEEDS_GPU, evaluate_goals, markdown  # noqa: E402
 
 STATUSES = {"met", "miss", "not measured", NEEDS_GPU, "not measured (CPU suite)"}
 COMPILED = {"dense compiled", "qada compiled"}
-TAIL = {"qada_tail", "qada_tail pages 4x64"}  # the CPU suites' tail-aware rows (issue 23), smoke included
+TAIL = {"qada_tail", "qada_tail_budget"}  # the CPU suites' tail-aware rows (issue 23), smoke included
 EAGER = {"dense", "qada dense", "qada", "static rho_kv=0.5", "static rho_kv=0.875"} | TAIL
 
 
@@ -157,7 +157,7 @@ def test_a_failing_configuration_is_recorded_and_the_others_measured(tiny):
                           log=lambda *a: None, model_name="tiny")  # fmt: skip
     by = {r["config"]: r for r in rows}
     assert set(by) == set(configs)
-    assert "no such run" in by["broken"]["error"] and "static_shapes" in by["flex compiled"]["error"]
+    assert "no such run" in by["broken"]["error"] and "not graph-capturable" in by["flex compiled"]["error"]
     assert by["qada dense"]["token_agreement"] == 1.0 and by["dense"]["counters"] == {"status": CUDA_ONLY}
     skipped = {"model": "tiny", "T": 131072, "B": 8, "config": "*", "skipped": "needs ~146 GiB for its caches"}
     text = markdown({"suite": "smoke", "command": "x", "machine": {"cpu": "c"}, "end_to_end": rows + [skipped],
@@ -214,21 +214,23 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     assert {r["executor"] for r in data["attention"]} >= {"dense_sdpa", "sdpa", "flex", "triton"}
     assert set(data["models"]) == {"smollm2", "tiny-random"} and "real weights" in data["models"]["smollm2"]
     rows = {(r["model"], r["B"], r["config"]): r for r in data["end_to_end"]}
-    eager = EAGER - {"static rho_kv=0.5"} - TAIL
-    fused = {"qada fused", "qada fused compiled"}  # the decision compiled by inductor (compile=True)
-    assert {("smollm2", 2, c) for c in eager | COMPILED | fused} == {k for k in rows if k[0] == "smollm2"}
-    assert {("tiny-random", 1, c) for c in eager | COMPILED | {"dense dynamic cache", "static rho_kv=0.875 compiled"}
+    eager = EAGER - {"static rho_kv=0.5"}
+    twins = {f"{name} eager" for name in {"qada"} | TAIL}  # compile=False: the same layer step, eagerly
+    assert {("smollm2", 2, c) for c in eager | COMPILED | twins} == {k for k in rows if k[0] == "smollm2"}
+    assert {("tiny-random", 1, c) for c in eager - TAIL | COMPILED | {"dense dynamic cache",
+                                                                      "static rho_kv=0.875 compiled"}
             } == {k for k in rows if k[0] == "tiny-random"}  # fmt: skip
     for key, row in rows.items():
         assert "error" not in row, (key, row.get("error"))
         assert row["cache"] == ("dynamic" if "dynamic" in key[2] else "static") and "t_min_s" in row
         if row["compiled"]:
             assert "eager_agreement" in row
-        if key[2] in ("dense", "qada", "dense compiled", "qada compiled") or key[2] in fused:
+        if key[2] in ("dense", "qada", "dense compiled", "qada compiled"):
             assert row["counters"] == {"status": CUDA_ONLY}
     assert 0 < rows[("smollm2", 2, "qada")]["sparsity"] < 1
-    for name in fused:  # the same decisions as the eager criterion
-        assert rows[("smollm2", 2, name)]["sparsity"] == pytest.approx(rows[("smollm2", 2, "qada")]["sparsity"])
+    for name in twins:  # the same decisions as the compiled step
+        compiled = rows[("smollm2", 2, name.removesuffix(" eager"))]["sparsity"]
+        assert rows[("smollm2", 2, name)]["sparsity"] == pytest.approx(compiled)
     assert {g["status"] for g in data["goals"] if g["goal"].startswith("GPU")} == {NEEDS_GPU}
 
 

@@ -196,12 +196,15 @@ def test_hybrid_needs_follow_the_base():
     assert not HybridCriterion(base="local", dense_mask=mask).needs_moments
 
 
-def test_an_all_dense_layer_does_not_run_the_base():
-    hybrid = HybridCriterion(base="qada", dense_mask=[[True, True], [False, True]])
-    no_moments = DecodeStep(torch.randn(2, 2, 8), torch.randn(2, 1, 300, 8), 0.3, layer=0)
-    assert not hybrid(no_moments).any()
-    with pytest.raises(RuntimeError, match="no moment source"):
-        hybrid(DecodeStep(torch.randn(2, 2, 8), torch.randn(2, 1, 300, 8), 0.3, layer=1))
+def test_an_all_dense_layer_is_dense_whatever_the_base_says():
+    """The base decides on every layer (one compiled step serves them all); the always-dense heads win."""
+    from qada.moments import BulkMoments
+
+    hybrid = HybridCriterion(base="local", dense_mask=[[True, True], [False, True]])
+    keys = torch.randn(2, 1, 300, 8)
+    moments = BulkMoments(keys.mean(2), torch.eye(8).expand(2, 1, 8, 8))
+    assert not hybrid(DecodeStep(torch.randn(2, 2, 8), keys, 0.3, layer=0, moments=moments)).any()
+    assert hybrid(DecodeStep(torch.randn(2, 2, 8), keys, 0.3, layer=1, moments=moments)).tolist() == [[True, False]] * 2
 
 
 def _fake_model(L, H):
@@ -240,7 +243,7 @@ def test_hybrid_from_a_calibration_artifact(tmp_path):
     config = hybrid.to_config()
     assert config == {
         "name": "hybrid",
-        "base": {"name": "qada", "tau": 0.6, "compile": False},
+        "base": {"name": "qada", "tau": 0.6},
         "dense_mask": None,
         "calibration": str(path),
         "dense_fraction": 0.5,

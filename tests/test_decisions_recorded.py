@@ -35,8 +35,8 @@ def test_synthetic_steps_decide_as_recorded(recorded):
 def test_recorded_inputs_are_the_ones_the_cases_build(recorded):
     from decision_cases import synthetic_inputs
 
-    for key, value in synthetic_inputs().items():
-        assert torch.equal(value, recorded[f"inputs/{key}"]), key
+    for key, value in synthetic_inputs().items():  # float64 products may differ in the last bits between CPUs
+        torch.testing.assert_close(value, recorded[f"inputs/{key}"], rtol=1e-12, atol=1e-12, msg=key)
 
 
 @pytest.mark.slow

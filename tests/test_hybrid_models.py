@@ -158,17 +158,13 @@ def recording(cls):
                 self.seen = set()
             return self.seen
 
-        def prefill(self, layer, keys, start, window):
+        def prefill(self, layer, keys, start, window, capacity=None):
             self._seen().add(layer)
-            return super().prefill(layer, keys, start, window)
+            return super().prefill(layer, keys, start, window, capacity=capacity)
 
-        def append(self, layer, keys, start, window):
+        def step_state(self, layer):  # what a decode step of the layer reads and updates
             self._seen().add(layer)
-            return super().append(layer, keys, start, window)
-
-        def moments(self, layer, keys, start, window):
-            self._seen().add(layer)
-            return super().moments(layer, keys, start, window)
+            return super().step_state(layer)
 
     Recording.__name__ = f"Recording{cls.__name__}"
     return Recording

@@ -82,9 +82,10 @@ def reference(model):
     return collect_reference_keys(model, ids, chunk_size=16)
 
 
-def make_run(criterion, reference, compile) -> QAdARun:
-    source = StoredMoments(offset=12, min_bulk_keys=4)
-    source.set_reference(reference)
+def make_run(criterion, reference, compile, source="stored") -> QAdARun:
+    if source == "stored":
+        source = StoredMoments(offset=12, min_bulk_keys=4)
+        source.set_reference(reference)
     return build_run(criterion=criterion, moments=source, executor="sdpa", window=WINDOW, compile=compile)
 
 
@@ -284,3 +285,34 @@ def test_check_graph_safe_accepts_every_built_in_criterion(name):
 def test_check_graph_safe_refuses_a_criterion_that_reads_the_host():
     with pytest.raises(GraphSafetyError, match="does not compile as one graph"):
         check_graph_safe("test_host_reader")
+
+
+@pytest.mark.parametrize("source", ["stored", "current"])
+def test_the_compiled_step_leaves_the_moment_state_of_the_eager_one(model, reference, source):
+    """The state the compiled step updates in place (its arguments) ends where the eager step's ends."""
+
+    def decoded(compile):
+        run = make_run(CONFIGS["qada_tail"], reference, compile, source)
+        greedy(model, run, "static")
+        return [run.moments.step_state(layer) for layer in range(model.config.num_hidden_layers)]
+
+    eager, compiled = decoded(False), decoded(CountingBackend())
+    for a, b in zip(eager, compiled, strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("name", ["qada_tail", "layer_override"])
+def test_a_run_over_prompts_of_several_lengths_compiles_at_most_twice(model, reference, name):
+    """An evaluation reuses one run for prompts of many lengths (static caches of many sizes): the first size
+    compiles with static shapes, the second once more with symbolic sizes, then never again."""
+    backend = CountingBackend()
+    run = make_run(CONFIGS[name], reference, backend)
+    eager = make_run(CONFIGS[name], reference, False)
+    for extra in (0, 5, 9, 14):
+        expected = greedy(model, eager, "static", steps=4 + extra)
+        got = greedy(model, run, "static", steps=4 + extra)
+        assert torch.equal(got[0], expected[0])
+        assert got[1]["kv_read"] == pytest.approx(expected[1]["kv_read"])
+    assert run.layer_step.compiled and backend.compiles <= 2

@@ -38,7 +38,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "criteria": (2, ("criteria",)),
     "moments": (2, ("moments",)),
     "attention": (2, ("attention",)),
-    "models": (3, ("models",)),
+    "models": (3, ("models", "testing")),  # qada.testing: checks of a user's components on the layer step
     "eval": (4, ("eval",)),
     "cli": (5, ("cli", "__main__")),
     "integrations": (6, ("integrations",)),  # qada inside other tools (lm-eval): builds on the command line's parsing

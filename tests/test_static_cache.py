@@ -77,6 +77,7 @@ def test_qada_dense_criterion_gives_the_native_tokens_with_either_cache(model, b
 
 def test_decoding_from_a_prefilled_static_cache(model, batch):
     """The evaluator's path: prefill once (unwrapped), then decode with qada attached to the copied cache."""
+    from qada.eval.decode import prefill_from_cache
     from qada.models import attach, build_run
 
     ids, mask = batch
@@ -89,7 +90,7 @@ def test_decoding_from_a_prefilled_static_cache(model, batch):
         run = build_run({"name": "qada", "tau": 0.2}, "current", "sdpa", WINDOW)
         attach(model, run)
         try:
-            run.prefill_from_cache(cache)
+            prefill_from_cache(run, cache)
             token, tokens = out.logits[:, -1].argmax(-1, keepdim=True), []
             with torch.no_grad():
                 for _ in range(4):

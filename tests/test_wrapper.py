@@ -164,8 +164,8 @@ def test_fail_safe_fallbacks_are_counted():
     from qada.moments import BulkMoments, CurrentMoments
 
     class BrokenMoments(CurrentMoments):
-        def moments(self, layer, keys, start, window):
-            m = super().moments(layer, keys, start, window)
+        def step(self, state, keys, start, end, window):  # the decode step's moments
+            m = super().step(state, keys, start, end, window)
             return BulkMoments(torch.full_like(m.mean, float("nan")), m.cov)
 
     with apply(model, criterion="qada", moments=BrokenMoments(), window=WINDOW) as run:

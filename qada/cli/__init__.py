@@ -1,7 +1,8 @@
 """The ``qada`` command line: one module per subcommand, each with ``add_parser`` and ``run``.
 
 Every subcommand takes ``--import MODULE`` (repeatable, from :data:`qada.cli.common.IMPORTS`): the modules are
-imported before the command runs, so the components they register can be named on the command line.
+imported before the command runs, so the components they register can be named on the command line; and
+``--no-compile``: every run the command builds decodes with its layer step eager (``compile=False``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from qada.registry import import_modules
 
         import_modules(getattr(args, "imports", None) or [])
+        if getattr(args, "no_compile", False):
+            from qada.models.layer_step import COMPILE_ENV
+
+            os.environ[COMPILE_ENV] = "0"  # every run this command builds (and any worker it starts) steps eagerly
         code = int(args.run(args) or 0)
         sys.stdout.flush()  # a closed pipe shows up here rather than at interpreter exit
         return code

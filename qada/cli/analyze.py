@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     samples = TASKS.build(args.task).generate(tokenizer, args.length, args.samples, args.seed)
     log = DecisionLog()
-    run = prepare_run(build_run(probe, args.moments, "sdpa", None, [log]), model, tokenizer)
+    run = prepare_run(build_run(probe, args.moments, "sdpa", None, [log], compile=False), model, tokenizer)
     eos = {tokenizer.eos_token_id} - {None}
     for sample in samples:
         ids = tokenizer(sample.input, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)

@@ -59,6 +59,11 @@ IMPORTS.add_argument(
     "--import", dest="imports", action="append", default=argparse.SUPPRESS, metavar="MODULE",
     help="import MODULE first (e.g. one registering a criterion); repeatable",
 )
+IMPORTS.add_argument(
+    "--no-compile", dest="no_compile", action="store_true", default=argparse.SUPPRESS,
+    help="run qada's layer step eagerly instead of compiling it on a static cache (the same function, for "
+         "debugging; sets QADA_COMPILE=0)",
+)
 
 
 #: The values of ``--dtype``: ``auto`` (float32 on the CPU, bfloat16 on CUDA) or a torch dtype's name.

@@ -9,7 +9,7 @@ from qada.criteria.budget import BudgetCriterion, spread_count, top_k_mask
 from qada.criteria.budgeted import BudgetedQAdACriterion
 from qada.criteria.calibrated import CalibratedQAdACriterion
 from qada.criteria.calibration import StaticCalibrator
-from qada.criteria.compose import AllOf, AnyOf, LayerOverride, Not
+from qada.criteria.compose import AllOf, AnyOf, CompositeCriterion, LayerOverride, Not
 from qada.criteria.hybrid import HybridCriterion
 from qada.criteria.oracle import OracleCriterion
 from qada.criteria.qada import QAdACriterion
@@ -25,6 +25,7 @@ __all__ = [
     "BudgetCriterion",
     "BudgetedQAdACriterion",
     "CalibratedQAdACriterion",
+    "CompositeCriterion",
     "DecodeStep",
     "DenseCriterion",
     "HeadCriterion",

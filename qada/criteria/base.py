@@ -77,7 +77,7 @@ class HeadCriterion(Component, abc.ABC):
 
     def prompt_queries(self) -> int:
         """How many of the prompt's last queries per layer :meth:`observe_prefill` needs (0: none). A run started
-        from a cache prefilled elsewhere (:meth:`~qada.models.run.QAdARun.prefill_from_cache`) must be given at
+        from a cache prefilled elsewhere (:func:`~qada.eval.decode.prefill_from_cache`) must be given at
         least that many."""
         return 0
 

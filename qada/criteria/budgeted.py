@@ -2,7 +2,7 @@
 
 QAdA (paper eq. 7) tests each head against a threshold, so how many heads are local varies with the prompt.
 Ranking the same estimate instead and keeping a fixed number of heads local gives a criterion at a chosen
-sparsity, directly comparable with a static mask of equal sparsity (DESIGN §6, "budgeted").
+sparsity, directly comparable with a static mask of equal sparsity.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class BudgetedQAdACriterion(BudgetCriterion):
     With ``per_group=True`` the decision is made per KV group: a group's score is the minimum of its query heads'
     scores (the group is local only if all its heads can be), and the ``round(sparsity * H_kv)`` best groups are
     local, all their heads. Whole groups skip their bulk reads, so ``kv_sparsity`` equals the sparsity instead of
-    about ``sparsity ** G`` (DESIGN §1, GQA and bytes). A group with a non-finite head score is never local;
+    about ``sparsity ** G`` (see the concepts page, "GQA and bytes"). A group with a non-finite head score is never local;
     ``step.fail_safe`` counts the non-finite heads themselves, as in the per-head mode.
 
     Args:

@@ -95,6 +95,9 @@ class CalibratedQAdACriterion(ThresholdCriterion):
 
     def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
         """``slope`` and ``offset``: ``[H]`` float64, the layer's correction."""
+        L, H = self.correction_shape
+        if not 0 <= layer < L:
+            raise ValueError(f"correction of shape [{L}, {H}] does not fit layer {layer}")
         return {"slope": self._slope[layer].double(), "offset": self._offset[layer].double()}
 
     def log_bulk(self, step: DecodeStep) -> torch.Tensor:

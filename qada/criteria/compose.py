@@ -13,7 +13,7 @@ from qada.criteria.base import CRITERIA, HeadCriterion, register_criterion
 from qada.step import DecodeStep
 from qada.window import Window
 
-__all__ = ["MAX_DEPTH", "AllOf", "AnyOf", "LayerOverride", "Not"]
+__all__ = ["MAX_DEPTH", "AllOf", "AnyOf", "CompositeCriterion", "LayerOverride", "Not"]
 
 #: The deepest composition accepted (``not`` of ``not`` of ...): deeper configs are refused before Python's
 #: recursion limit is reached.
@@ -58,7 +58,7 @@ def layer_index(layer: Any) -> int:
     return layer
 
 
-class _Composite(HeadCriterion):
+class CompositeCriterion(HeadCriterion):
     """Wraps child criteria: needs whatever any child needs, passes every hook on to them (:meth:`children`), and
     refuses a composition deeper than :data:`MAX_DEPTH`."""
 
@@ -114,7 +114,7 @@ class _Composite(HeadCriterion):
 
 
 @dataclass
-class _Combination(_Composite):
+class _Combination(CompositeCriterion):
     """A list of child criteria whose decisions are folded with one boolean operator."""
 
     criteria: list
@@ -159,7 +159,7 @@ class AllOf(_Combination):
 
 @register_criterion("not")
 @dataclass
-class Not(_Composite):
+class Not(CompositeCriterion):
     """Local exactly where the child says dense."""
 
     criterion: Any
@@ -177,7 +177,7 @@ class Not(_Composite):
 
 @register_criterion("layer_override")
 @dataclass
-class LayerOverride(_Composite):
+class LayerOverride(CompositeCriterion):
     """``base`` everywhere except the layers named in ``overrides`` (e.g. ``{0: "dense"}``: layer 0 always dense).
 
     Args:
@@ -229,3 +229,4 @@ class LayerOverride(_Composite):
         for index, child in enumerate(self.overrides.values()):
             local = torch.where(uses[index], child(step), local)
         return local
+

@@ -10,7 +10,7 @@ import torch
 
 from qada.artifacts import load_artifact
 from qada.criteria.base import HeadCriterion, register_criterion
-from qada.criteria.compose import _build, _Composite
+from qada.criteria.compose import CompositeCriterion, _build
 from qada.functional import calibrate_static_mask, check_threshold
 from qada.step import DecodeStep
 
@@ -71,7 +71,7 @@ def load_always_dense(path: str | os.PathLike, dense_fraction: float) -> torch.T
 
 @register_criterion("hybrid")
 @dataclass
-class HybridCriterion(_Composite):
+class HybridCriterion(CompositeCriterion):
     """Always-dense heads from calibration; ``base`` (e.g. QAdA) decides the other heads per query.
 
     .. math:: \\text{local}[r, h] = \\text{base}(\\text{step})[r, h] \\wedge \\neg\\,\\text{always\\_dense}[l, h]
@@ -143,6 +143,9 @@ class HybridCriterion(_Composite):
 
     def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
         """``keep``: ``[H]`` bool, the heads of ``layer`` the base may make local (not always dense)."""
+        L, H = self.always_dense.shape
+        if not 0 <= layer < L:
+            raise ValueError(f"hybrid always-dense mask of shape [{L}, {H}] does not fit layer {layer}")
         return {"keep": ~self.always_dense[layer]}
 
     def decide(self, step: DecodeStep) -> torch.Tensor:

@@ -78,7 +78,10 @@ class StaticCriterion(BudgetCriterion):
 
     def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
         """``score``: the layer's mask row as floats (1 = local); ``count``: its local heads (0-d)."""
-        row = self.mask[layer] if 0 <= layer < self.mask.shape[0] else torch.zeros(self.mask.shape[1], dtype=torch.bool)
+        L, H = self.mask.shape
+        if not 0 <= layer < L:
+            raise ValueError(f"static mask of shape [{L}, {H}] does not fit layer {layer}")
+        row = self.mask[layer]
         return {"score": row.float(), "count": row.sum()}
 
     def score(self, step: DecodeStep) -> torch.Tensor:

@@ -14,7 +14,7 @@ from qada.models.generation import copy_to_cache
 from qada.models.prompt_queries import PromptQueries, recording_queries
 from qada.models.run import QAdARun
 
-__all__ = ["Prefilled", "decode_greedy", "prefill"]
+__all__ = ["Prefilled", "decode_greedy", "prefill", "prefill_from_cache"]
 
 
 @dataclass
@@ -59,7 +59,7 @@ def decode_greedy(
 
     With ``run``, qada is attached for the decode steps only and removed afterwards; the run's moment source is
     started from the copied cache and the prefill's recorded queries
-    (:meth:`~qada.models.run.QAdARun.prefill_from_cache`). Stops after
+    (:func:`prefill_from_cache`). Stops after
     ``max_new_tokens`` tokens or at an EOS token (which is included). ``cache``: the copy is a preallocated
     ``static`` cache (default: each step writes one key in place) or a ``dynamic`` one (grows by a copy per step).
     """
@@ -73,7 +73,7 @@ def decode_greedy(
         attach(model, run)
     try:
         if run is not None:
-            run.prefill_from_cache(cache, queries=prefilled.queries)
+            prefill_from_cache(run, cache, queries=prefilled.queries)
         device = prefilled.last_logits.device
         while len(tokens) < max_new_tokens and token not in eos:
             out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
@@ -83,3 +83,34 @@ def decode_greedy(
         if run is not None:
             run.remove()
     return tokens
+
+
+def prefill_from_cache(run: QAdARun, cache: Any, start: torch.Tensor | None = None,
+                       queries: PromptQueries | None = None) -> None:
+    """Start ``run`` decoding from an already prefilled transformers cache (e.g. a copy shared by a sweep).
+
+    Feeds every layer's cached keys ``[b, H_kv, T, d]`` to :meth:`~qada.models.run.QAdARun.prefill`, as a dense
+    prefill would have, with ``queries``: the prompt's last queries per layer, recorded by that prefill
+    (:func:`~qada.models.prompt_queries.recording_queries`). Raises ``ValueError`` when the criterion needs more
+    of them (:meth:`~qada.criteria.HeadCriterion.prompt_queries`) than ``queries`` holds.
+    """
+    needed = run.criterion.prompt_queries()
+    if needed and (queries is None or queries.keep < needed):
+        held = "none" if queries is None else f"the last {queries.keep}"
+        raise ValueError(
+            f"criterion {run.criterion.registry_name or type(run.criterion).__name__!r} reads the prompt's last "
+            f"{needed} queries per layer at the prefill, but the shared prefill recorded {held}: prefill with "
+            f"qada.eval.decode.prefill(model, ids, keep_queries={needed}) and pass its queries"
+        )
+    for layer, cache_layer in enumerate(cache.layers):
+        if getattr(cache_layer, "is_sliding", False) or (run.layers is not None and run.layers.is_sliding(layer)):
+            continue  # a sliding-window layer passes through: no moments, no guard
+        keys = cache_layer.keys
+        filled = int(cache_layer.get_seq_length())  # a preallocated cache holds fewer tokens than slots
+        capacity = None
+        if filled < keys.shape[2]:
+            keys, capacity = keys[:, :, :filled], keys.shape[2]
+        query = None if queries is None else queries.queries.get(layer)
+        if needed and query is None:
+            raise ValueError(f"layer {layer}: the recorded prompt queries have no entry for this layer")
+        run.prefill(layer, keys, start, capacity, query=query, scale=None if query is None else queries.scales[layer])

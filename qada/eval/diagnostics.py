@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from qada.criteria.base import HeadCriterion
+from qada.criteria.compose import CompositeCriterion
 from qada.criteria.budgeted import BudgetedQAdACriterion
 from qada.criteria.tail import TailEstimate
 from qada.criteria.threshold import ThresholdCriterion
@@ -37,7 +38,7 @@ __all__ = ["CriterionProbe", "decision_diagnostics", "diagnostics_markdown"]
 
 
 @dataclass(eq=False)
-class CriterionProbe(HeadCriterion):
+class CriterionProbe(CompositeCriterion):
     """Decides with ``primary``; records what every criterion of ``probes`` (name -> criterion) would decide.
 
     Each probe sees the same steps as a real run would (its prefill and append hooks are called), but its decisions
@@ -47,8 +48,6 @@ class CriterionProbe(HeadCriterion):
     primary: HeadCriterion
     probes: Mapping[str, HeadCriterion]
     records: dict[str, list[np.ndarray]] = field(default_factory=dict)
-
-    needs_full_scores = True
 
     def __post_init__(self) -> None:
         if not self.probes:
@@ -61,12 +60,11 @@ class CriterionProbe(HeadCriterion):
         return [self.primary, *self.probes.values()]
 
     @property
-    def needs_moments(self) -> bool:  # type: ignore[override]
-        return any(child.needs_moments for child in self.children())
+    def needs_full_scores(self) -> bool:  # type: ignore[override]
+        return True
 
-    def check_model(self, num_layers: int, num_heads: int) -> None:
-        for child in self.children():
-            child.check_model(num_layers, num_heads)
+    def extra_reads(self, step: DecodeStep) -> torch.Tensor | None:
+        return self.primary.extra_reads(step)  # the probes' reads change nothing: they only look
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         local = self.primary(step)

@@ -13,7 +13,7 @@ from qada.attention import EXECUTORS
 from qada.criteria import CRITERIA
 from qada.models.attention_function import ATTENTION_NAME, active_runs, qada_attention_forward
 from qada.models.compiled import register_run
-from qada.models.layer_types import layer_types
+from qada.models.layer_types import attention_modules, layer_types
 from qada.models.observers import Observer
 from qada.models.run import QAdARun, UnsupportedModelError
 from qada.moments import MOMENT_SOURCES
@@ -37,11 +37,6 @@ def register_attention() -> None:
         AttentionInterface.register(ATTENTION_NAME, qada_attention_forward)
     if ATTENTION_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
-
-
-def attention_modules(model: Any) -> list[Any]:
-    """The attention modules of ``model`` (those with a ``layer_idx`` whose class name ends in ``Attention``)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
 def _check_model(model: Any) -> list[Any]:

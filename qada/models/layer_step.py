@@ -178,7 +178,7 @@ class LayerStep:
 
 def compile_layer_step(bound: dict[str, Any], backend: Any) -> Any:
     """:func:`layer_step` with the keyword arguments ``bound`` (the components), compiled by ``torch.compile``
-    (``fullgraph=True``, static shapes) with ``backend``.
+    (``fullgraph=True``) with ``backend``: static shapes for the first cache size, symbolic ones from the second on.
 
     The function compiled has a code object of its own: ``torch.compile`` keeps its cache (and its recompile limit,
     8) per code object, so each run's step is compiled for that run's components and never evicts another's (a
@@ -189,7 +189,9 @@ def compile_layer_step(bound: dict[str, Any], backend: Any) -> Any:
 
     own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
                              step.__closure__)
-    return torch.compile(own, backend=_refusing_host_reads(backend), fullgraph=True, dynamic=False)
+    # dynamic=None: the first cache size compiles with static shapes; a run that meets a second one (an evaluation
+    # whose prompts differ in length) compiles once more with the sizes symbolic, and never again
+    return torch.compile(own, backend=_refusing_host_reads(backend), fullgraph=True, dynamic=None)
 
 
 class HostReadError(RuntimeError):

@@ -69,10 +69,13 @@ class LayerTypes:
                 f"{len(self.windows)} sliding (window {window})")
 
 
+def attention_modules(model: Any) -> list[Any]:
+    """The attention modules of ``model`` (those with a ``layer_idx`` whose class name ends in ``Attention``)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
 def layer_types(model: Any) -> LayerTypes:
     """The :class:`LayerTypes` of a transformers model (from its attention modules)."""
-    from qada.models.apply import attention_modules
-
     windows: dict[int, int] = {}
     indices = []
     for module in attention_modules(model):

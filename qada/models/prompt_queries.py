@@ -4,7 +4,7 @@ Criteria with per-layer state (the tail-aware ones choose their heavy set with t
 queries) normally see the queries when qada is attached during the prefill. The evaluator, sweeps and ``qada
 analyze`` instead prefill once, densely, and decode every configuration from a copy of that cache
 (:mod:`qada.eval.decode`); :func:`recording_queries` keeps the last ``keep`` queries of every attention layer of
-that prefill so that :meth:`~qada.models.run.QAdARun.prefill_from_cache` can hand them to the criterion, as a
+that prefill so that :func:`~qada.eval.decode.prefill_from_cache` can hand them to the criterion, as a
 prefill with qada attached would have.
 
 The recording routes the model's attention through a registered function (``"qada_record"``) that calls the

@@ -26,7 +26,6 @@ from qada.models.layer_step import LayerStep, LayerStepResult, resolve_compile
 from qada.models.layer_types import LayerTypes
 from qada.models.masks import RowBounds
 from qada.models.observers import Observer, ObserverFanout
-from qada.models.prompt_queries import PromptQueries
 from qada.models.statistics import DecodeStatistics, all_layer_sparsity
 from qada.moments.base import MomentSource
 from qada.step import DecodeStep
@@ -149,38 +148,6 @@ class QAdARun:
         self.criterion.observe_prefill(layer, key, query, scale, start, self.window, capacity)
         self._layer_inputs(layer, capacity or key.shape[2], key.device)  # made now, never inside a decode step
         self.fanout.prefill(layer, key.shape[2])
-
-    def prefill_from_cache(self, cache: Any, start: torch.Tensor | None = None,
-                           queries: PromptQueries | None = None) -> None:
-        """Start decoding from an already prefilled transformers cache (e.g. a copy shared by a sweep).
-
-        Feeds every layer's cached keys ``[b, H_kv, T, d]`` to :meth:`prefill`, as a dense prefill would have, with
-        ``queries``: the prompt's last queries per layer, recorded by that prefill
-        (:func:`~qada.models.prompt_queries.recording_queries`). Raises ``ValueError`` when the criterion needs more
-        of them (:meth:`~qada.criteria.HeadCriterion.prompt_queries`) than ``queries`` holds.
-        """
-        needed = self.criterion.prompt_queries()
-        if needed and (queries is None or queries.keep < needed):
-            held = "none" if queries is None else f"the last {queries.keep}"
-            raise ValueError(
-                f"criterion {self.criterion.registry_name or type(self.criterion).__name__!r} reads the prompt's last "
-                f"{needed} queries per layer at the prefill, but the shared prefill recorded {held}: prefill with "
-                f"qada.eval.decode.prefill(model, ids, keep_queries={needed}) and pass its queries"
-            )
-        for layer, cache_layer in enumerate(cache.layers):
-            if getattr(cache_layer, "is_sliding", False) or (self.layers is not None and
-                                                              self.layers.is_sliding(layer)):
-                continue  # a sliding-window layer passes through: no moments, no guard
-            keys = cache_layer.keys
-            filled = int(cache_layer.get_seq_length())  # a preallocated cache holds fewer tokens than slots
-            capacity = None
-            if filled < keys.shape[2]:
-                keys, capacity = keys[:, :, :filled], keys.shape[2]
-            query = None if queries is None else queries.queries.get(layer)
-            if needed and query is None:
-                raise ValueError(f"layer {layer}: the recorded prompt queries have no entry for this layer")
-            self.prefill(layer, keys, start, capacity, query=query,
-                         scale=None if query is None else queries.scales[layer])
 
     def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -145,6 +145,18 @@ class DecodeStep:
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         return cls(query[:, :, 0], key, scale, window, start=start, values=value, **fields)
 
+    @classmethod
+    def checked_already(cls, query: torch.Tensor, keys: torch.Tensor, scale: float, window: Window, layer: int,
+                        step: int, start: torch.Tensor | None, end: torch.Tensor | None,
+                        moments: BulkMoments | None, values: torch.Tensor | None) -> DecodeStep:
+        """A step of tensors that a step built the usual way already checked (the run's executor-facing copy of
+        its layer step: same tensors, ``start`` / ``end`` already long tensors on the query's device), without
+        checking them again: some 30 us less per layer and step."""
+        self = cls.__new__(cls)
+        self.__dict__.update(query=query, keys=keys, scale=scale, window=window, layer=layer, step=step, start=start,
+                             end=end, moments=moments, values=values, states=None, fail_safe=None)
+        return self
+
     # --- sizes -------------------------------------------------------------------------------------------
     @property
     def batch_size(self) -> int:

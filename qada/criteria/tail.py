@@ -19,7 +19,7 @@ from qada.criteria.base import register_criterion
 from qada.criteria.budgeted import BudgetedQAdACriterion
 from qada.criteria.tail_index import LayerTail, TailIndex, append_step_key
 from qada.criteria.threshold import ThresholdCriterion
-from qada.functional.tail import page_bounds, page_slots, tail_log_bulk
+from qada.functional.tail import bounds_from_halves, page_slots, tail_log_bulk
 from qada.step import DecodeStep
 from qada.window import Window
 
@@ -68,7 +68,7 @@ class TailEstimate:
     def exact_set(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [b, H, n], valid [b, H, n])`` of ``E``: the heavy tokens, then the tokens of the top pages."""
         tensors = self.state(step)
-        state = LayerTail(*(tensors[name] for name in ("heavy", "heavy_valid", "member", "kmin", "kmax")))
+        state = LayerTail(*(tensors[name] for name in ("heavy", "heavy_valid", "member", "kmin", "kmax", "halves")))
         query, keys, scale = step.query, step.keys, step.scale
         b, H, d = query.shape
         H_kv, C, G = step.num_kv_heads, step.length, step.group_size
@@ -83,7 +83,7 @@ class TailEstimate:
         P = self.page_size
         n_pages = -(-C // P)
         m = min(self.pages, n_pages)
-        bounds = page_bounds(query, state.kmin[:, :, :n_pages], state.kmax[:, :, :n_pages], scale)  # [b, H, n]
+        bounds = bounds_from_halves(query, state.halves[:, :, :n_pages], scale)  # [b, H, n]
         low = torch.arange(n_pages, device=keys.device) * P
         page_valid = (low[None, :] + P > first[:, None]) & (low[None, :] < last[:, None])  # [b, n]
         top, pages = bounds.masked_fill(~page_valid[:, None, :], float("-inf")).topk(m, dim=-1)  # [b, H, m]

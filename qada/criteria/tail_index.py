@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qada.functional.tail import heavy_votes, page_extrema, update_page_extrema
+from qada.functional.tail import heavy_votes, page_extrema, page_halves, update_page_extrema
 from qada.functional.window import bulk_mask
 from qada.window import Window
 
@@ -29,13 +29,15 @@ __all__ = ["LayerTail", "TailIndex", "append_step_key"]
 @dataclass
 class LayerTail:
     """One layer's state: ``heavy [b, H_kv, k]`` long slots, ``heavy_valid [b, H_kv, k]``, ``member [b, H_kv, C]``
-    bool, ``kmin / kmax [b, H_kv, n_pages, d]`` float32."""
+    bool, ``kmin / kmax [b, H_kv, n_pages, d]`` float32 and their ``halves [b, H_kv, n_pages, 2d]``
+    (:func:`~qada.functional.tail.page_halves`: what a step's page bounds read)."""
 
     heavy: torch.Tensor
     heavy_valid: torch.Tensor
     member: torch.Tensor
     kmin: torch.Tensor
     kmax: torch.Tensor
+    halves: torch.Tensor
 
     @property
     def slots(self) -> int:
@@ -85,11 +87,11 @@ class TailIndex:
                 heavy = torch.cat([heavy, heavy.new_zeros(b, H_kv, pad)], -1)
                 valid = torch.cat([valid, valid.new_zeros(b, H_kv, pad)], -1)
             member.scatter_(2, heavy, valid)
-        self.layers[layer] = LayerTail(heavy, valid, member, kmin, kmax)
+        self.layers[layer] = LayerTail(heavy, valid, member, kmin, kmax, page_halves(kmin, kmax))
 
     def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
         """The tensors of ``layer`` for a cache of ``slots`` slots (a growing cache grows them first, doubling):
-        ``heavy``, ``heavy_valid``, ``member``, ``kmin``, ``kmax`` (:class:`LayerTail`)."""
+        ``heavy``, ``heavy_valid``, ``member``, ``kmin``, ``kmax``, ``halves`` (:class:`LayerTail`)."""
         state = self.layers.get(layer)
         if state is None:
             raise RuntimeError(f"layer {layer}: no prefill seen (the tail-aware criteria build their index at the "
@@ -97,15 +99,15 @@ class TailIndex:
         if slots > state.slots:
             state = self._grown(layer, state, slots)
         return {"heavy": state.heavy, "heavy_valid": state.heavy_valid, "member": state.member, "kmin": state.kmin,
-                "kmax": state.kmax}
+                "kmax": state.kmax, "halves": state.halves}
 
     def _grown(self, layer: int, state: LayerTail, slots: int) -> LayerTail:
         """``state`` grown to at least ``slots`` slots (new pages empty), kept as ``layer``'s."""
         slots = max(slots, 2 * state.slots)  # amortised: the arrays double
         n_pages = -(-slots // self.page_size)
         member = torch.cat([state.member, state.member.new_zeros(*state.member.shape[:2], slots - state.slots)], 2)
-        grown = LayerTail(state.heavy, state.heavy_valid, member, _grow(state.kmin, n_pages, float("inf")),
-                          _grow(state.kmax, n_pages, float("-inf")))
+        kmin, kmax = _grow(state.kmin, n_pages, float("inf")), _grow(state.kmax, n_pages, float("-inf"))
+        grown = LayerTail(state.heavy, state.heavy_valid, member, kmin, kmax, page_halves(kmin, kmax))
         self.layers[layer] = grown
         return grown
 
@@ -128,4 +130,4 @@ def append_step_key(state: dict[str, torch.Tensor], keys: torch.Tensor, end: tor
     else:
         slot = (end - 1).clamp(min=0)
     key = keys.gather(2, slot.view(b, 1, 1, 1).expand(b, H_kv, 1, d))[:, :, 0]
-    update_page_extrema(state["kmin"], state["kmax"], key, slot, page_size)
+    update_page_extrema(state["kmin"], state["kmax"], key, slot, page_size, state["halves"])

@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "bounds_from_halves",
     "heavy_votes",
     "page_bounds",
     "page_extrema",
+    "page_halves",
     "page_slots",
     "tail_log_bulk",
     "update_page_extrema",
@@ -59,31 +61,48 @@ def page_extrema(keys: torch.Tensor, page_size: int, filled: int | None = None) 
 
 
 def update_page_extrema(kmin: torch.Tensor, kmax: torch.Tensor, key: torch.Tensor, slot: torch.Tensor,
-                        page_size: int) -> None:
+                        page_size: int, halves: torch.Tensor | None = None) -> None:
     """In place: the key ``[b, H_kv, d]`` written at ``slot [b]`` joins its page's extrema (the first slot of a page
-    starts it afresh). Device tensors only: no host sync."""
+    starts it afresh), and ``halves`` (:func:`page_halves`), if given, follows. Device tensors only: no host
+    sync."""
     b, H_kv, n_pages, d = kmin.shape
     page = (slot // page_size).clamp(max=n_pages - 1)
-    index = page.view(b, 1, 1, 1).expand(b, H_kv, 1, d)
-    fresh = (slot % page_size == 0).view(b, 1, 1, 1)
-    k = key.float()[:, :, None]
-    low = torch.where(fresh, k, torch.minimum(kmin.gather(2, index), k))
-    high = torch.where(fresh, k, torch.maximum(kmax.gather(2, index), k))
-    kmin.scatter_(2, index, low)
-    kmax.scatter_(2, index, high)
+    rows = torch.arange(b, device=kmin.device)[:, None]
+    heads = torch.arange(H_kv, device=kmin.device)[None, :]
+    at = (rows, heads, page[:, None].expand(b, H_kv))  # one page per (row, KV head)
+    fresh = (slot % page_size == 0).view(b, 1, 1)
+    k = key.float()
+    low = torch.where(fresh, k, torch.minimum(kmin[at], k))  # [b, H_kv, d]
+    high = torch.where(fresh, k, torch.maximum(kmax[at], k))
+    # index_put_ (not scatter_): the compiled step then writes the one page in place, not a copy of the arrays
+    kmin.index_put_(at, low)
+    kmax.index_put_(at, high)
+    if halves is not None:
+        halves.index_put_(at, page_halves(low, high))
+
+
+def page_halves(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """``[..., 2d]``: each page's centre ``(kmin + kmax) / 2`` and radius ``(kmax - kmin) / 2`` side by side, what
+    :func:`page_bounds` multiplies the query with (kept with the extrema: a step then reads it once)."""
+    return torch.cat([(kmin + kmax) * 0.5, (kmax - kmin) * 0.5], -1)
 
 
 def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float) -> torch.Tensor:
     """Upper bounds ``scale * sum_d max(q_d kmin_d, q_d kmax_d)`` on the score of any key of each page, ``[b, H, n]``.
 
-    ``max(a, b) = (a + b)/2 + |a - b|/2`` makes it two products: ``q . c + |q| . r`` with the page's centre
-    ``c = (kmin + kmax)/2`` and radius ``r = (kmax - kmin)/2``. ``query [b, H, d]``, ``kmin/kmax [b, H_kv, n, d]``.
+    ``max(a, b) = (a + b)/2 + |a - b|/2`` makes it one product: ``[q, |q|] . [c, r]`` with the page's centre
+    ``c = (kmin + kmax)/2`` and radius ``r = (kmax - kmin)/2`` (:func:`bounds_from_halves`). ``query [b, H, d]``,
+    ``kmin/kmax [b, H_kv, n, d]``.
     """
+    return bounds_from_halves(query, page_halves(kmin, kmax), scale)
+
+
+def bounds_from_halves(query: torch.Tensor, halves: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`page_bounds` from the pages' ``halves [b, H_kv, n, 2d]`` (:func:`page_halves`): ``[b, H, n]``."""
     b, H, d = query.shape
-    H_kv, n = kmin.shape[1], kmin.shape[2]
+    H_kv, n = halves.shape[1], halves.shape[2]
     q = query.float().reshape(b, H_kv, H // H_kv, d)
-    centre, radius = (kmin + kmax) * 0.5, (kmax - kmin) * 0.5
-    bound = q @ centre.transpose(-1, -2) + q.abs() @ radius.transpose(-1, -2)  # [b, H_kv, G, n]
+    bound = torch.cat([q, q.abs()], -1) @ halves.transpose(-1, -2)  # [b, H_kv, G, n]
     return (scale * bound).reshape(b, H, n)
 
 

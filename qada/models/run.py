@@ -191,8 +191,8 @@ class QAdARun:
                 scale: float, start: torch.Tensor | None, end: torch.Tensor | None,
                 result: LayerStepResult) -> torch.Tensor:
         """The executor on what the layer step decided and gathered; statistics and observers."""
-        step = DecodeStep(query[:, :, 0], key, scale, self.window, layer=layer, step=step_index, start=start, end=end,
-                          moments=result.moments, values=value)
+        step = DecodeStep.checked_already(result.query, key, scale, self.window, layer, step_index, result.start,
+                                          result.end, result.moments, value)
         step.share(window_keys=result.window_keys, window_valid=result.window_valid,
                    window_values=result.window_values, t_bulk=result.t_bulk, real=result.real)
         step.fail_safe = result.fail_safe

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.end_to_end import DecodeConfig, dense_run, group_static_mask, qada_run, static_run
+from benchmarks.end_to_end import DecodeConfig, dense_run, group_static_mask, static_run
 from benchmarks.suites import Suite, Workload
 from qada.models import build_run, prepare_run
 from qada.models.prompt_queries import PromptQueries

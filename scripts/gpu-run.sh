@@ -4,7 +4,7 @@
 #   bash scripts/gpu-run.sh env tests attention      # no model needed (the first call, with .gpu/a)
 #   bash scripts/gpu-run.sh smollm2                  # the embedded model (after .gpu/b: "model ready")
 #   bash scripts/gpu-run.sh llama                    # Llama-3-8B shapes, random weights
-# Stages: env, tests, attention (+ overhead), smollm2, fused (the compiled rows with QAdA's decision fused), smollm2-b1, smollm2-b32, llama, llama-32k, llama-128k.
+# Stages: env, tests, attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones), smollm2-b1, smollm2-b32, llama, llama-32k, llama-128k.
 # Each stage's limit (seconds) can be changed with LIMIT_<stage>=..., e.g. LIMIT_smollm2=300.
 set -u
 out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
@@ -29,8 +29,8 @@ for s in "$@"; do
     smollm2) stage smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 ;;
     smollm2-b1) stage smollm2-b1 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 --batches 1 ;;
     smollm2-b32) stage smollm2-b32 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 --batches 32 ;;
-    fused) stage fused 400 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
-             --configs "dense compiled,qada compiled,qada fused compiled" ;;
+    eager) stage eager 400 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
+             --configs "qada,qada eager,qada_tail,qada_tail eager,qada_tail_budget,qada_tail_budget eager" ;;
     llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;
     llama-32k) stage llama-32k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 32768 ;;
     llama-128k) stage llama-128k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 131072 ;;

@@ -66,8 +66,8 @@ CONFIGS = [
     ({"name": "qada", "tau": 0.3}, {"name": "current", "freeze": True}),
     ({"name": "qada", "tau": 0.3}, "stored"),
     ({"name": "qada", "tau": 0.3}, "bucketed"),
-    ({"name": "qada_calibrated", "tau": 0.3, "slope": [[1.0, 0.9, 1.1, 1.0]] * 2, "offset": [[0.0, 0.2, -0.1, 0.0]] * 2},
-     "stored"),
+    ({"name": "qada_calibrated", "tau": 0.3, "slope": [[1.0, 0.9, 1.1, 1.0]] * 2,
+      "offset": [[0.0, 0.2, -0.1, 0.0]] * 2}, "stored"),
     ({"name": "hybrid", "base": {"name": "qada", "tau": 0.3}, "dense_mask": [[True, False, False, False],
                                                                             [True, True, True, True]]}, "stored"),
     ({"name": "not", "criterion": {"name": "oracle", "tau": 0.3}}, "none"),
@@ -161,8 +161,8 @@ def test_stored_range_jumps_during_decoding(model, reference):
     """Row 1 starts with 15 tokens: its reference range switches rule at 18 (a jump prepared at the prefill)."""
     run = make_run({"name": "qada", "tau": 0.3}, "stored", "sdpa", reference)
     greedy(model, run, "static", steps=1)
-    state = run.moments._buffers[0]
-    assert state.jump_n[1].tolist() == [18, -1] and state.jump_n[0].tolist() == [-1, -1]
+    state = run.moments.step_state(0)
+    assert state["jump_n"][1].tolist() == [18, -1] and state["jump_n"][0].tolist() == [-1, -1]
 
 
 HOST_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
@@ -461,11 +461,10 @@ def test_the_compiled_stored_step_equals_the_eager_one(model, reference):
     window = make_run("dense", "none", "sdpa", reference).window
     keys = torch.randn(2, 2, 15, 16)
     source.prefill(0, keys, torch.tensor([0, 5]), window, capacity=30)
-    eager, compiled = source._buffers[0], None
-    clone = lambda state: tuple(t.clone() for t in (state.count, state.s1, state.s2, state.old_end, state.jump_n,  # noqa: E731
-                                                      *state.jump_sums, state.moments.mean, state.moments.cov))
-    compiled = clone(eager)
-    eager = clone(eager)
+    names = ("count", "s1", "s2", "old_end", "jump_n", "jump_count", "jump_s1", "jump_s2", "mean", "cov")
+    declared = source.step_state(0)
+    eager = tuple(declared[name].clone() for name in names)
+    compiled = tuple(declared[name].clone() for name in names)
     step = torch.compile(advance_reference_range, dynamic=False)
     ref, shift = source._on(keys.device)
     for end in range(16, 24):  # row 1 (start 5) reaches 18 real tokens at end 23: its range jumps there
@@ -484,11 +483,11 @@ def test_a_new_prompt_rewrites_the_state_in_place(model, reference, source):
     run = make_run({"name": "qada", "tau": 0.3}, source, "sdpa", reference)
 
     def storages():
+        state = run.moments.step_state(0)
         if source == "stored":
-            state = run.moments._buffers[0]
-            tensors = [state.count, state.s2, state.old_end, state.moments.cov]
+            tensors = [state["count"], state["s2"], state["old_end"], state["cov"]]
         else:
-            tensors = [run.moments._states[0].m2, run.moments._cached[0].cov]
+            tensors = [state["m2"], state["out_cov"]]
         return [t.data_ptr() for t in tensors + [run.guard._last_end, run.guard._stale, run.stats.sums]]
 
     first = greedy(model, run, "static", steps=3)

@@ -38,8 +38,8 @@ class BudgetedQAdACriterion(BudgetCriterion):
     With ``per_group=True`` the decision is made per KV group: a group's score is the minimum of its query heads'
     scores (the group is local only if all its heads can be), and the ``round(sparsity * H_kv)`` best groups are
     local, all their heads. Whole groups skip their bulk reads, so ``kv_sparsity`` equals the sparsity instead of
-    about ``sparsity ** G`` (see the concepts page, "GQA and bytes"). A group with a non-finite head score is never local;
-    ``step.fail_safe`` counts the non-finite heads themselves, as in the per-head mode.
+    about ``sparsity ** G`` (the concepts page, "GQA and bytes"). A group with a non-finite head score is never
+    local; ``step.fail_safe`` counts the non-finite heads themselves, as in the per-head mode.
 
     Args:
         sparsity: fraction of the query heads (or, with ``per_group``, of the KV groups) local per row and step,

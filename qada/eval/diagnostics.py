@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from qada.criteria.base import HeadCriterion
-from qada.criteria.compose import CompositeCriterion
 from qada.criteria.budgeted import BudgetedQAdACriterion
+from qada.criteria.compose import CompositeCriterion
 from qada.criteria.tail import TailEstimate
 from qada.criteria.threshold import ThresholdCriterion
 from qada.step import DecodeStep

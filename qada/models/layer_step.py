@@ -103,8 +103,8 @@ def layer_step(
     if moments is not None:
         rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
         bulk = moments.step(moment_state, keys, start, rows_end, window)
-    step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk, values=values,
-                      states=criterion_states)
+    step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk,
+                      values=values, states=criterion_states)
     decided = criterion(step)
     local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
     reads = kv_read(read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))

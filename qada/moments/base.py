@@ -65,11 +65,50 @@ class MomentSource(Component, abc.ABC):
         means the default :class:`~qada.window.Window`).
         """
 
+    # --- per-layer state, declared once ------------------------------------------------------------------
+    def set_state(self, layer: int, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Declare ``layer``'s state at its prefill: the tensors :meth:`step` reads and updates in place, by name.
+
+        Where the layer already holds tensors of the same names, shapes, dtypes and devices (an earlier sequence),
+        the new values are written into them instead of replacing them: a captured CUDA graph keeps updating the
+        tensors it recorded. Returns the layer's state (what :meth:`step_state` gives)."""
+        kept = self._kept_state().get(layer)
+        if kept is not None and kept.keys() == tensors.keys() and all(
+            kept[name].shape == value.shape and kept[name].dtype == value.dtype and kept[name].device == value.device
+            for name, value in tensors.items()
+        ):
+            for name, value in tensors.items():
+                kept[name].copy_(value)
+        else:
+            kept = {name: value.clone() for name, value in tensors.items()}
+            self._kept_state()[layer] = kept
+        self._live_layers().add(layer)
+        return kept
+
+    def clear_state(self) -> None:
+        """Forget which layers hold a sequence's state (their tensors are kept, to be rewritten in place)."""
+        self._live_layers().clear()
+
+    def has_state(self, layer: int) -> bool:
+        """Whether ``layer`` holds the state of the current sequence (a prefill declared it)."""
+        return layer in self._live_layers()
+
     def step_state(self, layer: int) -> dict[str, torch.Tensor]:
-        """The tensors :meth:`step` reads and updates in place for ``layer`` (after its :meth:`prefill`), passed to
-        the run's layer step as arguments so that one compiled step serves every layer. The default holds the
-        layer's index only, for :meth:`step`'s eager fallback."""
+        """The tensors :meth:`step` reads and updates in place for ``layer`` (declared by :meth:`set_state` at its
+        prefill), passed to the run's layer step as arguments so that one compiled step serves every layer. A
+        source that declares none gets the layer's index, for :meth:`step`'s eager fallback."""
+        if self.has_state(layer):
+            return self._kept_state()[layer]
+        if self._kept_state():
+            raise RuntimeError(f"layer {layer} has no {self.registry_name or type(self).__name__} state: call prefill "
+                               "first")
         return {"layer": torch.tensor(layer)}
+
+    def _kept_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        return self.__dict__.setdefault("_declared_state", {})
+
+    def _live_layers(self) -> set[int]:
+        return self.__dict__.setdefault("_live_state_layers", set())
 
     def step(self, state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
              end: torch.Tensor, window: Window) -> BulkMoments:

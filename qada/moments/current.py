@@ -45,14 +45,12 @@ class CurrentMoments(MomentSource):
         self._states: dict[int, MomentState] = {}
         self._lengths: dict[int, int] = {}
         self._cached: dict[int, BulkMoments] = {}
-        self._buffered: set[int] = set()  # layers prefilled on a preallocated buffer: state updated in place
-        self._kept: dict[int, tuple[MomentState, BulkMoments]] = {}  # their tensors, reused by the next prefill
 
     def reset(self) -> None:
         self._states.clear()
         self._lengths.clear()
         self._cached.clear()
-        self._buffered.clear()
+        self.clear_state()
 
     def state(self, layer: int) -> MomentState:
         """The float64 :class:`MomentState` ``[b, H_kv]`` of ``layer`` (count = ``T_bulk`` per row)."""
@@ -62,27 +60,20 @@ class CurrentMoments(MomentSource):
 
     def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                 capacity: int | None = None) -> None:
-        """Moments of the prefilled cache ``keys [b, H_kv, T, d]``; with ``capacity`` (a preallocated buffer) the
-        decode steps that follow update them in place, sync-free (:meth:`append` with ``end``)."""
+        """Moments of the prefilled cache ``keys [b, H_kv, T, d]``, declared as the layer's state
+        (:meth:`~qada.moments.MomentSource.set_state`) that the decode steps update in place, sync-free; and kept for
+        the analysis path (:meth:`append` / :meth:`moments` on a cache of the caller's)."""
         b, _, T, _ = keys.shape
         starts = _row_starts(start, b, keys.device)
         mask = bulk_mask(T, window.t_local, window.t_sink, starts)  # [b, T]
-        self._states[layer] = block_moments(keys, mask[:, None, :])
+        state = block_moments(keys, mask[:, None, :])
+        self._states[layer] = state
         self._lengths[layer] = T
         self._cached.pop(layer, None)
-        self._buffered.discard(layer)
-        if capacity is not None:
-            self._buffered.add(layer)
-            state, moments = self._states[layer], to_bulk_moments(self._states[layer])
-            kept = self._kept.get(layer)
-            if kept is not None and all(a.shape == b.shape and a.device == b.device
-                                        for a, b in zip(kept[0] + kept[1], state + moments, strict=True)):
-                for target, value in zip(kept[0] + kept[1], state + moments, strict=True):
-                    target.copy_(value)  # the tensors a captured CUDA graph writes: rewritten, not replaced
-            else:
-                kept = (MomentState(*(t.clone() for t in state)), BulkMoments(*(t.clone() for t in moments)))
-                self._kept[layer] = kept
-            self._states[layer], self._cached[layer] = kept
+        if self.freeze or self.update_every == 1:  # blocks of update_every > 1 step on the host path
+            moments = to_bulk_moments(state)
+            self.set_state(layer, count=state.count, mean=state.mean, m2=state.m2, out_mean=moments.mean,
+                           out_cov=moments.cov)
 
     def _append_buffer(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                        end: torch.Tensor) -> None:
@@ -92,14 +83,10 @@ class CurrentMoments(MomentSource):
 
     def step_state(self, layer: int) -> dict[str, torch.Tensor]:
         """The float64 Welford state ``count, mean, m2`` and the float32 moments ``out_mean, out_cov`` of
-        ``layer`` (blocks of ``update_every > 1``: the layer's index, stepped eagerly)."""
+        ``layer`` (blocks of ``update_every > 1``: the layer's index, stepped on the host)."""
         if self.update_every > 1 and not self.freeze:
-            return super().step_state(layer)
-        if layer not in self._buffered:
-            raise RuntimeError(f"layer {layer} has no moments yet: call prefill first")
-        state, moments = self._states[layer], self._cached[layer]
-        return {"count": state.count, "mean": state.mean, "m2": state.m2, "out_mean": moments.mean,
-                "out_cov": moments.cov}
+            return {"layer": torch.tensor(layer)}
+        return super().step_state(layer)
 
     def step(self, state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
              end: torch.Tensor, window: Window) -> BulkMoments:
@@ -115,7 +102,7 @@ class CurrentMoments(MomentSource):
 
     def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                end: torch.Tensor | None = None) -> None:
-        if end is not None and layer in self._buffered and (self.freeze or self.update_every == 1):
+        if end is not None and self.has_state(layer):
             return self._append_buffer(layer, keys, start, window, end)
         if layer not in self._states:
             raise RuntimeError(f"append on layer {layer} before prefill: call prefill on the prefilled cache")
@@ -151,8 +138,9 @@ class CurrentMoments(MomentSource):
 
     def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                 end: torch.Tensor | None = None) -> BulkMoments:
-        if end is not None and layer in self._buffered and (self.freeze or self.update_every == 1):
-            return self._cached[layer]  # brought up to date by append(..., end=...)
+        if end is not None and self.has_state(layer):
+            state = self.step_state(layer)  # brought up to date by append(..., end=...)
+            return BulkMoments(state["out_mean"], state["out_cov"])
         if layer not in self._states:
             self.prefill(layer, keys, start, window)
         elif keys.shape[2] != self._lengths[layer]:

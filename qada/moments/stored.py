@@ -11,7 +11,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -188,9 +188,6 @@ class StoredMoments(ReferenceMomentSource):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._reference: ReferenceKeys | None = None
-        self._state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
-        self._buffers: dict[int, _BufferState] = {}
-        self._kept: dict[int, _BufferState] = {}  # the tensors of each layer's buffer state, across prefills
 
     # --- reference ---------------------------------------------------------------------------------------
     def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:
@@ -227,39 +224,22 @@ class StoredMoments(ReferenceMomentSource):
 
     # --- MomentSource --------------------------------------------------------------------------------------
     def reset(self) -> None:
-        self._state.clear()
-        self._buffers.clear()
+        self.clear_state()
         self._starts_cpu = None
 
     def prefill(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                 capacity: int | None = None) -> None:
-        """Forget ``layer``'s range; with ``capacity`` (a preallocated buffer of that many slots) set up the
-        in-place state its decode steps update without host syncs (:meth:`append` with ``end``)."""
-        self._state.pop(layer, None)
-        self._buffers.pop(layer, None)
-        if capacity is not None:
-            self._buffers[layer] = self._keep(layer, self._prefill_buffer(layer, keys, start, window, capacity))
-
-    def _keep(self, layer: int, new: _BufferState) -> _BufferState:
-        """``new``, written into the tensors of ``layer``'s previous buffer state when they fit: a captured CUDA
-        graph keeps updating the tensors that it recorded, so a new prefill rewrites them instead of replacing."""
-        kept = self._kept.get(layer)
-        tensors = lambda s: (s.count, s.s1, s.s2, s.old_end, s.jump_n, *s.jump_sums, *s.moments)  # noqa: E731
-        if kept is not None and kept.first == new.first and all(
-            a.shape == b.shape and a.device == b.device for a, b in zip(tensors(kept), tensors(new), strict=True)
-        ):
-            for target, value in zip(tensors(kept), tensors(new), strict=True):
-                target.copy_(value)
-            return kept
-        self._kept[layer] = new
-        return new
+        """Declare ``layer``'s state for a cache of ``capacity`` slots (default: its length): each row's reference
+        range and its sums, and the jumps the range makes up to that capacity (:meth:`_prefill_state`)."""
+        self.set_state(layer, **self._prefill_state(layer, keys, start, window, capacity or keys.shape[2]))
 
     def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                end: torch.Tensor | None = None) -> None:
-        """On a growing cache nothing: :meth:`moments` moves each row's range to the current length. On a
-        preallocated buffer (``end [b]``, device) one step of the in-place state (:meth:`_step_buffer`)."""
-        if end is not None and layer in self._buffers:
-            self._step_buffer(layer, start, window, end)
+        """With ``end [b]`` (device): one step of the layer's state (:meth:`step`). Without: nothing
+        (:meth:`moments` reads the range of the cache it is given)."""
+        if end is not None and self.has_state(layer):
+            state = self.step_state(layer)
+            self.step(state, state["ref"], start, end, window)
 
     def _layer_reference(self, layer: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ref [H_kv, N, d] float32, shift [H_kv, d] float64)`` of ``layer`` on the keys' device, checked."""
@@ -273,8 +253,8 @@ class StoredMoments(ReferenceMomentSource):
             )
         return ref[layer], shift[layer]
 
-    def _prefill_buffer(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
-                        capacity: int) -> _BufferState:
+    def _prefill_state(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
+                       capacity: int) -> dict[str, torch.Tensor]:
         """The state of ``layer`` at the prefill (``keys [b, H_kv, T, d]``, the filled part) and, for every later
         length up to ``capacity`` at which a row's reference range jumps by more than one key (the short-prompt
         rule of :func:`reference_bulk_end` switching, a bulk appearing), the sums it jumps to: computed here, on
@@ -289,8 +269,7 @@ class StoredMoments(ReferenceMomentSource):
         ends = reference_bulk_end(n.flatten(), window, self.offset, first, self.min_bulk_keys).view(n.shape)
         self._within_reference(ends[:, : capacity - T + 1], N, "this prompt may need at the cache's capacity")
         ends = ends.clamp(max=N)
-        self._move(layer, ref, shift, first, ends[:, 0].clone())
-        count, s1, s2, _, _ = self._state.pop(layer)
+        count, s1, s2 = self._range_sums(layer, ref, shift, first, ends[:, 0])
         jumps = (ends[:, 1:] - ends[:, :-1]).abs() > 1  # [b, steps]: where a rank-1 update is not enough
         K = max(2, int(jumps.sum(1).max()))  # the rule jumps at most twice (a bulk appears, the rule switches)
         f64 = dict(dtype=torch.float64, device=ref.device)
@@ -308,25 +287,16 @@ class StoredMoments(ReferenceMomentSource):
             jump_sums[0][r, k], jump_sums[1][r, k], jump_sums[2][r, k] = max(n1 - n0, 0.0), t1 - t0, u1 - u0
         device = ref.device
         mean, cov = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
-        return _BufferState(count.clone(), s1.clone(), s2.clone(), ends[:, 0].to(device), jump_n.to(device),
-                            jump_sums, first, BulkMoments(mean.clone(), cov.clone()))
-
-    def _step_buffer(self, layer: int, start: torch.Tensor | None, window: Window, end: torch.Tensor) -> None:
-        """One decode step on a buffer state, in place (:meth:`step`). No host read."""
-        state = self.step_state(layer)
-        self.step(state, state["ref"], start, end, window)
+        return {"count": count, "s1": s1, "s2": s2, "old_end": ends[:, 0].to(device), "jump_n": jump_n.to(device),
+                "jump_count": jump_sums[0], "jump_s1": jump_sums[1], "jump_s2": jump_sums[2], "mean": mean,
+                "cov": cov}
 
     def step_state(self, layer: int) -> dict[str, torch.Tensor]:
-        """The layer's float64 shifted sums and range ends, its prepared jumps, the float32 moments handed to
-        criteria and the layer's reference keys and shift (:func:`stored_buffer_step`'s arguments)."""
-        state = self._buffers.get(layer)
-        if state is None:
-            raise RuntimeError(f"layer {layer} has no stored-moment state: call prefill first")
-        ref, shift = self._on(state.count.device)
-        jump_count, jump_s1, jump_s2 = state.jump_sums
-        return {"count": state.count, "s1": state.s1, "s2": state.s2, "old_end": state.old_end,
-                "jump_n": state.jump_n, "jump_count": jump_count, "jump_s1": jump_s1, "jump_s2": jump_s2,
-                "mean": state.moments.mean, "cov": state.moments.cov, "ref": ref[layer], "shift": shift[layer]}
+        """The layer's declared state (float64 shifted sums and range ends, the prepared jumps, the float32 moments
+        handed to criteria) and its reference keys and shift: :func:`stored_buffer_step`'s arguments."""
+        state = super().step_state(layer)
+        ref, shift = self._on(state["count"].device)
+        return {**state, "ref": ref[layer], "shift": shift[layer]}
 
     def step(self, state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
              end: torch.Tensor, window: Window) -> BulkMoments:
@@ -336,15 +306,34 @@ class StoredMoments(ReferenceMomentSource):
 
     def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                 end: torch.Tensor | None = None) -> BulkMoments:
-        if end is not None and layer in self._buffers:
-            return self._buffers[layer].moments  # brought up to date by append(..., end=...)
+        """The moments of each row's reference range for the cache ``keys`` (its length, or ``end``): from the
+        layer's state when a decode step brought it there, else from the reference's prefix sums (the analysis
+        path: O(C d²) per row, C the checkpoint spacing)."""
+        if end is not None and self.has_state(layer):
+            state = self.step_state(layer)  # brought up to date by append(..., end=...)
+            return BulkMoments(state["mean"], state["cov"])
         ref, shift = self._layer_reference(layer, keys)  # [H_kv, N, d], [H_kv, d]
         first = self.first(window)
-        end = self._ends(keys, start, window, ref.shape[1])
-        self._move(layer, ref, shift, first, end)
-        count, s1, s2, _, _ = self._state[layer]
+        ends = self._ends(keys, start, window, ref.shape[1])
+        count, s1, s2 = self._range_sums(layer, ref, shift, first, ends)
         mean, cov = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
         return BulkMoments(mean, cov)
+
+    def _range_sums(self, layer: int, ref: torch.Tensor, shift: torch.Tensor, first: int,
+                    ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(count [b, H_kv], s1 [b, H_kv, d], s2 [b, H_kv, d, d])``: float64 shifted sums of each row's reference
+        range ``[first, ends_r)`` (``ends [b]`` on the host), from the prefix sums at the checkpoints."""
+        H_kv, _, d = ref.shape
+        f64 = dict(dtype=torch.float64, device=ref.device)
+        b = ends.shape[0]
+        count, s1, s2 = torch.zeros(b, H_kv, **f64), torch.zeros(b, H_kv, d, **f64), torch.zeros(b, H_kv, d, d, **f64)
+        every, p1, p2 = self._checkpoints(layer, ref, shift)
+        n0, t0, u0 = self._prefix_sums(ref, shift, every, p1, p2, first)
+        for r, end in enumerate(ends.tolist()):
+            if end > first:
+                n1, t1, u1 = self._prefix_sums(ref, shift, every, p1, p2, end)
+                count[r], s1[r], s2[r] = n1 - n0, t1 - t0, u1 - u0
+        return count, s1, s2
 
     def _checkpoints(
         self, layer: int, ref: torch.Tensor, shift: torch.Tensor
@@ -372,46 +361,6 @@ class StoredMoments(ReferenceMomentSource):
         j = upto // every
         n, t1, t2 = shifted_sums(ref[:, j * every : upto], shift)
         return float(upto), p1[:, j] + t1, p2[:, j] + t2
-
-    def _move(self, layer: int, ref: torch.Tensor, shift: torch.Tensor, first: int, end: torch.Tensor) -> None:
-        """Bring ``layer``'s per-row sums over ``[first, end_r)`` up to date (incrementally when possible)."""
-        b, (H_kv, _, d) = end.shape[0], ref.shape
-        state = self._state.get(layer)
-        if state is None or state[3].shape != end.shape or state[4] != first:
-            device = ref.device
-            f64 = torch.float64
-            count = torch.zeros(b, H_kv, dtype=f64, device=device)
-            s1 = torch.zeros(b, H_kv, d, dtype=f64, device=device)
-            s2 = torch.zeros(b, H_kv, d, d, dtype=f64, device=device)
-            old = torch.full_like(end, first)
-        else:
-            count, s1, s2, old, _ = state
-        delta = end - old
-        if bool((delta.abs() <= 1).all()):
-            if bool((delta != 0).any()):
-                # One key per row enters (delta = 1) or leaves (delta = -1): a vectorised rank-1 update.
-                index = torch.where(delta > 0, old, end).clamp(0, ref.shape[1] - 1).to(ref.device)
-                x = ref[:, index].transpose(0, 1).double() - shift  # [b, H_kv, d]
-                w = delta.to(device=ref.device, dtype=torch.float64)[:, None]
-                count = count + w
-                s1 = s1 + w[..., None] * x
-                s2 = s2 + w[..., None, None] * (x[..., :, None] * x[..., None, :])
-        else:
-            every, p1, p2 = self._checkpoints(layer, ref, shift)
-            count, s1, s2 = count.clone(), s1.clone(), s2.clone()
-            for r in torch.nonzero(delta).flatten().tolist():
-                lo, hi = sorted((int(old[r]), int(end[r])))
-                if hi - lo > every:  # a long jump: the range afresh from the prefix sums, O(every d²)
-                    n1, t1, u1 = self._prefix_sums(ref, shift, every, p1, p2, int(end[r]))
-                    n0, t0, u0 = self._prefix_sums(ref, shift, every, p1, p2, first)
-                    count[r], s1[r], s2[r] = max(n1 - n0, 0.0), t1 - t0, u1 - u0
-                    continue
-                sign = 1.0 if end[r] > old[r] else -1.0
-                n, t1, t2 = shifted_sums(ref[:, lo:hi], shift)
-                count[r] += sign * n
-                s1[r] += sign * t1
-                s2[r] += sign * t2
-        self._state[layer] = (count, s1, s2, end, first)
 
 
 def advance_reference_range(
@@ -462,19 +411,3 @@ def stored_buffer_step(
     advance_reference_range(count, s1, s2, old_end, jump_n, jump_count, jump_s1, jump_s2, mean, cov, ref, shift, n,
                             t_local, offset, first, min_bulk_keys)
     return BulkMoments(mean, cov)
-
-
-class _BufferState(NamedTuple):
-    """In-place state of one layer on a preallocated buffer: float64 shifted sums ``count [b, H_kv]``,
-    ``s1 [b, H_kv, d]``, ``s2 [b, H_kv, d, d]`` of each row's reference range ``[first, old_end)``, the lengths
-    ``jump_n [b, K]`` (``-1``: none) at which a row's range jumps and the sums it jumps to (``[b, K, ...]``), and
-    the float32 moments handed to criteria (rewritten in place every step)."""
-
-    count: torch.Tensor
-    s1: torch.Tensor
-    s2: torch.Tensor
-    old_end: torch.Tensor
-    jump_n: torch.Tensor
-    jump_sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    first: int
-    moments: BulkMoments

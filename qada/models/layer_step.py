@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import traceback
 import types
 import warnings
 from typing import Any, NamedTuple
@@ -167,17 +168,20 @@ class LayerStep:
             return result
 
     def _culprit(self, error: Exception) -> str:
-        """The part (criterion or moment source) whose code the compile error points at last (the deepest)."""
-        text = f"{error}\n{''.join(_frames(error))}"
-        parts = [(f"criterion {c.registry_name or type(c).__name__!r}", c) for _, c in self.criterion.named_criteria()]
-        if self.moments is not None:
-            parts.append((f"moment source {self.moments.registry_name or type(self.moments).__name__!r}",
-                          self.moments))
-        found = [(text.rfind(_source_file(part)), name) for name, part in parts if _source_file(part)]
-        found = [item for item in found if item[0] >= 0]
-        if not found:
-            return f"criterion {self.criterion.registry_name or type(self.criterion).__name__!r}"
-        return max(found)[1]
+        """The part (a criterion or the moment source) whose source file the error's trace names last (the deepest
+        frame); the run's criterion when it names none."""
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        parts = [("criterion", c) for _, c in self.criterion.named_criteria()]
+        parts += [("moment source", self.moments)] if self.moments is not None else []
+
+        def position(part: Any) -> int:
+            try:
+                return text.rfind(inspect.getsourcefile(type(part)) or "\0")
+            except (TypeError, OSError):  # a class without a source file
+                return -1
+
+        kind, part = max(parts, key=lambda item: position(item[1]))
+        return f"{kind} {part.registry_name or type(part).__name__!r}"
 
 
 def compile_layer_step(bound: dict[str, Any], backend: Any) -> Any:
@@ -225,19 +229,6 @@ def _refusing_host_reads(backend: Any) -> Any:
         return compile_graph(graph, example_inputs)
 
     return refusing
-
-
-def _source_file(part: Any) -> str:
-    try:
-        return inspect.getsourcefile(type(part)) or ""
-    except TypeError:
-        return ""
-
-
-def _frames(error: Exception) -> list[str]:
-    import traceback
-
-    return traceback.format_exception(type(error), error, error.__traceback__)
 
 
 def _reason(error: Exception) -> str:

@@ -75,12 +75,6 @@ class CurrentMoments(MomentSource):
             self.set_state(layer, count=state.count, mean=state.mean, m2=state.m2, out_mean=moments.mean,
                            out_cov=moments.cov)
 
-    def _append_buffer(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
-                       end: torch.Tensor) -> None:
-        """One decode step on a buffer state (:meth:`step`), in place. No host sync."""
-        if not self.freeze:
-            self.step(self.step_state(layer), keys, start, end, window)
-
     def step_state(self, layer: int) -> dict[str, torch.Tensor]:
         """The float64 Welford state ``count, mean, m2`` and the float32 moments ``out_mean, out_cov`` of
         ``layer`` (blocks of ``update_every > 1``: the layer's index, stepped on the host)."""
@@ -102,8 +96,10 @@ class CurrentMoments(MomentSource):
 
     def append(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,
                end: torch.Tensor | None = None) -> None:
-        if end is not None and self.has_state(layer):
-            return self._append_buffer(layer, keys, start, window, end)
+        if end is not None and self.has_state(layer):  # a decode step on the declared state, in place, sync-free
+            if not self.freeze:
+                self.step(self.step_state(layer), keys, start, end, window)
+            return
         if layer not in self._states:
             raise RuntimeError(f"append on layer {layer} before prefill: call prefill on the prefilled cache")
         old, new = self._lengths[layer], keys.shape[2]

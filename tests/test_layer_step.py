@@ -37,7 +37,6 @@ MASK = [[True, False, True, False], [False, True, True, True]]
 TAIL = {"heavy": 4, "observe": 4, "page_size": 2, "pages": 2}
 
 
-@register_criterion("test_topk_peaked", override=True)
 @dataclass
 class TopKPeaked(BudgetCriterion):
     """The custom-criterion guide's example: the heads with the most peaked window scores are local."""
@@ -68,6 +67,16 @@ CONFIGS = {  # one configuration per registered name (the composites wrap criter
                        "overrides": {0: "dense", 1: {"name": "qada_tail_budget", "sparsity": 0.5, **TAIL}}},
     "test_topk_peaked": {"name": "test_topk_peaked", "sparsity": 0.5},
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    """The test's own criteria, registered while this module runs (other modules list the registry)."""
+    for name, cls in (("test_topk_peaked", TopKPeaked), ("test_host_reader", HostReader)):
+        register_criterion(name, override=True)(cls)
+    yield
+    for name in ("test_topk_peaked", "test_host_reader", "test_bad_shape"):
+        CRITERIA._classes.pop(name, None)
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +209,6 @@ def test_inductor_steps_equal_eager(model, reference, name):
         assert compiled[key] == pytest.approx(eager[key], rel=1e-6, abs=1e-9), key
 
 
-@register_criterion("test_host_reader", override=True)
 @dataclass
 class HostReader(HeadCriterion):
     """Local where the window's peak exceeds the (host-read) mean peak: not graph-safe."""

@@ -37,6 +37,13 @@ def run(args: argparse.Namespace) -> int:
     from qada.eval.validate import check_output_dir
     from qada.models import load_model
 
+    import os
+
+    from qada.models.layer_step import COMPILE_ENV
+
+    # Short answers (a few tokens per configuration and prompt): compiling each configuration's layer step would cost
+    # more than it saves, so the demo decodes eagerly unless QADA_COMPILE says otherwise.
+    os.environ.setdefault(COMPILE_ENV, "0")
     device, dtype = model_placement(args)  # before the model loads, as the output folder below
     check_output_dir(args.out, "--out")
     start = time.perf_counter()

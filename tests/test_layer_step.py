@@ -324,3 +324,15 @@ def test_a_run_over_prompts_of_several_lengths_compiles_at_most_twice(model, ref
         assert torch.equal(got[0], expected[0])
         assert got[1]["kv_read"] == pytest.approx(expected[1]["kv_read"])
     assert run.layer_step.compiled and backend.compiles <= 2
+
+
+def test_compile_takes_a_bool_or_a_known_backend(monkeypatch):
+    from qada.models.layer_step import resolve_compile
+
+    assert resolve_compile(True) == "inductor" and resolve_compile(False) is None
+    assert resolve_compile("aot_eager") == "aot_eager"
+    monkeypatch.setenv("QADA_COMPILE", "0")
+    assert resolve_compile(None) is None
+    for bad in ("bogus", 3, ""):
+        with pytest.raises(ValueError, match="expected compile to be a bool"):
+            build_run("dense", "none", "sdpa", compile=bad)

@@ -125,7 +125,13 @@ def resolve_compile(compile: Any) -> Any:
         return "inductor"
     if compile is False:
         return None
-    if (isinstance(compile, str) and compile) or callable(compile):
+    if isinstance(compile, str) and compile:
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if compile not in known:
+            raise ValueError(f"expected compile to be a bool or one of the torch.compile backends {known} but got "
+                             f"{compile!r} (from {COMPILE_ENV} when not given)")
+        return compile
+    if callable(compile):
         return compile
     raise ValueError(f"expected compile to be a bool or a torch.compile backend name but got {compile!r}")
 

@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - the fixtures model and reference are imported from test_buffer_decode, then requested by name
 """The one decode step of a global layer (issue 30): every criterion compiled, the same as eager.
 
 * every criterion of the registry (and one registered here, the custom-criterion guide's top-k) decodes on a
@@ -19,19 +20,16 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from test_buffer_decode import WINDOW, model, moments, reference  # noqa: F401 - the same model, reference, prompt
+from test_buffer_decode import greedy as buffer_greedy
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from transformers import DynamicCache, StaticCache
 
 from qada.criteria import CRITERIA, BudgetCriterion, HeadCriterion, register_criterion
-from qada.models import attach, build_run
+from qada.models import build_run
 from qada.models.layer_step import LayerStep
 from qada.models.run import QAdARun
-from qada.moments import StoredMoments
-from qada.moments.reference import collect_reference_keys
 from qada.testing import GraphSafetyError, check_graph_safe, no_host_reads
 
-WINDOW = {"t_local": 8, "t_sink": 2}
 STEPS = 8
 MASK = [[True, False, True, False], [False, True, True, True]]
 TAIL = {"heavy": 4, "observe": 4, "page_size": 2, "pages": 2}
@@ -79,53 +77,15 @@ def registered():
         CRITERIA._classes.pop(name, None)
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7))
-    return collect_reference_keys(model, ids, chunk_size=16)
-
-
 def make_run(criterion, reference, compile, source="stored") -> QAdARun:
-    if source == "stored":
-        source = StoredMoments(offset=12, min_bulk_keys=4)
-        source.set_reference(reference)
-    return build_run(criterion=criterion, moments=source, executor="sdpa", window=WINDOW, compile=compile)
-
-
-def prompt():
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # left padding
-    return ids, mask
+    return build_run(criterion=criterion, moments=moments(source, reference), executor="sdpa", window=WINDOW,
+                     compile=compile)
 
 
 def greedy(model, run: QAdARun, cache_kind: str, steps: int = STEPS):
-    """``(tokens [2, steps], summary)`` of greedy decoding with ``run`` attached."""
-    ids, mask = prompt()
-    if cache_kind == "static":
-        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 3)
-    else:
-        cache = DynamicCache(config=model.config)
-    attach(model, run)
-    run.reset_stats()
-    try:
-        with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            tokens = []
-            for _ in range(steps):
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-                tokens.append(token)
-                mask = torch.cat([mask, torch.ones_like(token)], 1)
-                out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
-        return torch.cat(tokens, 1), run.summary()
-    finally:
-        run.remove()
+    """``(tokens [2, steps], summary)`` of :func:`test_buffer_decode.greedy` (the same prompt and decoding)."""
+    tokens, _, summary = buffer_greedy(model, run, cache_kind, steps)
+    return tokens, summary
 
 
 class CountingBackend:

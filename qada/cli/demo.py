@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     import time
     from pathlib import Path
 
@@ -36,9 +37,6 @@ def run(args: argparse.Namespace) -> int:
     from qada.eval.sweep import run_sweep
     from qada.eval.validate import check_output_dir
     from qada.models import load_model
-
-    import os
-
     from qada.models.layer_step import COMPILE_ENV
 
     # Short answers (a few tokens per configuration and prompt): compiling each configuration's layer step would cost

@@ -97,10 +97,10 @@ class HeadCriterion(Component, abc.ABC):
 
     def state(self, step: DecodeStep) -> dict[str, torch.Tensor]:
         """This criterion's :meth:`layer_state` for ``step``: the tensors the run passed in, or (a step built by
-        hand) ``layer_state(step.layer, step.length)``."""
+        hand) ``layer_state(step.layer, step.length)`` on the step's device."""
         if step.states is not None:
             return step.states[self.state_key]
-        return self.layer_state(int(step.layer), step.length)
+        return {name: tensor.to(step.device) for name, tensor in self.layer_state(int(step.layer), step.length).items()}
 
     @property
     def state_key(self) -> str:

@@ -212,12 +212,7 @@ class LayerOverride(CompositeCriterion):
 
     def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
         """``uses [n]`` bool: which override decides ``layer`` (none: the base), so one step serves every layer."""
-        uses = torch.tensor([layer == index for index in self.overrides], dtype=torch.bool)
-        return {"uses": uses.to(self.__dict__.get("_device", "cpu"))}
-
-    def to_device(self, device: torch.device) -> None:
-        super().to_device(device)
-        self.__dict__["_device"] = device
+        return {"uses": torch.tensor([layer == index for index in self.overrides], dtype=torch.bool)}
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         """Every child decides (each keeps its state current); the layer's override, if any, is chosen on the

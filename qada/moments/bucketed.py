@@ -145,7 +145,10 @@ class BucketedMoments(ReferenceMomentSource):
     def step_state(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's bucket table: ``mean [J+1, H_kv, d]``, ``cov [J+1, H_kv, d, d]`` (slot 0: zeros) and the
         bucket ``ends [J]``, on the device of the last prefill."""
-        mean, cov, ends = self._device_data(self.__dict__.get("_device", torch.device("cpu")))
+        return self._layer_table(layer, self.__dict__.get("_device", torch.device("cpu")))
+
+    def _layer_table(self, layer: int, device: torch.device) -> dict[str, torch.Tensor]:
+        mean, cov, ends = self._device_data(device)
         if not 0 <= layer < mean.shape[0]:
             raise ValueError(f"expected a layer in [0, {mean.shape[0]}) but got {layer}")
         return {"mean": mean[layer], "cov": cov[layer], "ends": ends}
@@ -164,5 +167,4 @@ class BucketedMoments(ReferenceMomentSource):
 
     def _moments_on_buffer(self, layer: int, start: torch.Tensor | None, window: Window,
                            end: torch.Tensor) -> BulkMoments:
-        mean, cov, ends = self._device_data(end.device)
-        return self.step({"mean": mean[layer], "cov": cov[layer], "ends": ends}, mean, start, end, window)
+        return self.step(self._layer_table(layer, end.device), end, start, end, window)  # keys are not read

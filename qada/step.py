@@ -24,6 +24,7 @@ from qada.functional import (
     log_local_mass,
     lognormal_log_bulk_from_moments,
 )
+from qada.functional.capping import add_sink_logits, log_mean_exp_score, soft_cap
 from qada.functional.checks import check_float, check_ndim, group_size
 from qada.functional.lognormal import score_moments_unchecked
 from qada.functional.masses import grouped_scores_unchecked
@@ -80,10 +81,14 @@ class DecodeStep:
         states: the criteria's per-layer tensors by :attr:`~qada.criteria.HeadCriterion.state_key`
             (:meth:`~qada.criteria.HeadCriterion.layer_states`), passed in by the run; ``None``: a step built by
             hand, whose criteria build them from ``layer`` (:meth:`~qada.criteria.HeadCriterion.state`).
+        sink_logits: ``[H]`` learned sink logit of each query head (gpt-oss's ``s_aux``): one more score in every
+            softmax's denominator, always attended (:mod:`qada.functional.capping`); ``None``: none.
+        softcap: logit soft-cap ``c`` (Gemma-2): every score is ``c tanh(s / c)``; ``None``: no cap.
 
     Derived, cached on first access: ``t_bulk``, ``has_bulk`` ``[b]``; ``window_keys`` / ``window_values``
     ``[b, H_kv, W, d]`` with ``window_valid [b, W]``; ``local_scores [b, H, W]``; ``log_local [b, H]``;
-    ``scores [b, H, T]``, ``bulk_mask [b, T]``, ``log_bulk [b, H]`` (exact, O(T)); ``bulk_moments``,
+    ``log_window [b, H]`` (the window's mass alone, without the sink logits); ``scores [b, H, T]`` (capped),
+    ``bulk_mask [b, T]``, ``log_bulk [b, H]`` (exact, O(T)); ``bulk_moments``,
     ``score_moments`` and ``log_bulk_estimate [b, H]`` (paper eqs. 5-7, O(d²)).
     """
 
@@ -98,6 +103,8 @@ class DecodeStep:
     moments: BulkMoments | Callable[[], BulkMoments] | None = None
     values: torch.Tensor | None = None
     states: dict[str, dict[str, torch.Tensor]] | None = None
+    sink_logits: torch.Tensor | None = None
+    softcap: float | None = None
     fail_safe: torch.Tensor | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +127,15 @@ class DecodeStep:
                 raise ValueError(
                     f"expected values of shape {tuple(self.keys.shape)} like keys but got {tuple(self.values.shape)}"
                 )
+        if self.sink_logits is not None:
+            check_float("sink_logits", self.sink_logits)
+            if self.sink_logits.shape != (H,):
+                raise ValueError(f"expected sink_logits of shape [{H}] (one per query head) but got "
+                                 f"{tuple(self.sink_logits.shape)}")
+        cap = self.softcap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
+                                or cap <= 0):
+            raise ValueError(f"expected softcap to be None or a finite float > 0 but got {cap!r}")
         self.start = _row_positions("start", self.start, b, self.query.device)
         self.end = _row_positions("end", self.end, b, self.query.device)
 
@@ -148,13 +164,15 @@ class DecodeStep:
     @classmethod
     def checked_already(cls, query: torch.Tensor, keys: torch.Tensor, scale: float, window: Window, layer: int,
                         step: int, start: torch.Tensor | None, end: torch.Tensor | None,
-                        moments: BulkMoments | None, values: torch.Tensor | None) -> DecodeStep:
+                        moments: BulkMoments | None, values: torch.Tensor | None,
+                        sink_logits: torch.Tensor | None = None, softcap: float | None = None) -> DecodeStep:
         """A step of tensors that a step built the usual way already checked (the run's executor-facing copy of
         its layer step: same tensors, ``start`` / ``end`` already long tensors on the query's device), without
         checking them again: some 30 us less per layer and step."""
         self = cls.__new__(cls)
         self.__dict__.update(query=query, keys=keys, scale=scale, window=window, layer=layer, step=step, start=start,
-                             end=end, moments=moments, values=values, states=None, fail_safe=None)
+                             end=end, moments=moments, values=values, states=None, sink_logits=sink_logits,
+                             softcap=softcap, fail_safe=None)
         return self
 
     # --- sizes -------------------------------------------------------------------------------------------
@@ -188,6 +206,11 @@ class DecodeStep:
     def full_rows(self) -> bool:
         """Whether every row is the whole cache (no left padding, no unfilled slots): masks change nothing."""
         return self.start is None and self.end is None
+
+    @property
+    def plain_softmax(self) -> bool:
+        """Whether attention is a plain softmax of the scores (no soft cap, no sink logits)."""
+        return self.softcap is None and self.sink_logits is None
 
     @property
     def device(self) -> torch.device:
@@ -246,22 +269,28 @@ class DecodeStep:
 
     @cached_property
     def local_scores(self) -> torch.Tensor:
-        """``[b, H, W]`` float32 scores of the local window."""
-        return grouped_scores_unchecked(self.query, self.window_keys, self.scale)
+        """``[b, H, W]`` float32 scores of the local window (soft-capped when the step has a ``softcap``)."""
+        return soft_cap(grouped_scores_unchecked(self.query, self.window_keys, self.scale), self.softcap)
 
     @cached_property
-    def log_local(self) -> torch.Tensor:
-        """``[b, H]`` ``log A_local``."""
+    def log_window(self) -> torch.Tensor:
+        """``[b, H]`` log of the window's attention mass (without the sink logits)."""
         if self.full_rows:  # every window slot is valid: the mask would change nothing
             return torch.logsumexp(self.local_scores, dim=-1)
         return log_local_mass(self.local_scores, self.window_valid)
+
+    @cached_property
+    def log_local(self) -> torch.Tensor:
+        """``[b, H]`` ``log A_local``: the window's mass plus the head's sink logit, if any (always attended)."""
+        return add_sink_logits(self.log_window, self.sink_logits)
 
     # --- exact bulk (oracle) -----------------------------------------------------------------------------
     @cached_property
     def scores(self) -> torch.Tensor:
         """``[b, H, T]`` float32 scores over the whole cache (O(T d)): only the oracle asks for them (slots that
-        hold no token of the row are not masked here: ``bulk_mask`` and ``window_valid`` exclude them)."""
-        return grouped_scores_unchecked(self.query, self.keys, self.scale)
+        hold no token of the row are not masked here: ``bulk_mask`` and ``window_valid`` exclude them), soft-capped
+        when the step has a ``softcap``."""
+        return soft_cap(grouped_scores_unchecked(self.query, self.keys, self.scale), self.softcap)
 
     @cached_property
     def bulk_mask(self) -> torch.Tensor:
@@ -298,9 +327,17 @@ class DecodeStep:
 
     @cached_property
     def log_bulk_estimate(self) -> torch.Tensor:
-        """``[b, H]`` lognormal estimate ``log T_bulk + mu_s + sigma_s^2/2`` (paper eq. 7)."""
+        """``[b, H]`` lognormal estimate ``log T_bulk + mu_s + sigma_s^2/2`` (paper eq. 7); under a soft cap
+        ``log T_bulk + log E[exp(c tanh(s / c))]`` (:func:`~qada.functional.capping.log_mean_exp_score`)."""
         mu_s, var_s = self.score_moments
-        return lognormal_log_bulk_from_moments(mu_s, var_s, self.t_bulk)
+        return lognormal_log_bulk_from_moments(mu_s, var_s, self.t_bulk, self.softcap)
+
+    @cached_property
+    def log_mean_exp_bulk(self) -> torch.Tensor:
+        """``[b, H]`` ``log E[exp(s)]`` of one bulk score under the lognormal model (capped when the step has a
+        ``softcap``): ``mu_s + sigma_s^2 / 2`` without a cap."""
+        mu_s, var_s = self.score_moments
+        return log_mean_exp_score(mu_s, var_s, self.softcap)
 
     # --- bookkeeping -------------------------------------------------------------------------------------
     def share(self, *, window_keys: torch.Tensor, window_valid: torch.Tensor, window_values: torch.Tensor,

@@ -50,11 +50,11 @@ def qada_decode_split_kernel(
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_lb, stride_lh,
-    C, H_KV, t_sink, t_local, num_splits, qk_scale,
+    C, H_KV, t_sink, t_local, num_splits, qk_scale, softcap,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split of its virtual block list, for all ``G`` query heads.
 
@@ -64,7 +64,9 @@ def qada_decode_split_kernel(
     (log2 domain: scores are multiplied by ``qk_scale = scale * log2(e)``) and sum ``L [.., G]``, all float32,
     and ``COUNTS [.., 2]`` int32: blocks loaded only for the bulk (no window token), blocks loaded in all.
     ``DOT_FP32`` upcasts the inputs of both dots to float32 (bfloat16 under the interpreter, whose bfloat16
-    ``tl.dot`` is wrong). Every loop-carried value is float32 whatever type ``qk_scale`` arrives with.
+    ``tl.dot`` is wrong). Every loop-carried value is float32 whatever type ``qk_scale`` arrives with. With
+    ``SOFTCAP`` the scores are soft-capped, ``c tanh(s / c)`` with ``c = softcap`` (``qk_scale`` is then the
+    plain ``scale``, and the capped score is taken to the log2 domain).
     """
     pair = tl.program_id(0)
     split = tl.program_id(1)
@@ -141,6 +143,9 @@ def qada_decode_split_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
         s = (tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale).to(tl.float32)
+        if SOFTCAP:  # c tanh(s / c) = c (1 - 2 / (exp(2 s / c) + 1)), in the log2 domain
+            capped = softcap * (1.0 - 2.0 / (tl.math.exp2(2.0 * s / softcap * 1.4426950408889634) + 1.0))
+            s = capped * 1.4426950408889634
         allowed = load_ok[None, :] & ((in_bulk == 0)[None, :] | dense[:, None])  # [BLOCK_G, BLOCK_N]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -170,11 +175,12 @@ def qada_decode_split_kernel(
 
 @triton.jit
 def qada_decode_combine_kernel(
-    ACC, M, L, COUNTS, OUT, BULK_BLOCKS,
+    ACC, M, L, COUNTS, OUT, BULK_BLOCKS, SINKS,
     stride_ob, stride_oh, stride_od,
     H, num_splits, num_counts,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """Programs ``0 .. b*H-1``: one (row, query head) each, merge its splits by log-sum-exp into ``OUT [b, H, 1,
     d]`` (the query dtype; a split with ``m = -inf`` weighs 0 and a head with nothing attended gets 0). Program
@@ -198,6 +204,9 @@ def qada_decode_combine_kernel(
         s_ok = offs_s < num_splits
         m = tl.load(M + (base + offs_s) * G + g, mask=s_ok, other=float("-inf"))
         m_max = tl.max(m, axis=0)
+        if HAS_SINKS:
+            sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634  # log2 domain
+            m_max = tl.maximum(m_max, sink)
         m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
         offs_c = tl.arange(0, CHUNK_S)
         offs_d = tl.arange(0, BLOCK_D)
@@ -215,6 +224,8 @@ def qada_decode_combine_kernel(
             acc = tl.load(ACC + slot[:, None] * D + offs_d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
             numerator += tl.sum(weight[:, None] * acc, axis=0)
         total = tl.sum(denominator, axis=0)
+        if HAS_SINKS:
+            total += tl.math.exp2(sink - m_safe)
         result = numerator / tl.where(total > 0, total, 1.0)
         tl.store(OUT + row.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + offs_d * stride_od,
                  result.to(OUT.dtype.element_ty), mask=d_ok)  # fmt: skip

@@ -12,6 +12,9 @@ Compilation: ``compile=None`` compiles when the platform allows it (CUDA with tr
 compiler; the first CPU compile takes ~20 s) and otherwise warns once and runs ``flex_attention`` eagerly
 (correct, but it materialises all scores); ``compile=True`` makes an unavailable compiler an error;
 ``compile=False`` always runs eagerly. Forward only: the block mask's transposed (backward) lists go stale.
+
+A soft cap becomes a ``score_mod``; sink logits rescale the output by ``A / (A + e^z)`` from the log-sum-exp
+``flex_attention`` returns.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
+from qada.functional.capping import sink_output_scale
 from qada.step import DecodeStep
 from qada.window import Window
 
@@ -104,6 +108,7 @@ class FlexExecutor(AttentionExecutor):
     _states: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _compiled: Any = field(default=None, init=False, repr=False, compare=False)
     _warned: bool = field(default=False, init=False, repr=False, compare=False)
+    _score_mods: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -181,8 +186,26 @@ class FlexExecutor(AttentionExecutor):
             key = F.pad(key, (0, 0, 0, T_pad - T))
             value = F.pad(value, (0, 0, 0, T_pad - T))
         attention = self._attention_fn(step.device)
+        sinks = step.sink_logits is not None
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             out = attention(step.query[:, :, None], key, value, block_mask=state.block_mask, scale=step.scale,
-                            enable_gqa=True)
+                            enable_gqa=True, score_mod=self._score_mod(step.softcap), return_lse=sinks)
+        if sinks:  # the sink logits join the denominator: out * A / (A + e^z), from the log-sum-exp A
+            out, lse = out
+            out = (out.float() * sink_output_scale(lse[..., 0].float(), step.sink_logits)[..., None, None]
+                   ).to(step.query.dtype)
         return out, None
+
+    def _score_mod(self, softcap: float | None):
+        """A ``score_mod`` applying the soft cap ``softcap`` (one per value, so that a compiled ``flex_attention``
+        sees the same function every step), ``None`` without one."""
+        if softcap is None:
+            return None
+        mod = self._score_mods.get(softcap)
+        if mod is None:
+            def mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001
+                return torch.tanh(score / softcap) * softcap
+
+            self._score_mods[softcap] = mod
+        return mod

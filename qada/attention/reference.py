@@ -8,6 +8,7 @@ import torch
 from einops import rearrange
 
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
+from qada.functional.capping import softmax_with_sinks
 from qada.functional.checks import accumulation_dtype
 from qada.step import DecodeStep
 
@@ -17,7 +18,8 @@ __all__ = ["ReferenceExecutor"]
 @register_executor("reference")
 @dataclass
 class ReferenceExecutor(AttentionExecutor):
-    """Softmax over the local set (real tokens outside the bulk) for local heads, over all real tokens else.
+    """Softmax over the local set (real tokens outside the bulk) for local heads, over all real tokens else (the
+    step's soft cap applied to the scores and its sink logits in the denominator).
 
     Computes every score ``[b, H, T]`` in float32 (float64 for float64 inputs): O(T) per head, never cheap.
     """
@@ -29,8 +31,9 @@ class ReferenceExecutor(AttentionExecutor):
         allowed = torch.where(
             decision.local[:, :, None], (~step.bulk_mask & real)[:, None, :], real[:, None, :]
         )  # [b, H, T]
-        scores = step.scores.masked_fill(~allowed, float("-inf"))  # [b, H, T]
-        probs = rearrange(torch.softmax(scores, dim=-1), "b (k g) t -> b k g t", g=step.group_size)
+        scores = step.scores.masked_fill(~allowed, float("-inf"))  # [b, H, T] (soft-capped by the step)
+        probs = softmax_with_sinks(scores, step.sink_logits)
+        probs = rearrange(probs, "b (k g) t -> b k g t", g=step.group_size)
         dtype = accumulation_dtype(step.query, step.values)
         out = torch.einsum("bkgt,bktd->bkgd", probs.to(dtype), step.values.to(dtype))
         return rearrange(out, "b k g d -> b (k g) 1 d").to(step.query.dtype), None

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
+from qada.functional.capping import soft_cap
+from qada.functional.checks import accumulation_dtype
 from qada.step import DecodeStep
 
 __all__ = ["SDPAExecutor"]
@@ -27,7 +29,9 @@ class SDPAExecutor(AttentionExecutor):
     a read group's keys are cut into that many chunks attended in one call and merged by log-sum-exp (split-K),
     since one group is otherwise a single work item, i.e. a single core: twice as fast for one group in
     isolation on 2 cores, but no end-to-end gain measured on the embedded model, hence off by default. On the
-    CPU the window is skipped when no head is local.
+    CPU the window is skipped when no head is local. A step with a soft cap or sink logits (Gemma-2, gpt-oss)
+    attends in explicit scores instead of ``scaled_dot_product_attention``, which cannot apply them, over the same
+    keys.
 
     Choosing the groups needs them on the host: one sync per call (``nonzero``) when ``T > T_local``. On the CPU
     that costs nothing (there is no device queue to drain), so that is the default there; with
@@ -65,7 +69,7 @@ class SDPAExecutor(AttentionExecutor):
     def _chunks(self, step: DecodeStep, real: torch.Tensor | None, length: int) -> int:
         """How many key chunks one read group of ``length`` keys is split into (1: none); ``real``: the mask of the
         keys attended (``None``: every row holds all of them)."""
-        if step.device.type != "cpu" or real is not None or _FLASH_CPU is None:
+        if step.device.type != "cpu" or real is not None or _FLASH_CPU is None or not step.plain_softmax:
             return 1
         if step.query.dtype not in (torch.float32, torch.bfloat16) or step.keys.stride(-1) != 1:
             return 1
@@ -81,10 +85,11 @@ class SDPAExecutor(AttentionExecutor):
         rows = rearrange(step.query, "b (k g) d -> b k g d", k=H_kv)
         real = step.real
         host = self.host_skip if self.host_skip is not None else step.device.type == "cpu"
+        sdpa = _attention_for(step)
         out = None
         if not host or bool(local.any()):  # data-dependent shortcuts only where a host sync is allowed
             valid = step.window_valid
-            out = F.scaled_dot_product_attention(
+            out = sdpa(
                 rows, step.window_keys, step.window_values,
                 attn_mask=None if step.full_rows else valid[:, None, None, :], scale=scale,
             ).reshape(b, H, 1, d)  # GPU kernels may return it strided
@@ -92,7 +97,7 @@ class SDPAExecutor(AttentionExecutor):
                 return out, None
         if not host:  # every group in full, the window result chosen per head: no sync, no loop
             mask = None if real is None else real[:, None, None, :]
-            full = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
+            full = sdpa(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
             return torch.where(local[:, :, None, None], out, full), None
         pairs = read.nonzero()  # [n, 2] (row, KV head): host sync
         n = pairs.shape[0]
@@ -104,7 +109,7 @@ class SDPAExecutor(AttentionExecutor):
         chunks = self._chunks(step, real, T)
         if n == b * H_kv and chunks == 1:
             mask = None if real is None else real[:, None, None, :]
-            full = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
+            full = sdpa(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
         else:
             # The read KV groups of a row attend in as few calls as possible, over views of the cache (no copy): the
             # groups of an arithmetic progression are one strided view, one call that the threads share.
@@ -117,13 +122,39 @@ class SDPAExecutor(AttentionExecutor):
                     if chunks > 1 and len(run) == 1:
                         full[row, run[0]] = split_k_attention(q, k, v, scale, chunks)
                     else:
-                        full[row, run] = F.scaled_dot_product_attention(
+                        full[row, run] = sdpa(
                             q, k, v, attn_mask=None if real is None else real[row : row + 1, None, None, :],
-                            scale=scale)[0]
+                            scale=scale, groups=run)[0]
             full = full.view(b, H, 1, d)
         if out is None:
             return full, None
         return torch.where(local[:, :, None, None], out, full), None
+
+
+def _attention_for(step: DecodeStep):
+    """``attention(q [B, K, G, d], k, v [B, K, N, d], attn_mask, scale, groups=None) -> [B, K, G, d]`` for ``step``:
+    PyTorch's ``scaled_dot_product_attention`` for plain softmax attention; with the step's soft cap or sink logits
+    (which it cannot do) the same in explicit scores, ``groups`` naming the KV heads of ``K`` (``None``: all)."""
+    if step.plain_softmax:
+        return lambda q, k, v, attn_mask=None, scale=None, groups=None: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, scale=scale)
+    G = step.group_size
+    sinks = None if step.sink_logits is None else step.sink_logits.view(-1, G)  # [H_kv, G]
+
+    def attention(q, k, v, attn_mask=None, scale=None, groups=None):
+        dtype = accumulation_dtype(q, k)
+        scores = soft_cap((q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale, step.softcap)  # [B, K, G, N]
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        if sinks is not None:
+            sink = (sinks if groups is None else sinks[groups]).to(dtype)  # [K, G]
+            scores = torch.cat([scores, sink[None, :, :, None].expand(*scores.shape[:-1], 1)], -1)
+            probabilities = torch.softmax(scores, -1)[..., :-1]
+        else:
+            probabilities = torch.softmax(scores, -1)
+        return (probabilities @ v.to(dtype)).to(q.dtype)
+
+    return attention
 
 
 def _groups_by_row(pairs: list[list[int]]) -> list[tuple[int, list[int]]]:

@@ -7,6 +7,7 @@ computes all ``G`` query heads of its group, so a local group's bulk is neither 
 kernel merges the splits by log-sum-exp (an empty split, ``m = -inf``, ``l = 0``, gets weight 0, never
 ``-inf - -inf``) and writes ``[b, H, 1, d]`` in the query dtype. Two launches, no host read of tensor values,
 grid and split count from the shapes and the SM count only: a step can be captured in a CUDA graph or compiled.
+A soft cap is applied to the scores in the split kernel; sink logits join the denominator in the combine kernel.
 
 Needs a CUDA device, or Triton's interpreter on CPU (``TRITON_INTERPRET=1`` set before triton is imported,
 slow, for tests). Otherwise calling it raises: no silent fallback. triton is imported on the first call only.
@@ -133,26 +134,29 @@ class TritonExecutor(AttentionExecutor):
         output = torch.empty(b, H, 1, d, dtype=query.dtype, device=query.device)
         bulk_blocks = torch.empty((), dtype=torch.int64, device=query.device)
         start, end = step.start, step.end  # [b] long or None: read inside the kernel only
+        softcap, sinks = step.softcap, step.sink_logits
         run = _triton_kernel.run  # (a graph break under the interpreter: torch.compile must not trace it)
         run(
             _triton_kernel.qada_decode_split_kernel, (pairs, S),
             query, key, value, local, query if start is None else start, query if end is None else end,
             acc, m, l, counts,
             *query.stride(), *key.stride(), *value.stride(), *local.stride(),
-            C, H_kv, window.t_sink, window.t_local, S, float(step.scale) * _LOG2E,
+            C, H_kv, window.t_sink, window.t_local, S,
+            float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0),
             G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D,
             HAS_START=start is not None, HAS_END=end is not None,
             INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
-            DOT_FP32=dot_fp32,
+            DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
             num_warps=self.num_warps, num_stages=self.num_stages,
         )  # fmt: skip
         BLOCK_S = _next_pow2(S)
         run(
             _triton_kernel.qada_decode_combine_kernel, (b * H + 1,),
-            acc, m, l, counts, output, bulk_blocks,
+            acc, m, l, counts, output, bulk_blocks, m if sinks is None else sinks.contiguous(),
             output.stride(0), output.stride(1), output.stride(3),
             H, S, pairs * S,
             G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=BLOCK_D, BLOCK_C=256,
+            HAS_SINKS=sinks is not None,
         )  # fmt: skip
         return TritonLaunch(output, bulk_blocks, acc, m, l, counts)
 

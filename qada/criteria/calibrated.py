@@ -106,6 +106,5 @@ class CalibratedQAdACriterion(ThresholdCriterion):
             raise ValueError(f"correction of {state['slope'].shape[0]} heads does not fit a step with "
                              f"{step.num_heads} heads")
         estimate = step.log_bulk_estimate
-        mu_s, var_s = step.score_moments
         slope, offset = state["slope"].to(estimate.dtype), state["offset"].to(estimate.dtype)
-        return apply_log_correction(estimate, mu_s + 0.5 * var_s, slope, offset)
+        return apply_log_correction(estimate, step.log_mean_exp_bulk, slope, offset)

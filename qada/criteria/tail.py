@@ -19,6 +19,7 @@ from qada.criteria.base import register_criterion
 from qada.criteria.budgeted import BudgetedQAdACriterion
 from qada.criteria.tail_index import LayerTail, TailIndex, append_step_key
 from qada.criteria.threshold import ThresholdCriterion
+from qada.functional.capping import soft_cap
 from qada.functional.tail import bounds_from_halves, page_slots, tail_log_bulk
 from qada.step import DecodeStep
 from qada.window import Window
@@ -114,9 +115,10 @@ class TailEstimate:
         """``[b, H]`` the tail-aware ``log Â_bulk``; first the step's key joins its page (in place)."""
         append_step_key(self.state(step), step.keys, step.end, self.page_size)
         scores, valid = self.exact_set(step)
+        scores = soft_cap(scores, step.softcap)  # (the pages' bounds rank alike capped or not: tanh is monotone)
         log_exact = torch.logsumexp(scores.masked_fill(~valid, float("-inf")), dim=-1)
         mu_s, var_s = step.score_moments
-        return tail_log_bulk(log_exact, valid.sum(-1), mu_s, var_s, step.t_bulk)
+        return tail_log_bulk(log_exact, valid.sum(-1), mu_s, var_s, step.t_bulk, step.softcap)
 
 
 @register_criterion("qada_tail")

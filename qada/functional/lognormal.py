@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from qada.functional.capping import log_mean_exp_score
 from qada.functional.checks import accumulation_dtype, check_float, check_ndim, group_size
 
 __all__ = ["lognormal_log_bulk_from_moments", "lognormal_log_bulk_mass", "lognormal_score_moments"]
@@ -73,11 +74,13 @@ def lognormal_log_bulk_mass(
     return lognormal_log_bulk_from_moments(*lognormal_score_moments(query, mean, cov, scale), t_bulk)
 
 
-def lognormal_log_bulk_from_moments(mu_s: torch.Tensor, var_s: torch.Tensor, t_bulk: torch.Tensor) -> torch.Tensor:
-    """``log T_bulk + mu_s + sigma_s^2 / 2`` from score moments ``[b, H]`` and ``t_bulk [b]`` (``-inf`` if 0)."""
+def lognormal_log_bulk_from_moments(mu_s: torch.Tensor, var_s: torch.Tensor, t_bulk: torch.Tensor,
+                                    softcap: float | None = None) -> torch.Tensor:
+    """``log T_bulk + mu_s + sigma_s^2 / 2`` from score moments ``[b, H]`` and ``t_bulk [b]`` (``-inf`` if 0); with a
+    logit ``softcap`` ``c``, ``log T_bulk + log E[exp(c tanh(s / c))]`` (:mod:`qada.functional.capping`)."""
     check_ndim("t_bulk", t_bulk, 1, "[batch]")
     if t_bulk.shape[0] != mu_s.shape[0]:
         raise ValueError(f"expected t_bulk of shape [{mu_s.shape[0]}] but got {tuple(t_bulk.shape)}")
     log_t = torch.log(t_bulk.to(device=mu_s.device, dtype=mu_s.dtype))[:, None]
-    estimate = log_t + mu_s + 0.5 * var_s
+    estimate = log_t + log_mean_exp_score(mu_s, var_s, softcap)
     return estimate.masked_fill(t_bulk.to(mu_s.device)[:, None] <= 0, float("-inf"))  # no host->device copy

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from qada.functional.capping import log_mean_exp_score
+
 __all__ = [
     "bounds_from_halves",
     "heavy_votes",
@@ -29,7 +31,8 @@ __all__ = [
 
 
 def tail_log_bulk(
-    log_exact: torch.Tensor, n_exact: torch.Tensor, mu_s: torch.Tensor, var_s: torch.Tensor, t_bulk: torch.Tensor
+    log_exact: torch.Tensor, n_exact: torch.Tensor, mu_s: torch.Tensor, var_s: torch.Tensor, t_bulk: torch.Tensor,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``log Â_bulk = logaddexp(log A_E, log(T_bulk - |E|) + mu_s + sigma_s^2 / 2)``, ``[b, H]``.
 
@@ -38,9 +41,11 @@ def tail_log_bulk(
         n_exact: ``[b, H]`` ``|E|``, the bulk tokens scored exactly (at most ``T_bulk``).
         mu_s, var_s: ``[b, H]`` score moments of the bulk (eq. 5-6, :func:`~qada.functional.lognormal_score_moments`).
         t_bulk: ``[b]`` bulk sizes; the rest ``T_bulk - |E|`` at 0 contributes nothing (``-inf``).
+        softcap: a logit soft-cap ``c``: the rest's mean is then ``E[exp(c tanh(s / c))]``
+            (:func:`~qada.functional.capping.log_mean_exp_score`), and ``log_exact`` must come from capped scores.
     """
     rest = (t_bulk.to(device=mu_s.device)[:, None] - n_exact.to(mu_s.device)).to(mu_s.dtype)
-    log_rest = torch.log(rest) + mu_s + 0.5 * var_s  # the operations of eq. 7, on the rest
+    log_rest = torch.log(rest) + log_mean_exp_score(mu_s, var_s, softcap)  # the operations of eq. 7, on the rest
     log_rest = log_rest.masked_fill(rest <= 0, float("-inf"))
     return torch.logaddexp(log_exact.to(mu_s.dtype), log_rest)
 

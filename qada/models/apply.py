@@ -11,6 +11,7 @@ from typing import Any
 from qada.artifacts import text_config
 from qada.attention import EXECUTORS
 from qada.criteria import CRITERIA
+from qada.models.attention_features import check_attention_source
 from qada.models.attention_function import ATTENTION_NAME, active_runs, qada_attention_forward
 from qada.models.compiled import register_run
 from qada.models.layer_types import attention_modules, layer_types
@@ -48,6 +49,7 @@ def _check_model(model: Any) -> list[Any]:
     modules = attention_modules(model)
     if not modules:
         raise UnsupportedModelError(f"{name} has no attention modules with a layer_idx: qada cannot wrap it")
+    check_attention_source(model, modules)
     if any(m in active_runs for m in modules):
         raise UnsupportedModelError(f"qada is already enabled on this {name}; remove the first run before a second")
     return modules

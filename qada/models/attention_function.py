@@ -1,8 +1,10 @@
 """The one function qada registers with transformers' ``AttentionInterface`` (under the name ``"qada"``).
 
-It only routes: a sliding-window layer (hybrid models) runs transformers' own SDPA attention untouched; on a
-global layer, prefill (more than one query) runs SDPA and feeds the moment source, and a decode step (one
-query) goes to the run's criterion and executor. The run of a module is looked up in
+It only routes: a sliding-window layer (hybrid models) runs dense attention untouched; on a global layer, prefill
+(more than one query) runs dense attention and feeds the moment source, and a decode step (one query) goes to the
+run's criterion and executor. Dense attention is transformers' SDPA function, or the model's math where the call
+carries sink logits or a soft cap (:mod:`qada.models.dense_attention`). A keyword argument that would change
+the math and that qada does not implement is an error (:mod:`qada.models.attention_features`). The run of a module is looked up in
 a weak map filled by :func:`qada.apply`; no model class is patched.
 """
 
@@ -12,6 +14,8 @@ import weakref
 
 import torch
 
+from qada.models.attention_features import PLAIN, AttentionFeatures, attention_features
+from qada.models.dense_attention import dense_attention
 from qada.models.guards import UnsupportedModelError
 from qada.models.run import QAdARun
 
@@ -37,8 +41,6 @@ def qada_attention_forward(
 
     Returns ``([b, q, H, d], None)``.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     run = active_runs.get(module)
     if run is None:
         raise UnsupportedModelError(
@@ -48,15 +50,15 @@ def qada_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise UnsupportedModelError(f"{type(module).__name__} has no layer_idx: qada needs one per attention layer")
-    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    if sliding is not None:  # a sliding-window layer is already local: its own mask and cache, untouched
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+    features = attention_features(module, kwargs, dropout)  # refuses what would change the math unnoticed
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if run.is_sliding(layer, module, kwargs):  # a sliding-window layer is already local: its own mask and cache
+        return dense_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs, features), None
     if query.shape[2] == 1 and run.on_buffer(layer, key.shape[2]):
         # A decode step on a preallocated cache: the whole buffer, the rows' ends as device tensors, no sync.
-        output = decode_step(run, layer, query, key, value, attention_mask, scaling, kwargs.get("position_ids"))
+        output = decode_step(run, layer, query, key, value, attention_mask, scaling, kwargs.get("position_ids"),
+                             features)
         return output.transpose(1, 2), None
     T = run.filled_length(layer, query.shape[2], attention_mask, key.shape[2])
     capacity = None
@@ -66,19 +68,23 @@ def qada_attention_forward(
     q_len = query.shape[2]
     if q_len > 1 or T == q_len:  # prefill (a 1-token prompt included, or a resumed chunk): dense, as in the paper
         mask = None if attention_mask is None else attention_mask[..., :T]
-        output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+        run.rows.check_contiguous(mask, T)
+        output = dense_attention(module, query, key, value, mask, scaling, dropout, kwargs, features)
         run.prefill(layer, key, run.rows.starts(attention_mask, T), capacity, query=query, scale=scaling)
         return output, None
-    output = decode_step(run, layer, query, key, value, attention_mask, scaling, kwargs.get("position_ids"))
+    output = decode_step(run, layer, query, key, value, attention_mask, scaling, kwargs.get("position_ids"), features)
     return output.transpose(1, 2), None
 
 
 def decode_step(run: QAdARun, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, scaling: float, position_ids: torch.Tensor | None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, scaling: float, position_ids: torch.Tensor | None,
+                features: AttentionFeatures = PLAIN) -> torch.Tensor:
     """:meth:`QAdARun.decode`, as one opaque operator when ``torch.compile`` traces the model (see
     :mod:`qada.models.compiled`): the compiler sees one call without host syncs, not qada's Python."""
     if torch.compiler.is_compiling():
         from qada.models.compiled import decode_op
 
-        return decode_op(run, layer, query, key, value, attention_mask, scaling, position_ids)
-    return run.decode(layer, query, key, value, scaling, attention_mask, position_ids)
+        return decode_op(run, layer, query, key, value, attention_mask, scaling, position_ids, features.sink_logits,
+                         features.softcap)
+    return run.decode(layer, query, key, value, scaling, attention_mask, position_ids, features.sink_logits,
+                      features.softcap)

@@ -50,15 +50,17 @@ def _operator():
         run_id: int,
         layer: int,
         scaling: float,
+        sink_logits: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         run = _RUNS.get(run_id)
         if run is None:
             raise RuntimeError("the qada run of this compiled model was removed: compile the model again")
-        output = run.decode(layer, query, key, value, scaling, attention_mask, position_ids)
+        output = run.decode(layer, query, key, value, scaling, attention_mask, position_ids, sink_logits, softcap)
         return output if output._base is None else output.clone()  # an operator's output must not alias
 
     @decode_buffer.register_fake
-    def _(query, key, value, attention_mask, position_ids, run_id, layer, scaling):
+    def _(query, key, value, attention_mask, position_ids, run_id, layer, scaling, sink_logits=None, softcap=None):
         return torch.empty_like(query)  # [b, H, 1, d]
 
     return decode_buffer
@@ -66,8 +68,9 @@ def _operator():
 
 def decode_op(run: Any, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, scaling: float,
-              position_ids: torch.Tensor | None) -> torch.Tensor:
+              position_ids: torch.Tensor | None, sink_logits: torch.Tensor | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """``run.decode(...)`` through the ``qada::decode_buffer`` operator: ``query [b, H, 1, d]``,
     ``key, value [b, H_kv, C, d]`` (the whole buffer) -> ``[b, H, 1, d]``."""
     return torch.ops.qada.decode_buffer(query, key, value, attention_mask, position_ids, run.op_number, layer,
-                                        float(scaling))
+                                        float(scaling), sink_logits, softcap)

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CacheGuard", "StaleStateError", "UnsupportedModelError", "mask_filled_length", "row_bounds", "row_starts"]
+__all__ = ["CacheGuard", "StaleStateError", "UnsupportedModelError", "check_contiguous_rows", "mask_filled_length",
+           "row_bounds", "row_starts"]
 
 
 class UnsupportedModelError(ValueError):
@@ -58,6 +59,27 @@ def row_bounds(
     start = allowed.argmax(-1)
     end = key_len - allowed.flip(-1).argmax(-1)
     return start, end
+
+
+def check_contiguous_rows(attention_mask: torch.Tensor | None, length: int) -> None:
+    """Raise :class:`UnsupportedModelError` when a row of the 4D mask ``[b, 1, q, >= length]`` lets its last query
+    see keys that are not one contiguous run (a padding token inside a prompt, e.g. ``generate`` inferring the mask
+    from a ``pad_token_id`` that also occurs in the text): qada's rows are ``[start, end)`` (left padding). A host
+    sync: called once per prefill."""
+    if attention_mask is None or attention_mask.ndim != 4:
+        return
+    allowed = _last_query_allowed(attention_mask[..., :length]).to(torch.int8)  # [b, T]
+    count = allowed.sum(-1)
+    start = allowed.argmax(-1)
+    end = allowed.shape[-1] - allowed.flip(-1).argmax(-1)
+    broken = ((end - start) != count) & (count > 0)
+    if bool(broken.any()):
+        row = int(broken.nonzero()[0, 0])
+        raise UnsupportedModelError(
+            f"row {row} of the attention mask hides tokens inside the row (padding that is not on the left, e.g. "
+            "generate() inferring the mask from a pad_token_id that also occurs in the prompt): qada attends over "
+            "each row's tokens from its first to its last; pass an explicit attention_mask (left padding only)"
+        )
 
 
 def mask_filled_length(attention_mask: torch.Tensor | None) -> int | None:

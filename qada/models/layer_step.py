@@ -82,6 +82,8 @@ def layer_step(
     layer: torch.Tensor,
     moment_state: dict[str, torch.Tensor] | None,
     criterion_states: dict[str, dict[str, torch.Tensor]],
+    sink_logits: torch.Tensor | None = None,
+    softcap: float | None = None,
     *,
     criterion: HeadCriterion,
     moments: MomentSource | None,
@@ -98,6 +100,7 @@ def layer_step(
         layer: 0-d long tensor, the layer's index (a tensor, so that a compiled step serves every layer).
         moment_state: the source's :meth:`~qada.moments.MomentSource.step_state` (``None``: no moments).
         criterion_states: :meth:`~qada.criteria.HeadCriterion.layer_states` of the criterion.
+        sink_logits: ``[H]`` the model's learned sink logits, ``softcap``: its logit soft-cap (``None``: none).
         criterion, moments, window, policy: the run's components and the executor's group policy.
     """
     bulk = None
@@ -105,7 +108,7 @@ def layer_step(
         rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
         bulk = moments.step(moment_state, keys, start, rows_end, window)
     step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk,
-                      values=values, states=criterion_states)
+                      values=values, states=criterion_states, sink_logits=sink_logits, softcap=softcap)
     decided = criterion(step)
     local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
     reads = kv_read(read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))
@@ -198,8 +201,10 @@ def compile_layer_step(bound: dict[str, Any], backend: Any) -> Any:
     8) per code object, so each run's step is compiled for that run's components and never evicts another's (a
     ``functools.partial`` or a plain closure would share one code object across runs)."""
 
-    def step(query, keys, values, start, end, scale, layer, moment_state, criterion_states):  # noqa: ANN001
-        return layer_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states, **bound)
+    def step(query, keys, values, start, end, scale, layer, moment_state, criterion_states, sink_logits=None,  # noqa: ANN001
+             softcap=None):  # noqa: ANN001
+        return layer_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states, sink_logits,
+                          softcap, **bound)
 
     own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
                              step.__closure__)

@@ -7,7 +7,9 @@ cache) and criteria, moment sources and statistics only see the global layers.
 
 The window of a layer is read from its attention module, as the model's own forward reads it: the module's
 ``sliding_window`` attribute (``None`` on a full-attention layer; Gemma-2/3, Qwen2/3, Cohere-2) or, for models
-that pass their config's window to every layer (Mistral, Mixtral), ``module.config.sliding_window``.
+that pass their config's window to every layer (Mistral, Mixtral), ``module.config.sliding_window``; where the
+module says nothing, from the cache layout transformers derives from the config (a sliding cache of ``W`` slots
+is a sliding layer, whatever the module holds; chunked attention, Llama-4, passes through the same way).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from qada.artifacts import text_config
 
-__all__ = ["LayerTypes", "layer_types", "module_window"]
+__all__ = ["LayerTypes", "cache_windows", "layer_types", "module_window"]
 
 
 def module_window(module: Any) -> int | None:
@@ -74,16 +76,38 @@ def attention_modules(model: Any) -> list[Any]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
+def cache_windows(config: Any) -> dict[int, int]:
+    """``{layer: window}`` of the layers whose cache transformers keeps as a sliding window (the config's
+    ``layer_types``, or its per-layer ``sliding_window`` / ``attention_chunk_size``): the ground truth of what a
+    layer's cache holds, for models whose attention modules do not expose their window. Empty when transformers
+    cannot tell."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        kinds, kwargs = get_layer_types_and_kwargs(config)
+    except Exception:  # noqa: BLE001 - an older transformers, or a config it cannot read: the modules decide
+        return {}
+    return {layer: int(extra["sliding_window"]) for layer, (kind, extra) in enumerate(zip(kinds, kwargs, strict=False))
+            if isinstance(extra.get("sliding_window"), int) and kind in _LOCAL_KINDS}
+
+
+_LOCAL_KINDS = ("sliding_attention", "chunked_attention", "hybrid_sliding", "reference_sliding_attention")
+
+
 def layer_types(model: Any) -> LayerTypes:
-    """The :class:`LayerTypes` of a transformers model (from its attention modules)."""
+    """The :class:`LayerTypes` of a transformers model (from its attention modules, and from the cache layout
+    transformers derives from its config where a module does not expose its window)."""
     windows: dict[int, int] = {}
     indices = []
+    cached = cache_windows(text_config(model.config))
     for module in attention_modules(model):
         layer = module.layer_idx
         if not isinstance(layer, int):
             continue
         indices.append(layer)
         window = module_window(module)
+        if window is None:
+            window = cached.get(layer)
         if window is not None:
             windows[layer] = window
     config = text_config(model.config)

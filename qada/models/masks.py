@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from qada.models.guards import mask_filled_length, row_bounds, row_starts
+from qada.models.guards import check_contiguous_rows, mask_filled_length, row_bounds, row_starts
 
 __all__ = ["RowBounds"]
 
@@ -37,6 +37,11 @@ class RowBounds:
     def filled(self, attention_mask: torch.Tensor | None, length: int) -> int | None:
         """How many slots the mask lets the last query see (:func:`~qada.models.guards.mask_filled_length`)."""
         return self._once("filled", attention_mask, length, lambda: mask_filled_length(attention_mask))
+
+    def check_contiguous(self, attention_mask: torch.Tensor | None, length: int) -> None:
+        """Raise where a row's tokens are not one run (:func:`~qada.models.guards.check_contiguous_rows`); once per
+        mask."""
+        self._once("contiguous", attention_mask, length, lambda: check_contiguous_rows(attention_mask, length))
 
     def bounds(self, attention_mask: torch.Tensor | None, length: int,
                position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor] | None:

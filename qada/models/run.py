@@ -121,6 +121,14 @@ class QAdARun:
         preallocated one)."""
         return self.guard.filled_length(layer, q_len, key_len, lambda: self.rows.filled(attention_mask, key_len))
 
+    def is_sliding(self, layer: int, module: Any = None, kwargs: dict | None = None) -> bool:
+        """Whether ``layer`` attends over a sliding window (passed through untouched): from the model's
+        :class:`~qada.models.layer_types.LayerTypes` once attached, else from the call (``sliding_window``)."""
+        if self.layers is not None:
+            return self.layers.is_sliding(layer)
+        window = (kwargs or {}).get("sliding_window", getattr(module, "sliding_window", None))
+        return window is not None
+
     def on_buffer(self, layer: int, key_len: int) -> bool:
         """Whether a decode step of ``layer`` over ``key_len`` slots is on the whole preallocated buffer."""
         return self.guard.buffer_capacity(layer) == key_len
@@ -150,11 +158,13 @@ class QAdARun:
         self.fanout.prefill(layer, key.shape[2])
 
     def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+               attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+               sink_logits: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """One decode step of ``layer``: ``query [b, H, 1, d]`` against the cache ``key, value [b, H_kv, S, d]`` ->
         ``[b, H, 1, d]``. On a preallocated cache (``S`` its capacity) the rows' bounds come from the mask (or the
         positions) as device tensors: no host read, fixed shapes, the compiled layer step; on a growing cache
-        (``S`` its length) every row ends at ``S``."""
+        (``S`` its length) every row ends at ``S``. ``sink_logits [H]`` and ``softcap``: the model's softmax features
+        (:mod:`qada.functional.capping`), ``None`` when it has none."""
         buffered = self.on_buffer(layer, key.shape[2])
         if buffered:
             bounds = self.rows.bounds(attention_mask, key.shape[2], position_ids)
@@ -171,8 +181,8 @@ class QAdARun:
         if layer == self._last_layer:  # the step's bounds die with it: under CUDA graphs no tensor made in a
             self.rows.clear()  # captured step may outlive it (the graph pool would hold it)
         result = self.layer_step(buffered, query, key, value, start, end, float(scale),
-                                 *self._layer_inputs(layer, key.shape[2], key.device))
-        return self._attend(layer, step_index, query, key, value, scale, start, end, result)
+                                 *self._layer_inputs(layer, key.shape[2], key.device), sink_logits, softcap)
+        return self._attend(layer, step_index, query, key, value, scale, start, end, result, sink_logits, softcap)
 
     def _layer_inputs(self, layer: int, slots: int, device: torch.device) -> tuple:
         """``(layer index [0-d], moment state, criterion states)`` of ``layer`` on a cache of ``slots`` slots, on
@@ -189,10 +199,11 @@ class QAdARun:
 
     def _attend(self, layer: int, step_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float, start: torch.Tensor | None, end: torch.Tensor | None,
-                result: LayerStepResult) -> torch.Tensor:
+                result: LayerStepResult, sink_logits: torch.Tensor | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """The executor on what the layer step decided and gathered; statistics and observers."""
         step = DecodeStep.checked_already(result.query, key, scale, self.window, layer, step_index, result.start,
-                                          result.end, result.moments, value)
+                                          result.end, result.moments, value, sink_logits, softcap)
         step.share(window_keys=result.window_keys, window_valid=result.window_valid,
                    window_values=result.window_values, t_bulk=result.t_bulk, real=result.real)
         step.fail_safe = result.fail_safe

@@ -4,8 +4,8 @@ It only routes: a sliding-window layer (hybrid models) runs dense attention unto
 (more than one query) runs dense attention and feeds the moment source, and a decode step (one query) goes to the
 run's criterion and executor. Dense attention is transformers' SDPA function, or the model's math where the call
 carries sink logits or a soft cap (:mod:`qada.models.dense_attention`). A keyword argument that would change
-the math and that qada does not implement is an error (:mod:`qada.models.attention_features`). The run of a module is looked up in
-a weak map filled by :func:`qada.apply`; no model class is patched.
+the math and that qada does not implement is an error (:mod:`qada.models.attention_features`). The run of a module
+is looked up in a weak map filled by :func:`qada.apply`; no model class is patched.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from qada.criteria import CRITERIA
 from qada.models.attention_features import check_attention_source
 from qada.models.attention_function import ATTENTION_NAME, active_runs, qada_attention_forward
 from qada.models.compiled import register_run
-from qada.models.layer_types import attention_modules, layer_types
+from qada.models.layer_types import GLOBAL_KINDS, LOCAL_KINDS, OTHER_KINDS, attention_modules, cache_layers, layer_types
 from qada.models.observers import Observer
 from qada.models.run import QAdARun, UnsupportedModelError
 from qada.moments import MOMENT_SOURCES
@@ -50,9 +50,31 @@ def _check_model(model: Any) -> list[Any]:
     if not modules:
         raise UnsupportedModelError(f"{name} has no attention modules with a layer_idx: qada cannot wrap it")
     check_attention_source(model, modules)
+    _check_layer_kinds(model, modules)
     if any(m in active_runs for m in modules):
         raise UnsupportedModelError(f"qada is already enabled on this {name}; remove the first run before a second")
     return modules
+
+
+def _check_layer_kinds(model: Any, modules: list[Any]) -> None:
+    """Refuse layers whose cache qada does not know (compressed attention, ...) and attention modules that serve
+    several cache layers each (a recurrent model that runs its layers several times per token)."""
+    layers = cache_layers(text_config(model.config))
+    if layers is None:
+        return
+    family = getattr(model.config, "model_type", type(model).__name__)
+    unknown = sorted({kind for kind in layers[0] if kind not in GLOBAL_KINDS + LOCAL_KINDS + OTHER_KINDS})
+    if unknown:
+        raise UnsupportedModelError(
+            f"{family}: layers of kind {', '.join(unknown)}, whose cache qada does not know; qada decides on full "
+            "attention, passes sliding and chunked attention through and never sees linear attention or state spaces"
+        )
+    attention = [kind for kind in layers[0] if kind in GLOBAL_KINDS + LOCAL_KINDS]
+    if len(attention) > len(modules):
+        raise UnsupportedModelError(
+            f"{family}: {len(modules)} attention modules fill {len(attention)} cache layers (the model runs its "
+            "layers several times per token); qada keeps one decision state per attention module and cannot serve it"
+        )
 
 
 def _components(

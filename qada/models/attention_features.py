@@ -52,6 +52,9 @@ KNOWN_UNSUPPORTED = {
 """Keywords qada recognises and does not implement (refused when they carry a value), with what they are."""
 
 
+_PARAMETERS = frozenset({"module", "query", "key", "value", "attention_mask"})  # passed by name by some families
+
+
 def _meaning(name: str) -> str:
     return KNOWN_UNSUPPORTED.get(name, "an attention argument qada does not know")
 
@@ -124,8 +127,8 @@ def _attention_calls(cls: type) -> list[ast.Call] | None:
 def check_attention_source(model: Any, modules: list[Any]) -> None:
     """Raise :class:`~qada.models.guards.UnsupportedModelError` at :func:`qada.apply` when an attention module's
     ``forward`` passes a keyword that changes the math and that qada does not implement (unless its value is
-    literally ``None``), or calls the attention function more than once per layer (differential attention):
-    the error names the model family and the feature."""
+    literally ``None``), a mask other than the model's (``attention_mask``), or calls the attention function more
+    than once per layer (differential attention): the error names the model family and the feature."""
     family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     for cls in {type(module) for module in modules}:
         calls = _attention_calls(cls)
@@ -136,9 +139,16 @@ def check_attention_source(model: Any, modules: list[Any]) -> None:
                 f"{family}: {cls.__name__} calls the attention function {len(calls)} times per layer (e.g. "
                 "differential attention); qada decides on one softmax per layer and cannot serve it"
             )
+        mask = [k.value for k in calls[0].keywords if k.arg == "attention_mask"] + calls[0].args[4:5]
+        if mask and not (isinstance(mask[0], ast.Name) and mask[0].id == "attention_mask"
+                         or isinstance(mask[0], ast.Constant) and mask[0].value is None):
+            raise UnsupportedModelError(
+                f"{family}: {cls.__name__} attends with a mask of its own ({ast.unparse(mask[0])}, e.g. dynamic mask "
+                "attention), not the model's causal mask; qada attends over every token of a row and cannot serve it"
+            )
         for keyword in calls[0].keywords:
             name = keyword.arg
-            if name is None or name in NO_EFFECT or name in IMPLEMENTED:
+            if name is None or name in NO_EFFECT or name in IMPLEMENTED or name in _PARAMETERS:
                 continue
             if isinstance(keyword.value, ast.Constant) and keyword.value.value in (None, False):
                 continue

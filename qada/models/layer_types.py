@@ -19,7 +19,8 @@ from typing import Any
 
 from qada.artifacts import text_config
 
-__all__ = ["LayerTypes", "cache_windows", "layer_types", "module_window"]
+__all__ = ["GLOBAL_KINDS", "LOCAL_KINDS", "OTHER_KINDS", "LayerTypes", "cache_layers", "cache_windows", "layer_types",
+           "module_window"]
 
 
 def module_window(module: Any) -> int | None:
@@ -76,22 +77,34 @@ def attention_modules(model: Any) -> list[Any]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
-def cache_windows(config: Any) -> dict[int, int]:
-    """``{layer: window}`` of the layers whose cache transformers keeps as a sliding window (the config's
-    ``layer_types``, or its per-layer ``sliding_window`` / ``attention_chunk_size``): the ground truth of what a
-    layer's cache holds, for models whose attention modules do not expose their window. Empty when transformers
-    cannot tell."""
+GLOBAL_KINDS = ("full_attention",)
+LOCAL_KINDS = ("sliding_attention", "chunked_attention", "hybrid_sliding", "reference_sliding_attention")
+"""Cache layer kinds of attention layers: global ones (qada decides on them) and local ones (passed through)."""
+OTHER_KINDS = ("linear_attention", "conv", "mamba", "hybrid", "dummy", "moe", "mlp", "recurrent")
+"""Cache layer kinds without softmax attention over the context (qada never sees them)."""
+
+
+def cache_layers(config: Any) -> tuple[list[str], list[dict]] | None:
+    """The kind of every layer's cache and its arguments, as transformers derives them from ``config``
+    (``layer_types``, or the per-layer ``sliding_window`` / ``attention_chunk_size``): the ground truth of what a
+    layer's cache holds. ``None`` when transformers cannot tell."""
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         kinds, kwargs = get_layer_types_and_kwargs(config)
     except Exception:  # noqa: BLE001 - an older transformers, or a config it cannot read: the modules decide
+        return None
+    return list(kinds), list(kwargs)
+
+
+def cache_windows(config: Any) -> dict[int, int]:
+    """``{layer: window}`` of the layers whose cache transformers keeps as a sliding window (:func:`cache_layers`),
+    for models whose attention modules do not expose their window. Empty when transformers cannot tell."""
+    layers = cache_layers(config)
+    if layers is None:
         return {}
-    return {layer: int(extra["sliding_window"]) for layer, (kind, extra) in enumerate(zip(kinds, kwargs, strict=False))
-            if isinstance(extra.get("sliding_window"), int) and kind in _LOCAL_KINDS}
-
-
-_LOCAL_KINDS = ("sliding_attention", "chunked_attention", "hybrid_sliding", "reference_sliding_attention")
+    return {layer: int(extra["sliding_window"]) for layer, (kind, extra) in enumerate(zip(*layers, strict=True))
+            if isinstance(extra.get("sliding_window"), int) and kind in LOCAL_KINDS}
 
 
 def layer_types(model: Any) -> LayerTypes:

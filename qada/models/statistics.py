@@ -7,6 +7,7 @@ preallocated device tensor updated in place, so a decode step replayed from a CU
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -71,7 +72,7 @@ class DecodeStatistics:
     ) -> None:
         """Add one decode step of ``layer`` (0-d tensors from the executor; ``fail_safe``: heads forced dense;
         ``kv_read``: the fraction of the dense K/V read, ``None``: not known, and the run's ``kv_read`` is then
-        ``nan``)."""
+        ``None``)."""
         if self.sums is None or layer >= self.sums.shape[0]:
             self.prepare(layer + 1, sparsity.device)  # eager use without a prefill: allocate once
         f64 = dict(dtype=torch.float64, device=self.sums.device)
@@ -110,7 +111,9 @@ class DecodeStatistics:
         """Mean sparsity, kv_sparsity and kv_read over all decoded (layer, step) pairs, per layer, and the fail-safe
         count.
 
-        Without any decode step the means are ``nan``. Reads the device sums once (a host sync).
+        Without any decode step (a model whose every layer slides has none on its global layers) the means are
+        ``None``, never ``nan``; so is ``kv_read`` where a step did not report it. Reads the device sums once (a host
+        sync).
         """
         sums = self.sums.tolist() if self.sums is not None else []
         decoded = [(layer, row) for layer, row in enumerate(sums) if row[_STEPS] > 0]
@@ -120,14 +123,19 @@ class DecodeStatistics:
         per_layer_read = {layer: row[_KV_READ] / row[_STEPS] for layer, row in decoded}
         return {
             "decode_steps": int(max((row[_STEPS] for _, row in decoded), default=0)),
-            "sparsity": sum(row[_SPARSITY] for _, row in decoded) / steps if steps else float("nan"),
-            "kv_sparsity": sum(row[_KV_SPARSITY] for _, row in decoded) / steps if steps else float("nan"),
+            "sparsity": _mean(sum(row[_SPARSITY] for _, row in decoded), steps),
+            "kv_sparsity": _mean(sum(row[_KV_SPARSITY] for _, row in decoded), steps),
             "sparsity_per_layer": per_layer,
             "kv_sparsity_per_layer": per_layer_kv,
-            "kv_read": sum(row[_KV_READ] for _, row in decoded) / steps if steps else float("nan"),
-            "kv_read_per_layer": per_layer_read,
+            "kv_read": _mean(sum(row[_KV_READ] for _, row in decoded), steps),
+            "kv_read_per_layer": {layer: value for layer, value in per_layer_read.items() if math.isfinite(value)},
             "fail_safe": int(sum(row[_FAIL_SAFE] for row in sums)),
         }
+
+
+def _mean(total: float, count: float) -> float | None:
+    """``total / count``, ``None`` where there is nothing (no step) or it is not a number."""
+    return total / count if count and math.isfinite(total) else None
 
 
 def all_layer_sparsity(summary: dict[str, Any], layers: Any) -> dict[str, Any]:

@@ -118,9 +118,7 @@ class DecodeStep:
         group_size(H, self.keys.shape[1])
         if not isinstance(self.window, Window):
             raise TypeError(f"expected window to be a qada.Window but got {type(self.window).__name__}")
-        scale = self.scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"expected scale to be a finite float > 0 but got {scale!r}")
+        _check_positive("scale", self.scale)
         if self.values is not None:
             check_float("values", self.values)
             if self.values.shape != self.keys.shape:
@@ -132,10 +130,8 @@ class DecodeStep:
             if self.sink_logits.shape != (H,):
                 raise ValueError(f"expected sink_logits of shape [{H}] (one per query head) but got "
                                  f"{tuple(self.sink_logits.shape)}")
-        cap = self.softcap
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
-                                or cap <= 0):
-            raise ValueError(f"expected softcap to be None or a finite float > 0 but got {cap!r}")
+        if self.softcap is not None:
+            _check_positive("softcap", self.softcap)
         self.start = _row_positions("start", self.start, b, self.query.device)
         self.end = _row_positions("end", self.end, b, self.query.device)
 
@@ -355,6 +351,15 @@ class DecodeStep:
         """Count heads forced dense because a value was NaN/inf (kept on the device, no sync)."""
         count = forced_dense.sum()
         self.fail_safe = count if self.fail_safe is None else self.fail_safe + count
+
+
+def _check_positive(name: str, value: float) -> None:
+    """Raise unless ``value`` is a finite float > 0. Not while ``torch.compile`` traces the step: there a float
+    argument may be symbolic (a process whose runs use several scales), and it was checked eagerly before."""
+    if torch.compiler.is_compiling():
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"expected {name} to be a finite float > 0 but got {value!r}")
 
 
 def _row_positions(name: str, value: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor | None:

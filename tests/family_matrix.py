@@ -106,10 +106,12 @@ def _attempts(family: str, num_layers: int, **overrides) -> list[dict]:
     try:
         default = CONFIG_MAPPING[family]()
     except Exception as error:  # noqa: BLE001 - a config without defaults that validate
-        raise NotBuilt(f"no tiny {family} model could be built: its default config does not validate ({error})") from None
+        raise NotBuilt(f"no tiny {family} model could be built: its default config does not validate "
+                       f"({error})") from None
     defaults = default.to_dict()
     # hasattr: a config's attribute_map gives the common names (GPT-2's n_embd is its hidden_size)
-    sizes = {name: value for name, value in SIZES.items() if name in defaults or hasattr(default, name)}
+    sizes = {name: value for name, value in SIZES.items() if (name in defaults or hasattr(default, name))
+             and not isinstance(getattr(type(default), name, None), property)}  # not a derived property
     if "qk_rope_head_dim" in defaults:  # multi-head latent attention: head_dim is the rotary part, no GQA
         sizes["head_dim"] = SIZES["qk_rope_head_dim"]
         sizes["num_key_value_heads"] = SIZES["num_attention_heads"]
@@ -191,7 +193,8 @@ def attention_keywords(model) -> list[str]:
     names = set()
     for cls in {type(m) for m in attention_modules(model)}:
         for call in _attention_calls(cls) or []:
-            names.update(k.arg for k in call.keywords if k.arg and k.arg not in ("dropout", "scaling"))
+            names.update(k.arg for k in call.keywords if k.arg and k.arg not in ("dropout", "scaling", "query", "key",
+                                                                                 "value", "attention_mask", "module"))
     return sorted(names)
 
 
@@ -199,7 +202,7 @@ def features_of(model) -> list[str]:
     """What the table lists for a family: the attention keywords and the kinds of its layers."""
     from qada.models.layer_types import layer_types
 
-    found = attention_keywords(model)
+    found = [f"`{name}`" for name in attention_keywords(model)]
     try:
         types = layer_types(model)
         if types.sliding:
@@ -350,8 +353,7 @@ def table(results: list[FamilyResult]) -> str:
         status = {"supported": "supported", "refused": "refused at `apply`: " + _short(r.detail),
                   "unbuilt": "untested (no tiny random model from its config)",
                   "failed": "not served: " + _short(r.detail)}[r.status]
-        lines.append(f"| `{r.family}` | {', '.join(f'`{f}`' if '_' in f else f for f in r.features) or '-'} "
-                     f"| {status} |")
+        lines.append(f"| `{r.family}` | {', '.join(r.features) or '-'} | {status} |")
     return "\n".join(lines) + "\n"
 
 

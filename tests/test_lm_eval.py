@@ -94,6 +94,17 @@ def test_bad_model_args_are_one_clear_error(args, match):
         parse_qada_args(args)
 
 
+def test_a_key_neither_qada_nor_lm_evals_model_takes_is_an_error_not_dropped():
+    from qada.integrations.lm_eval import hf_parameters
+
+    others = hf_parameters()
+    assert {"batch_size", "max_length", "device"} <= set(others) and "kwargs" not in others
+    with pytest.raises(QAdaArgumentError, match=r"model_args tua: unknown argument .*did you mean 'tau'\?"):
+        parse_qada_args({"criterion": "qada", "tua": 0.1}, others=others)
+    _, rest = parse_qada_args({"criterion": "qada", "tau": 0.1, "max_length": 512}, others=others)
+    assert rest == {"max_length": 512}
+
+
 # --- the real CLI path on the embedded model --------------------------------------------------------------------
 
 
@@ -144,6 +155,7 @@ def test_log_likelihood_tasks_say_qada_changed_nothing(tasks, tmp_path):
     ("pretrained=smollm2-135m,static=/nonexistent.safetensors", "head-mask file"),
     ("pretrained=smollm2-135m,imports=qada_no_such_plugin_module", "could not import"),
     ("pretrained=/nonexistent/model-dir", "pretrained="),
+    ("pretrained=smollm2-135m,criterion=qada,tua=0.1", "did you mean 'tau'"),
 ])
 def test_bad_model_args_on_the_command_line_are_one_line(tasks, tmp_path, capsys, model_args, match):
     code = main(["run", "--model", "qada", "--model_args", model_args, "--tasks", "qada_test_niah",

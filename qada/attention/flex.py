@@ -92,6 +92,17 @@ def _kv_blocks(start: torch.Tensor, end: torch.Tensor, dense: torch.Tensor, wind
     return kv_num, kv_indices
 
 
+def _lse_request(wanted: bool) -> dict:
+    """``flex_attention``'s keyword asking for the log-sum-exp too (``return_aux`` where it exists)."""
+    if not wanted:
+        return {}
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # an older torch
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
 @register_executor("flex")
 @dataclass
 class FlexExecutor(AttentionExecutor):
@@ -190,9 +201,10 @@ class FlexExecutor(AttentionExecutor):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             out = attention(step.query[:, :, None], key, value, block_mask=state.block_mask, scale=step.scale,
-                            enable_gqa=True, score_mod=self._score_mod(step.softcap), return_lse=sinks)
+                            enable_gqa=True, score_mod=self._score_mod(step.softcap), **_lse_request(sinks))
         if sinks:  # the sink logits join the denominator: out * A / (A + e^z), from the log-sum-exp A
-            out, lse = out
+            out, aux = out
+            lse = getattr(aux, "lse", aux)
             out = (out.float() * sink_output_scale(lse[..., 0].float(), step.sink_logits)[..., None, None]
                    ).to(step.query.dtype)
         return out, None

@@ -18,7 +18,6 @@ It is part of what a local head keeps, so it joins the local mass: ``A_local + e
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -27,6 +26,7 @@ __all__ = [
     "GAUSS_HERMITE_NODES",
     "add_sink_logits",
     "capped_log_mean_exp",
+    "hermite_rule",
     "log_mean_exp_score",
     "sink_output_scale",
     "soft_cap",
@@ -44,28 +44,36 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     return torch.tanh(scores / cap) * cap
 
 
-@functools.cache
-def _hermite(n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Nodes and ``log(w_j / sqrt(pi))`` of the ``n``-point Gauss-Hermite rule (weight ``e^{-x^2}``)."""
-    import numpy as np
+_RULES: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
 
-    nodes, weights = np.polynomial.hermite.hermgauss(n)
-    return tuple(float(x) for x in nodes), tuple(float(math.log(w) - 0.5 * math.log(math.pi)) for w in weights)
+
+def hermite_rule(n: int = GAUSS_HERMITE_NODES) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Nodes and ``log(w_j / sqrt(pi))`` of the ``n``-point Gauss-Hermite rule (weight ``e^{-x^2}``), computed once
+    (by numpy) and kept: call it eagerly before a traced step uses the rule, which then reads constants."""
+    rule = _RULES.get(n)
+    if rule is None:
+        import numpy as np
+
+        nodes, weights = np.polynomial.hermite.hermgauss(n)
+        rule = _RULES[n] = (tuple(float(x) for x in nodes),
+                            tuple(float(math.log(w) - 0.5 * math.log(math.pi)) for w in weights))
+    return rule
 
 
 def capped_log_mean_exp(mu: torch.Tensor, var: torch.Tensor, cap: float, nodes: int = GAUSS_HERMITE_NODES
                         ) -> torch.Tensor:
     """``log E[exp(c tanh(s / c))]`` for ``s ~ N(mu, var)``, elementwise over ``mu, var [...]`` (Gauss-Hermite,
     module docstring); accumulates in float64 for float64 inputs, else float32."""
-    if not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and math.isfinite(cap) and cap > 0):
+    if not torch.compiler.is_compiling() and not (isinstance(cap, (int, float)) and not isinstance(cap, bool)
+                                                  and math.isfinite(cap) and cap > 0):
         raise ValueError(f"expected the soft cap to be a finite float > 0 but got {cap!r}")
-    x, log_w = _hermite(nodes)
+    x, log_w = _RULES[nodes] if nodes in _RULES else hermite_rule(nodes)
     dtype = torch.float64 if mu.dtype == torch.float64 else torch.float32
     x_t = torch.tensor(x, dtype=dtype, device=mu.device)
     log_w_t = torch.tensor(log_w, dtype=dtype, device=mu.device)
     sigma = var.to(dtype).clamp(min=0).sqrt()
     s = mu.to(dtype)[..., None] + math.sqrt(2.0) * sigma[..., None] * x_t  # [..., n]
-    return torch.logsumexp(log_w_t + soft_cap(s, float(cap)), dim=-1)
+    return torch.logsumexp(log_w_t + soft_cap(s, cap), dim=-1)
 
 
 def log_mean_exp_score(mu: torch.Tensor, var: torch.Tensor, cap: float | None = None) -> torch.Tensor:

@@ -42,6 +42,14 @@ MODEL_NAME = "qada"
 _made: list[QAdaLM] | None = None
 
 
+def hf_parameters() -> list[str]:
+    """The keyword parameters of lm-eval's ``HFLM`` (what ``model_args`` may hold besides qada's)."""
+    import inspect
+
+    return [name for name, p in inspect.signature(HFLM.__init__).parameters.items()
+            if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+
+
 class QAdaLM(HFLM):
     """lm-eval's ``HFLM`` decoding with qada. ``model_args`` (every one optional):
 
@@ -51,11 +59,12 @@ class QAdaLM(HFLM):
       ``executor``, ``window`` (an int ``t_local`` or a mapping), ``static`` (a head-mask file from ``qada
       calibrate``, instead of ``criterion``), ``config`` (a YAML run config), ``imports`` (plugin modules,
       separated by ``;``), ``device`` (``cpu``, ``cuda``, ``auto``), ``dtype`` (``auto``, ``float32``, ...);
-    * anything else goes to ``HFLM`` (``batch_size``, ``max_length``, ...).
+    * anything else goes to ``HFLM`` (``batch_size``, ``max_length``, ...); a key that neither takes (a misspelt
+      ``tua=0.1``) is an error, not dropped.
     """
 
     def __init__(self, **model_args: Any) -> None:
-        qada_args, rest = parse_qada_args(model_args)
+        qada_args, rest = parse_qada_args(model_args, others=hf_parameters())
         model, tokenizer, self.qada_config = _load(qada_args)
         self.qada_args = qada_args
         self._qada_run = self.qada_config.build()

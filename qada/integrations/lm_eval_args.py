@@ -8,12 +8,13 @@ or (for a literal such as ``{"name": "qada"}``) a Python object; the mappings qa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["QADA_ARGS", "QAdaArgumentError", "QAdaArgs", "parse_qada_args"]
+__all__ = ["QADA_ARGS", "QAdaArgumentError", "QAdaArgs", "check_known_args", "parse_qada_args"]
 
 #: The model_args qada reads itself; every other one goes to lm-eval's Hugging Face model (``batch_size``,
 #: ``max_length``, ...).
@@ -89,12 +90,29 @@ def _imports(value: Any) -> list[str]:
     return [str(name) for name in names if str(name).strip()]
 
 
-def parse_qada_args(args: Mapping[str, Any]) -> tuple[QAdaArgs, dict[str, Any]]:
+def check_known_args(args: Mapping[str, Any], others: Collection[str]) -> None:
+    """Raise :class:`QAdaArgumentError` for a ``model_args`` key that neither qada (:data:`QADA_ARGS`) nor the model
+    the rest goes to (``others``, e.g. the parameters of lm-eval's ``HFLM``) takes: such a key would be dropped
+    without a word (``tua=0.1`` for ``tau``)."""
+    known = set(QADA_ARGS) | set(others)
+    unknown = [key for key in args if key not in known]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise QAdaArgumentError(f"model_args {key}: unknown argument (neither qada's {', '.join(QADA_ARGS)} nor one "
+                                f"of lm-eval's Hugging Face model){hint}")
+
+
+def parse_qada_args(args: Mapping[str, Any], others: Collection[str] | None = None) -> tuple[QAdaArgs, dict[str, Any]]:
     """``(qada's arguments, the rest for lm-eval's HFLM)`` from ``model_args``; imports the plugins and reads the
-    ``config`` file first, so that names they register resolve. Raises :class:`QAdaArgumentError`."""
+    ``config`` file first, so that names they register resolve. ``others``: the keys the rest may hold (the
+    parameters of the model it goes to; ``None``: not checked). Raises :class:`QAdaArgumentError`."""
     from qada.cli.common import load_run_config
     from qada.registry import import_modules
 
+    if others is not None:
+        check_known_args(args, others)
     args = dict(args)
     imports = _imports(args.pop("imports", None))
     try:

@@ -5,11 +5,11 @@ Qwen2 with ``use_sliding_window``: the layers from ``max_window_layers`` on; Mis
 every layer). A sliding layer is already local, so qada passes it through untouched (its own mask, its own
 cache) and criteria, moment sources and statistics only see the global layers.
 
-The window of a layer is read from its attention module, as the model's own forward reads it: the module's
-``sliding_window`` attribute (``None`` on a full-attention layer; Gemma-2/3, Qwen2/3, Cohere-2) or, for models
-that pass their config's window to every layer (Mistral, Mixtral), ``module.config.sliding_window``; where the
-module says nothing, from the cache layout transformers derives from the config (a sliding cache of ``W`` slots
-is a sliding layer, whatever the module holds; chunked attention, Llama-4, passes through the same way).
+The window of a layer is the cache layout transformers derives from the config, which its masks follow too (the
+config's ``layer_types``, or its ``sliding_window`` / ``attention_chunk_size``): a sliding cache of ``W`` slots is a
+sliding layer, whatever its attention module holds; chunked attention (Llama-4) passes through the same way. Where
+transformers cannot tell, it is read from the attention module: its ``sliding_window`` attribute (``None`` on a
+full-attention layer) or ``module.config.sliding_window`` (Mistral, Mixtral).
 """
 
 from __future__ import annotations
@@ -108,21 +108,21 @@ def cache_windows(config: Any) -> dict[int, int]:
 
 
 def layer_types(model: Any) -> LayerTypes:
-    """The :class:`LayerTypes` of a transformers model (from its attention modules, and from the cache layout
-    transformers derives from its config where a module does not expose its window)."""
+    """The :class:`LayerTypes` of a transformers model: the cache layout transformers derives from its config (what
+    its masks follow), or where transformers cannot tell, the windows its attention modules hold."""
     windows: dict[int, int] = {}
     indices = []
-    cached = cache_windows(text_config(model.config))
+    config = text_config(model.config)
+    kinds = cache_layers(config)
+    cached = cache_windows(config)
     for module in attention_modules(model):
         layer = module.layer_idx
         if not isinstance(layer, int):
             continue
         indices.append(layer)
-        window = module_window(module)
-        if window is None:
-            window = cached.get(layer)
+        # the cache layout, where transformers knows it, is what the model's mask follows; else the module's window
+        window = cached.get(layer) if kinds is not None and layer < len(kinds[0]) else module_window(module)
         if window is not None:
             windows[layer] = window
-    config = text_config(model.config)
     num_layers = max(indices) + 1 if indices else int(config.num_hidden_layers)
     return LayerTypes(num_layers, windows)

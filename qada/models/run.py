@@ -21,6 +21,7 @@ import torch
 
 from qada.attention.base import AttentionExecutor, ExecutorOutput, GroupDecision
 from qada.criteria.base import HeadCriterion
+from qada.functional.capping import hermite_rule
 from qada.models.guards import CacheGuard, StaleStateError, UnsupportedModelError
 from qada.models.layer_step import LayerStep, LayerStepResult, resolve_compile
 from qada.models.layer_types import LayerTypes
@@ -165,6 +166,8 @@ class QAdARun:
         positions) as device tensors: no host read, fixed shapes, the compiled layer step; on a growing cache
         (``S`` its length) every row ends at ``S``. ``sink_logits [H]`` and ``softcap``: the model's softmax features
         (:mod:`qada.functional.capping`), ``None`` when it has none."""
+        if softcap is not None:
+            hermite_rule()  # the quadrature of the capped estimate, made eagerly: the compiled step reads constants
         buffered = self.on_buffer(layer, key.shape[2])
         if buffered:
             bounds = self.rows.bounds(attention_mask, key.shape[2], position_ids)

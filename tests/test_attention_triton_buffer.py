@@ -211,17 +211,18 @@ COMPILE = textwrap.dedent(
         source = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constants.items()})
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
 
-    for dtype, has_rows in (("bf16", True), ("fp32", False)):
+    for dtype, has_rows, features in (("bf16", True, True), ("fp32", False, False)):
         ints = {"START": "*i64", "END": "*i64"} if has_rows else {"START": "*" + dtype, "END": "*" + dtype}
         build(K.qada_decode_split_kernel,
               dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, LOCAL="*i1", ACC="*fp32", M="*fp32", L="*fp32",
                    COUNTS="*i32", **ints),
               dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=has_rows, HAS_END=has_rows,
-                   INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False),
-              {"qk_scale": "fp64"})  # what Inductor may pass for a Python float: every loop value stays fp32
+                   INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features),
+              {"qk_scale": "fp64", "softcap": "fp64"})  # what Inductor may pass for a Python float
         build(K.qada_decode_combine_kernel,
-              dict(ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", OUT="*" + dtype, BULK_BLOCKS="*i64"),
-              dict(G=4, D=128, BLOCK_S=64, CHUNK_S=16, BLOCK_D=128, BLOCK_C=256), {})
+              dict(ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", OUT="*" + dtype, BULK_BLOCKS="*i64",
+                   SINKS="*" + dtype),
+              dict(G=4, D=128, BLOCK_S=64, CHUNK_S=16, BLOCK_D=128, BLOCK_C=256, HAS_SINKS=features), {})
     print("compiled")
     """
 )
@@ -229,7 +230,8 @@ COMPILE = textwrap.dedent(
 
 def test_kernels_compile_for_the_gpu_with_a_float64_scale():
     """Both kernels compile (TTIR .. cubin) for sm_90 without a GPU, the scale arriving as fp64 (the earlier
-    Inductor failure: ``m_i`` initialised fp32, redefined fp64 in the loop)."""
+    Inductor failure: ``m_i`` initialised fp32, redefined fp64 in the loop), with and without a soft cap and sink
+    logits."""
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:

@@ -145,7 +145,7 @@ def qada_decode_split_kernel(
         s = (tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale).to(tl.float32)
         if SOFTCAP:  # c tanh(s / c) = c (1 - 2 / (exp(2 s / c) + 1)), in the log2 domain
             capped = softcap * (1.0 - 2.0 / (tl.math.exp2(2.0 * s / softcap * 1.4426950408889634) + 1.0))
-            s = capped * 1.4426950408889634
+            s = (capped * 1.4426950408889634).to(tl.float32)  # (a float64 cap must not make the loop float64)
         allowed = load_ok[None, :] & ((in_bulk == 0)[None, :] | dense[:, None])  # [BLOCK_G, BLOCK_N]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from qada.functional.capping import soft_cap
+from qada.functional.capping import soft_cap, softmax_with_sinks
 from qada.models.attention_features import PLAIN, AttentionFeatures
 
 __all__ = ["dense_attention", "masked_attention"]
@@ -55,10 +55,6 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         else:
             mask = attention_mask[:, :, lo:hi, :T]
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(dtype)
-        if sink is not None:
-            scores = torch.cat([scores, sink[None, :, None, None].expand(b, H, hi - lo, 1)], dim=-1)
-        probabilities = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with nothing to attend: zeros
-        if sink is not None:
-            probabilities = probabilities[..., :T]
+        probabilities = softmax_with_sinks(scores, sink).nan_to_num(0.0)  # a row with nothing to attend: zeros
         out.append(probabilities @ v)
     return torch.cat(out, dim=2).transpose(1, 2).to(query.dtype)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import os
 import traceback
 import types
@@ -201,16 +202,22 @@ def compile_layer_step(bound: dict[str, Any], backend: Any) -> Any:
     8) per code object, so each run's step is compiled for that run's components and never evicts another's (a
     ``functools.partial`` or a plain closure would share one code object across runs)."""
 
-    def step(query, keys, values, start, end, scale, layer, moment_state, criterion_states, sink_logits=None,  # noqa: ANN001
-             softcap=None):  # noqa: ANN001
+    def step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,  # noqa: ANN001
+             sink_logits=None, softcap=None):
         return layer_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states, sink_logits,
                           softcap, **bound)
 
-    own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
-                             step.__closure__)
+    # a name of its own too: dynamo keeps what it learnt about the inputs (which sizes and floats change) per
+    # (file, line, name), so a run whose model has another scale would otherwise recompile the next run's step
+    name = f"qada_layer_step_{next(_STEPS)}"
+    own = types.FunctionType(step.__code__.replace(co_name=name, co_qualname=name), step.__globals__, name,
+                             step.__defaults__, step.__closure__)
     # dynamic=None: the first cache size compiles with static shapes; a run that meets a second one (an evaluation
     # whose prompts differ in length) compiles once more with the sizes symbolic, and never again
     return torch.compile(own, backend=_refusing_host_reads(backend), fullgraph=True, dynamic=None)
+
+
+_STEPS = itertools.count()
 
 
 class HostReadError(RuntimeError):

@@ -33,10 +33,13 @@ def test_eval_writes_the_result_json_for_a_task_and_for_a_ruler_jsonl(tiny_model
 def test_demo_quick_runs_on_the_embedded_model(tmp_path, capsys):
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for label in ("dense", "oracle tau=0.6", "qada/current tau=0.6", "static_oracle alpha=0.5"):
+    for label in ("dense", "oracle tau=0.6", "qada/current tau=0.6", "static_oracle alpha=0.5",
+                  "qada_tail/current tau=0.3", "kv_read", "dec tok/s"):
         assert label in out
     records = json.loads((tmp_path / "results.json").read_text())
     assert {r["task"] for r in records} == {"niah_single_1", "niah_single_2"}
+    tail = [r for r in records if r["label"].startswith("qada_tail")]
+    assert len(tail) == 2 and all(r["kv_read"] is not None and 0 < r["kv_read"] <= 1 for r in tail)
     assert (tmp_path / "score_vs_sparsity.png").stat().st_size > 0
 
 

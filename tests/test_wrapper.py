@@ -127,6 +127,22 @@ def test_observers_see_exactly_one_decision_per_layer_and_step():
     assert torch.equal(event.local, log_ratio >= torch.log(torch.tensor(0.6)))
 
 
+def test_the_time_spent_in_observers_is_counted_apart():
+    import time
+
+    class Slow(Observer):
+        def on_decision(self, event):
+            time.sleep(0.01)
+
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 40))
+    with apply(model, criterion="qada", moments="current", window=WINDOW, observers=[Slow()]) as run:
+        greedy(model, ids, steps=4)  # 3 decode steps of 2 layers: 6 decisions
+        assert 0.06 <= run.fanout.seconds < 1.0
+        run.reset_stats()
+        assert run.fanout.seconds == 0.0
+
+
 def test_recording_is_off_by_default():
     class Counter(Observer):
         calls = 0

@@ -1,8 +1,9 @@
 """``qada demo``: the main job, a small real sweep on the embedded model.
 
 niah_single_1 and niah_single_2 at 2k tokens, a few samples each: dense, static (oracle- and RULER-calibrated),
-oracle and QAdA (stored random-words and current-prompt moments) at a few thresholds. Prints a table of score
-and sparsity and writes results (JSON, CSV) and the score-vs-sparsity plot.
+oracle, QAdA (stored random-words and current-prompt moments) at a few thresholds and the tail-aware ``qada_tail``.
+Prints a table of score, sparsity and kv_read (what a step reads, the criterion's own reads included) and the
+decoding rate (observers timed apart), and writes results (JSON, CSV) and the score-vs-sparsity plot.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from qada.cli.common import build_eval_config
     from qada.eval.evaluator import ANSWER_MARGIN
     from qada.eval.report import format_table, plot_score_vs_sparsity, write_results
     from qada.eval.sweep import run_sweep
@@ -52,14 +54,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         tasks, length, samples = ["niah_single_1", "niah_single_2"], args.length, args.samples
         taus, alphas, sources = [0.6, 0.9], [0.5, 0.8], ("stored", "current")
+    tail = build_eval_config({"name": "qada_tail", "tau": 0.3}, moments=sources[0])
     records = run_sweep(model, tokenizer, tasks, [length], samples, args.out, taus=taus, alphas=alphas,
-                        moment_sources=sources, record_oracle=True, seed=args.seed)
+                        moment_sources=sources, record_oracle=True, seed=args.seed, criteria=[tail])
     print(format_table(records))
     configs = len({r["label"] for r in records})
     print(f"\n{samples} sample{'s' * (samples != 1)} x {len(tasks)} tasks at {length} tokens x {configs} "
           f"configurations; greedy decoding stops at EOS or after the answer budget (the reference answer's tokens "
-          f"+ {ANSWER_MARGIN}).\nagree: the fraction of head decisions equal to the oracle's at the same tau (0.6 for "
-          "static masks).")
+          f"+ {ANSWER_MARGIN}).\nkv_read: the K/V a decode step reads over dense attention's, what the criterion "
+          "reads to decide included (qada_tail's page bounds and exact set).\nagree: the fraction of head decisions "
+          "equal to the oracle's at the same tau (0.6 for static masks).\ndec tok/s: decode steps per second, the "
+          "oracle agreement's exact masses left out (the rows decode eagerly: short answers).")
     json_path, csv_path = write_results(records, args.out)
     plot = plot_score_vs_sparsity(records, Path(args.out) / "score_vs_sparsity.png", "qada demo (embedded SmolLM2)")
     print(f"wrote {json_path}, {csv_path}, {plot} in {time.perf_counter() - start:.0f} s")

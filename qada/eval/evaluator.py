@@ -306,7 +306,8 @@ class Evaluator:
             run.reset_stats()
         start = time.perf_counter()
         tokens = decode_greedy(self.model, prefilled, budget, eos, run)
-        seconds = time.perf_counter() - start
+        observed = run.fanout.seconds if run is not None else 0.0  # the oracle agreement's exact masses, ...
+        seconds = time.perf_counter() - start - observed  # decoding alone
         prediction = self.tokenizer.decode(tokens, skip_special_tokens=True)
         if run is not None:
             summary = run.summary()
@@ -324,6 +325,7 @@ class Evaluator:
             "score": score(sample.task, [prediction], [sample.outputs]),
             "sparsity": summary["sparsity"], "kv_sparsity": summary["kv_sparsity"],
             "fail_safe": summary.get("fail_safe", 0), "new_tokens": len(tokens), "seconds": seconds,
+            "observer_seconds": observed,
             # over all layers, sliding-window layers counted as local (equal to the above without them)
             **{name: summary.get(name) for name in DECODE_FIELDS},
         }
@@ -350,8 +352,9 @@ class Evaluator:
                 "kv_sparsity": _float(values["kv_sparsity"]),
                 **{name: _float(values[name]) for name in DECODE_FIELDS},
                 "decode_seconds": self.wall_time[config.label],
-                # decode only (the prefill is timed apart): steps after the first token, cache copy and moment
-                # set-up included; None when no decode step ran
+                # decode only (the prefill is timed apart, and the observers' time, e.g. the oracle agreement's
+                # exact masses, is left out): steps after the first token, cache copy and moment set-up included;
+                # None when no decode step ran
                 "decode_tokens_per_s": (self.decode_steps[config.label] / self.wall_time[config.label]
                                         if self.decode_steps[config.label] and self.wall_time[config.label] > 0
                                         else None),

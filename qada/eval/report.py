@@ -59,17 +59,18 @@ def result_record(entry: dict, task: str, length: int | None, n: int, model: Any
 
 
 def format_table(records: Sequence[dict]) -> str:
-    """A plain-text table: task, length, configuration, score, sparsity, kv_sparsity, oracle agreement and the
-    decode-only tokens per second (prefill timed apart)."""
+    """A plain-text table: task, length, configuration, score, sparsity, kv_sparsity, kv_read (the K/V a step
+    reads over dense attention's, what the criterion reads to decide included), oracle agreement and the decode-only
+    tokens per second (prefill and observers timed apart)."""
     header = (f"{'task':<16} {'len':>5} {'n':>3} {'configuration':<28} {'score':>6} {'sparsity':>8} {'kv_sp':>6} "
-              f"{'agree':>6} {'dec tok/s':>9}")
+              f"{'kv_read':>7} {'agree':>6} {'dec tok/s':>9}")
     lines = [header, "-" * len(header)]
     for r in records:
         agree, rate = r.get("oracle_agreement"), r.get("decode_tokens_per_s")
         lines.append(
             f"{r['task']:<16} {r['length'] or 0:>5} {r['n']:>3} {r['label']:<28} {number_cell(r['score'], 1):>6} "
-            f"{number_cell(r['sparsity'], 3):>8} {number_cell(r['kv_sparsity'], 3):>6} {number_cell(agree, 3):>6} "
-            f"{number_cell(rate, 2):>9}"
+            f"{number_cell(r['sparsity'], 3):>8} {number_cell(r['kv_sparsity'], 3):>6} "
+            f"{number_cell(r.get('kv_read'), 3):>7} {number_cell(agree, 3):>6} {number_cell(rate, 2):>9}"
         )
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ for the same query, so sparsity, oracle agreement and the lognormal log-error co
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,10 +93,18 @@ class DecisionRecorder(Observer):
 
 
 class ObserverFanout:
-    """Sends every prefill and decision to a list of observers; builds events only when there is an observer."""
+    """Sends every prefill and decision to a list of observers; builds events only when there is an observer.
+
+    ``seconds``: the wall time spent on decisions' events (the exact masses an observer asks for included) and in
+    the observers, so that a decoding rate can leave it out (host time: exact on the CPU; on a GPU the work it
+    queues may finish later)."""
 
     def __init__(self, observers: Sequence[Observer] = ()) -> None:
         self.observers = list(observers)
+        self.seconds = 0.0  # wall time spent building events and in the observers since the last reset
+
+    def reset_time(self) -> None:
+        self.seconds = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.observers)
@@ -112,6 +121,11 @@ class ObserverFanout:
         """``local`` from the criterion, ``result`` an :class:`~qada.attention.ExecutorOutput` of ``step``."""
         if not self.observers:
             return
+        start = time.perf_counter()
+        self._decision(step, local, result)
+        self.seconds += time.perf_counter() - start
+
+    def _decision(self, step: DecodeStep, local: torch.Tensor, result: Any) -> None:
         wants_oracle = self.wants_oracle
         estimate = score_mean = score_var = None
         if wants_oracle and step.has_moments:

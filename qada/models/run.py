@@ -93,6 +93,7 @@ class QAdARun:
     def reset_stats(self) -> None:
         """Forget the accumulated statistics and the cache bookkeeping (a new prefill follows)."""
         self.stats.reset()
+        self.fanout.reset_time()
         self.guard.reset()
         self._first_layer = self._last_layer = None
         self.rows.clear()

@@ -127,6 +127,23 @@ def test_comparison_tables():
     assert "### Who dominates where" in text and "| task | length | 0.7 | 0.75 |" in text
 
 
+def test_comparison_over_kv_read_ranks_by_what_a_step_reads():
+    records = [{**_record("niah_single_1", family, f"{family} tau={t}", sparsity, score), "kv_read": read}
+               for family, t, sparsity, score, read in (
+                   ("qada_tail/stored", 0.3, 0.9, 100.0, 0.45), ("qada_tail/stored", 0.6, 0.8, 100.0, 0.6),
+                   ("qada/stored", 0.3, 0.85, 90.0, 0.2), ("qada/stored", 0.6, 0.7, 100.0, 0.35),
+                   ("qada/stored", 0.9, 0.4, 80.0, 0.65))]
+    rows = comparison(records, 0.1, 0.5, axis="kv_read")
+    assert rows[0]["axis"] == "kv_read"
+    families = rows[0]["families"]
+    # plain QAdA spans [0.2, 0.65] (but not 0.1: no area); the tail family only [0.45, 0.6]
+    assert families["qada/stored"]["mean_score"] is None and "kv_read" in families["qada/stored"]["reason"]
+    best = {d["sparsity"]: d["best"] for d in rows[0]["dominance"]}
+    assert best[0.3] == ["qada/stored"] and best[0.5] == ["qada_tail/stored"] and best[0.1] == []
+    text = comparison_markdown(rows)
+    assert "### Mean score over kv_read [0.1, 0.5]" in text and "### Who dominates where (kv_read)" in text
+
+
 def test_analyze_compare_writes_the_plot_and_the_markdown(tmp_path, capsys):
     results = tmp_path / "results.json"
     results.write_text(json.dumps(RECORDS))
@@ -137,8 +154,9 @@ def test_analyze_compare_writes_the_plot_and_the_markdown(tmp_path, capsys):
     assert main(["analyze", "--compare", str(results), "--compare", str(extra), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "niah_single_1 @ 2048: mean score over sparsity [0.7, 0.95]: qada/stored" in printed
+    assert "niah_single_1 @ 2048: mean score over kv_read [0.1, 0.5]:" in printed
     md = (out / "comparison.md").read_text()
-    assert "Produced by `qada analyze --compare" in md
+    assert "Produced by `qada analyze --compare" in md and "### Mean score over kv_read [0.1, 0.5]" in md
     assert "### What the calibration artifacts were fitted on" in md
     assert "cal.safetensors (head_mask) | n=20; seed=3; tasks=vt,qa_1; tau_static=0.6" in md
     rows = json.loads((out / "comparison.json").read_text())

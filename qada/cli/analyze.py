@@ -77,7 +77,7 @@ def compare(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from qada.eval.compare import comparison, write_comparison
+    from qada.eval.compare import KV_READ_RANGE, comparison, write_comparison
     from qada.eval.validate import check_output_dir
 
     out = check_output_dir(args.out, "--out")
@@ -97,11 +97,12 @@ def compare(args: argparse.Namespace) -> int:
     lo, hi = args.auc_range  # argparse applies the type to the string default too
     md, json_path, png = write_comparison(records, out, lo, hi,
                                           command="qada analyze " + " ".join(f"--compare {p}" for p in args.compare))
-    for row in comparison(records, lo, hi):
-        scores = ", ".join(f"{f} {e['mean_score']:.1f}" for f, e in row["families"].items()
-                           if e["mean_score"] is not None)
-        print(f"{row['task']} @ {row['length']}: mean score over sparsity [{lo}, {hi}]: "
-              f"{scores or 'no family spans it'}")
+    for axis, (a, b) in (("sparsity", (lo, hi)), ("kv_read", KV_READ_RANGE)):
+        for row in comparison(records, a, b, axis=axis):
+            scores = ", ".join(f"{f} {e['mean_score']:.1f}" for f, e in row["families"].items()
+                               if e["mean_score"] is not None)
+            print(f"{row['task']} @ {row['length']}: mean score over {axis} [{a}, {b}]: "
+                  f"{scores or 'no family spans it'}")
     print(f"wrote {md}, {json_path}, {png}")
     return 0
 

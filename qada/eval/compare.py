@@ -1,13 +1,16 @@
-"""An honest comparison of sweep results: per family, the mean score over a sparsity interval and who wins where.
+"""An honest comparison of sweep results: per family, the mean score over an interval and who wins where, on two
+axes: head sparsity (the paper's; higher is sparser) and kv_read (the K/V a decode step reads over dense
+attention's, the criterion's own reads included; what decoding time follows, lower is cheaper).
 
-Every number comes from the family's measured points, interpolated piecewise-linearly in sparsity (points sorted
-by sparsity; points at the same sparsity averaged). Nothing is extrapolated: a family whose points do not reach
-both ends of the interval has no area (``None``, with how much of the interval it covers), and at a sparsity
-outside a family's points that family does not compete.
+Every number comes from the family's measured points, interpolated piecewise-linearly along the axis (points sorted
+by it; points at the same value averaged). Nothing is extrapolated: a family whose points do not reach both ends of
+the interval has no area (``None``, with how much of the interval it covers), and outside a family's points that
+family does not compete.
 
 The report (:func:`write_comparison`, ``qada analyze --compare results.json --out DIR``): ``comparison.png``
-(score against sparsity and against kv_sparsity, one panel per (task, length), every point labelled with its
-tau / alpha / budget), ``comparison.md`` and ``comparison.json`` (the same numbers).
+(score against sparsity, against kv_sparsity and against kv_read, one panel per (task, length), every point
+labelled with its tau / alpha / budget), ``comparison.md`` and ``comparison.json`` (the same numbers, one row per
+cell and axis).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "AUC_RANGE",
+    "KV_READ_RANGE",
     "cells",
     "comparison",
     "comparison_markdown",
@@ -34,6 +38,9 @@ __all__ = [
 
 #: The sparsity interval of the mean score (paper §4: the interesting regime is sparsity >= 0.7).
 AUC_RANGE = (0.7, 0.95)
+
+#: The kv_read interval of the mean score: a step reading a tenth to a half of dense attention's K/V.
+KV_READ_RANGE = (0.1, 0.5)
 
 Point = tuple[float, float]
 
@@ -58,7 +65,8 @@ def interpolate(points: Sequence[Point], x: float) -> float | None:
     return points[-1][1]  # a single point exactly at x
 
 
-def mean_score(points: Iterable[Point], lo: float = AUC_RANGE[0], hi: float = AUC_RANGE[1]) -> dict[str, Any]:
+def mean_score(points: Iterable[Point], lo: float = AUC_RANGE[0], hi: float = AUC_RANGE[1],
+               axis: str = "sparsity") -> dict[str, Any]:
     """The area under the piecewise-linear curve over ``[lo, hi]``, divided by ``hi - lo`` (a mean score).
 
     Returns ``{"mean_score", "coverage", "covered", "reason"}``: ``coverage`` is the fraction of ``[lo, hi]``
@@ -75,7 +83,7 @@ def mean_score(points: Iterable[Point], lo: float = AUC_RANGE[0], hi: float = AU
     covered = [round(start, 4), round(end, 4)] if end >= start else None
     if curve[0][0] > lo or curve[-1][0] < hi:
         span = f"{curve[0][0]:.3f}" if len(curve) == 1 else f"[{curve[0][0]:.3f}, {curve[-1][0]:.3f}]"
-        reason = (f"points span sparsity {span}: {coverage:.0%} of [{lo}, {hi}]"
+        reason = (f"points span {axis} {span}: {coverage:.0%} of [{lo}, {hi}]"
                   + (f" (covered {covered[0]:.3f}-{covered[1]:.3f})" if covered and coverage > 0 else ""))
         return {"mean_score": None, "coverage": coverage, "covered": covered, "reason": reason}
     xs = [lo] + [x for x, _ in curve if lo < x < hi] + [hi]
@@ -91,10 +99,11 @@ def sparsity_grid(lo: float = AUC_RANGE[0], hi: float = AUC_RANGE[1], step: floa
 
 
 def dominance(curves: Mapping[str, Iterable[Point]], grid: Sequence[float], tolerance: float = 1e-9) -> list[dict]:
-    """At every grid sparsity: the family (or tied families) with the highest interpolated score.
+    """At every grid point of the axis: the family (or tied families) with the highest interpolated score.
 
     Only families whose points span the grid point compete; ``best`` is empty and ``score`` ``None`` where none
-    does. Returns ``[{"sparsity", "best": [families], "score", "competing": {family: score}}]``.
+    does. Returns ``[{"sparsity", "best": [families], "score", "competing": {family: score}}]`` (``"sparsity"``:
+    the grid point, whatever the axis).
     """
     ordered = {family: curve_points(points) for family, points in curves.items()}
     out = []
@@ -129,17 +138,18 @@ def _family_points(records: Sequence[Mapping[str, Any]], cell: tuple, x: str = "
 
 
 def comparison(
-    records: Sequence[Mapping[str, Any]], lo: float = AUC_RANGE[0], hi: float = AUC_RANGE[1], step: float = 0.05
+    records: Sequence[Mapping[str, Any]], lo: float = AUC_RANGE[0], hi: float = AUC_RANGE[1], step: float = 0.05,
+    axis: str = "sparsity",
 ) -> list[dict]:
     """Per (task, length): every family's :func:`mean_score` over ``[lo, hi]`` and the :func:`dominance` on the
-    grid ``lo, lo + step, ..., hi`` (score against sparsity)."""
+    grid ``lo, lo + step, ..., hi``, score against ``axis`` (``"sparsity"`` or ``"kv_read"``)."""
     grid = sparsity_grid(lo, hi, step)
     out = []
     for cell in cells(records):
-        families = _family_points(records, cell)
+        families = _family_points(records, cell, axis)
         out.append({
-            "task": cell[0], "length": cell[1], "range": [lo, hi],
-            "families": {f: {**mean_score(points, lo, hi), "points": len(points)}
+            "task": cell[0], "length": cell[1], "axis": axis, "range": [lo, hi],
+            "families": {f: {**mean_score(points, lo, hi, axis), "points": len(points)}
                          for f, points in sorted(families.items())},
             "dominance": dominance(families, grid),
         })
@@ -155,17 +165,20 @@ def comparison_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     if not rows:
         return "No results to compare.\n"
     lo, hi = rows[0]["range"]
-    lines = [f"### Mean score over sparsity [{lo}, {hi}]", "",
-             "Area under the score-vs-sparsity curve (piecewise-linear between measured points) divided by the "
-             "interval's width; `-` where the family's points do not span the interval (nothing is extrapolated).",
+    axis = rows[0].get("axis", "sparsity")
+    lines = [f"### Mean score over {axis} [{lo}, {hi}]", "",
+             f"Area under the score-vs-{axis} curve (piecewise-linear between measured points) divided by the "
+             "interval's width; `-` where the family's points do not span the interval (nothing is extrapolated)."
+             + (" kv_read counts what a step reads, the criterion's own reads included: lower is cheaper."
+                if axis == "kv_read" else ""),
              "", "| task | length | family | points | mean score | coverage | note |",
              "|---|---:|---|---:|---:|---:|---|"]
     for row in rows:
         for family, entry in row["families"].items():
             lines.append(f"| {row['task']} | {row['length']} | {family} | {entry['points']} | "
                          f"{_score(entry['mean_score'])} | {entry['coverage']:.0%} | {entry['reason'] or ''} |")
-    lines += ["", "### Who dominates where", "",
-              "Highest interpolated score at each sparsity (families whose points span it; ties listed).", ""]
+    lines += ["", f"### Who dominates where ({axis})", "",
+              f"Highest interpolated score at each {axis} (families whose points span it; ties listed).", ""]
     grid = [d["sparsity"] for d in rows[0]["dominance"]]
     lines.append("| task | length | " + " | ".join(f"{x:g}" for x in grid) + " |")
     lines.append("|---|---:|" + "---|" * len(grid))
@@ -221,20 +234,21 @@ def place_labels(
 def plot_comparison(
     records: Sequence[Mapping[str, Any]], path: str | Path, title: str = "", span: tuple[float, float] = AUC_RANGE
 ) -> Path:
-    """Score against sparsity (top row) and against kv_sparsity (bottom row), one column per (task, length),
-    one curve per family, every point labelled with :func:`point_tag` (placed by :func:`place_labels`); the
-    sparsity interval ``span`` of :func:`mean_score` is shaded."""
+    """Score against sparsity (top row), against kv_sparsity (middle row) and against kv_read (bottom row), one
+    column per (task, length), one curve per family, every point labelled with :func:`point_tag` (placed by
+    :func:`place_labels`); the sparsity interval ``span`` and the kv_read interval :data:`KV_READ_RANGE` of
+    :func:`mean_score` are shaded."""
     from qada.eval._extra import pyplot
 
     plt = pyplot()
     panels = cells(records)
-    fig, axes = plt.subplots(2, max(1, len(panels)), figsize=(6.0 * max(1, len(panels)), 9.0), squeeze=False)
+    fig, axes = plt.subplots(3, max(1, len(panels)), figsize=(6.0 * max(1, len(panels)), 13.5), squeeze=False)
     families = sorted({r["family"] for r in records})
     colors = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
     fontsize = 6
     pending = []  # (axis, [(x, score, tag, colour)]): labelled once the layout is final
     for column, cell in enumerate(panels):
-        for row, x in enumerate(("sparsity", "kv_sparsity")):
+        for row, x in enumerate(("sparsity", "kv_sparsity", "kv_read")):
             ax = axes[row][column]
             texts = []
             for family in families:
@@ -250,12 +264,15 @@ def plot_comparison(
                 texts += [(r[x], r["score"], point_tag(r), colors[family]) for r in rows if point_tag(r)]
             ax.set_xlim(-0.02, 1.02)
             ax.set_ylim(-4, 106)
-            ax.set_xlabel("sparsity (fraction of heads local)" if x == "sparsity"
-                          else "kv_sparsity (fraction of KV groups local)")
+            ax.set_xlabel({"sparsity": "sparsity (fraction of heads local)",
+                           "kv_sparsity": "kv_sparsity (fraction of KV groups local)",
+                           "kv_read": "kv_read (K/V read over dense attention's, deciding included)"}[x])
             ax.set_ylabel("score (0-100)")
             ax.set_title(f"{cell[0]} @ {cell[1]} tokens")
             if x == "sparsity":
                 ax.axvspan(*span, color="0.93", zorder=0)
+            elif x == "kv_read":
+                ax.axvspan(*KV_READ_RANGE, color="0.93", zorder=0)
             ax.grid(alpha=0.3)
             pending.append((ax, texts))
     handles = {}
@@ -288,8 +305,9 @@ def write_comparison(
     records: Sequence[Mapping[str, Any]], out_dir: str | Path, lo: float = AUC_RANGE[0], hi: float = AUC_RANGE[1],
     step: float = 0.05, command: str | None = None, name: str = "comparison",
 ) -> tuple[Path, Path, Path]:
-    """``comparison.md``, ``comparison.json`` (:func:`comparison`) and ``comparison.png`` (:func:`plot_comparison`)
-    in ``out_dir``; the markdown also lists what each calibration artifact was fitted on."""
+    """``comparison.md``, ``comparison.json`` (:func:`comparison` over sparsity ``[lo, hi]`` and over kv_read
+    :data:`KV_READ_RANGE`, one row per cell and axis) and ``comparison.png`` (:func:`plot_comparison`) in
+    ``out_dir``; the markdown also lists what each calibration artifact was fitted on."""
     import time
 
     from qada.eval.report import fitted_on_markdown
@@ -298,11 +316,12 @@ def write_comparison(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = comparison(records, lo, hi, step)
+    read_rows = comparison(records, *KV_READ_RANGE, step, axis="kv_read")
     header = f"Produced by `{command}` (qada, {time.strftime('%Y-%m-%d')}).\n\n" if command else ""
     fitted = fitted_on_markdown(records)
     md = out / f"{name}.md"
-    md.write_text(header + comparison_markdown(rows)
+    md.write_text(header + comparison_markdown(rows) + "\n" + comparison_markdown(read_rows)
                   + (f"\n### What the calibration artifacts were fitted on\n\n{fitted}\n" if fitted else ""))
-    json_path = write_json(out / f"{name}.json", rows)
+    json_path = write_json(out / f"{name}.json", rows + read_rows)
     png = plot_comparison(records, out / f"{name}.png", span=(lo, hi))
     return md, json_path, png

@@ -81,12 +81,13 @@ def number_cell(value: float | None, digits: int = 3) -> str:
 
 
 def markdown_table(records: Sequence[dict]) -> str:
-    """A markdown table of the records (one row per task, length and configuration)."""
-    lines = ["| task | length | n | configuration | score | sparsity | kv_sparsity |",
-             "|---|---:|---:|---|---:|---:|---:|"]
+    """A markdown table of the records (one row per task, length and configuration), kv_read included."""
+    lines = ["| task | length | n | configuration | score | sparsity | kv_sparsity | kv_read |",
+             "|---|---:|---:|---|---:|---:|---:|---:|"]
     for r in records:
         lines.append(f"| {r['task']} | {r['length']} | {r['n']} | {r['label']} | {number_cell(r['score'], 1)} | "
-                     f"{number_cell(r['sparsity'], 3)} | {number_cell(r['kv_sparsity'], 3)} |")
+                     f"{number_cell(r['sparsity'], 3)} | {number_cell(r['kv_sparsity'], 3)} | "
+                     f"{number_cell(r.get('kv_read'), 3)} |")
     return "\n".join(lines)
 
 
@@ -145,25 +146,30 @@ def _fitted_section(records: Sequence[dict]) -> str:
 
 
 def plot_score_vs_sparsity(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
-    """Score vs sparsity, one curve per configuration family and one panel per (task, length) (paper Fig. 4/5)."""
+    """Score vs sparsity (top row, paper Fig. 4/5) and score vs kv_read (bottom row: the K/V a step reads over
+    dense attention's, what the criterion reads to decide included), one curve per configuration family and one
+    column per (task, length)."""
     plt = pyplot()
     panels = sorted({(r["task"], r["length"]) for r in records}, key=lambda p: (p[0], p[1] or 0))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
-    for ax, (task, length) in zip(axes[0], panels, strict=True):
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7.6), squeeze=False)
+    for column, (task, length) in enumerate(panels):
         rows = [r for r in records if r["task"] == task and r["length"] == length]
-        for family in sorted({r["family"] for r in rows}):
-            points = sorted((r["sparsity"], r["score"]) for r in rows
-                            if r["family"] == family and r["sparsity"] is not None and r["score"] is not None)
-            if not points:
-                continue
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", label=family, linestyle="-" if len(points) > 1 else "none")
-        ax.set_xlabel("sparsity (fraction of heads local)")
-        ax.set_ylabel("score (0-100)")
-        ax.set_title(f"{task} @ {length} tokens")
-        ax.set_xlim(-0.02, 1.02)
-        ax.set_ylim(-2, 102)
-        ax.grid(alpha=0.3)
+        for row, (x, label) in enumerate((("sparsity", "sparsity (fraction of heads local)"),
+                                          ("kv_read", "kv_read (K/V read over dense, deciding included)"))):
+            ax = axes[row][column]
+            for family in sorted({r["family"] for r in rows}):
+                points = sorted((r[x], r["score"]) for r in rows
+                                if r["family"] == family and r.get(x) is not None and r["score"] is not None)
+                if not points:
+                    continue
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", label=family, linestyle="-" if len(points) > 1 else "none")
+            ax.set_xlabel(label)
+            ax.set_ylabel("score (0-100)")
+            ax.set_title(f"{task} @ {length} tokens")
+            ax.set_xlim(-0.02, 1.02)
+            ax.set_ylim(-2, 102)
+            ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="lower left")
     if title:
         fig.suptitle(title)

@@ -347,6 +347,17 @@ class DecodeStep:
         self.__dict__["t_bulk"] = t_bulk
         self.__dict__["real"] = real
 
+    def attend_also(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """A criterion read these bulk tokens exactly: local heads attend over them besides the window
+        (:mod:`qada.functional.extra_set`). ``slots, valid [b, H, n]`` (each query head its own, in ``[0, T)``; the
+        run merges them into local heads' output)."""
+        self.__dict__["extra_set"] = (slots, valid)
+
+    @property
+    def extra_set(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(slots, valid)`` of :meth:`attend_also`, or ``None``."""
+        return self.__dict__.get("extra_set")
+
     def note_fail_safe(self, forced_dense: torch.Tensor) -> None:
         """Count heads forced dense because a value was NaN/inf (kept on the device, no sync)."""
         count = forced_dense.sum()

@@ -36,6 +36,7 @@ EXAMPLES = {
     "hybrid": {"base": {"name": "qada_budget", "sparsity": 0.75}, "dense_mask": [[True, False, False, False]] * 3},
     "qada_tail": {"tau": 0.5, "heavy": 8, "page_size": 16, "pages": 2},
     "qada_tail_budget": {"sparsity": 0.5, "heavy": 0, "page_size": 32, "pages": 1},
+    "quest": {"pages": 2, "page_size": 16},
 }
 
 

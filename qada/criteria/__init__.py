@@ -13,6 +13,7 @@ from qada.criteria.compose import AllOf, AnyOf, CompositeCriterion, LayerOverrid
 from qada.criteria.hybrid import HybridCriterion
 from qada.criteria.oracle import OracleCriterion
 from qada.criteria.qada import QAdACriterion
+from qada.criteria.quest import QuestCriterion
 from qada.criteria.static import StaticCriterion
 from qada.criteria.tail import TailBudgetCriterion, TailCriterion
 from qada.criteria.threshold import ThresholdCriterion
@@ -35,6 +36,7 @@ __all__ = [
     "Not",
     "OracleCriterion",
     "QAdACriterion",
+    "QuestCriterion",
     "StaticCalibrator",
     "StaticCriterion",
     "StepContext",

@@ -36,18 +36,24 @@ class TailEstimate:
         observe: the prompt's last queries that choose them.
         page_size: slots per page.
         pages: pages scored exactly per query head and step (0: none).
+        attend_exact: a local head attends over ``window ∪ E`` (reading ``E``'s values too) instead of the window
+            alone, and the decision becomes ``(A_window + A_E) / (A_window + A_E + Â_rest) >= tau``
+            (:mod:`qada.functional.extra_set`).
     """
 
     heavy: int = 32
     observe: int = 32
     page_size: int = 16
     pages: int = 8
+    attend_exact: bool = False
 
     def _check_tail(self) -> None:
         for name in ("heavy", "observe", "page_size", "pages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"expected {name} to be an int >= 0 but got {value!r}")
+        if not isinstance(self.attend_exact, bool):
+            raise ValueError(f"expected attend_exact to be a bool but got {self.attend_exact!r}")
         if self.page_size < 1:
             raise ValueError(f"expected page_size to be an int >= 1 but got {self.page_size!r}")
         if self.heavy and not self.observe:
@@ -68,6 +74,11 @@ class TailEstimate:
 
     def exact_set(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [b, H, n], valid [b, H, n])`` of ``E``: the heavy tokens, then the tokens of the top pages."""
+        scores, valid, _ = self.exact_set_slots(step)
+        return scores, valid
+
+    def exact_set_slots(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`exact_set` and the slots of ``E``, ``[b, H, n]`` long (in ``[0, C)``)."""
         tensors = self.state(step)
         state = LayerTail(*(tensors[name] for name in ("heavy", "heavy_valid", "member", "kmin", "kmax", "halves")))
         query, keys, scale = step.query, step.keys, step.scale
@@ -97,7 +108,9 @@ class TailEstimate:
         page_valid_slots = (torch.isfinite(top).repeat_interleave(P, dim=-1) & (slots < C)
                             & (slots >= first[:, None, None]) & (slots < last[:, None, None])
                             & ~state.member[rows, groups, clamped])  # fmt: skip
-        return torch.cat([heavy_scores, page_scores], -1), torch.cat([heavy_valid, page_valid_slots], -1)
+        heavy_slots = state.heavy[:, :, None].expand(b, H_kv, G, k).reshape(b, H, k)
+        return (torch.cat([heavy_scores, page_scores], -1), torch.cat([heavy_valid, page_valid_slots], -1),
+                torch.cat([heavy_slots, clamped], -1))
 
     def extra_reads(self, step: DecodeStep) -> torch.Tensor:
         """``[b]`` vectors read per KV head and step: the heavy keys, at most ``G * pages * page_size`` page keys (the
@@ -109,16 +122,47 @@ class TailEstimate:
             filled = step.end.to(torch.float64)
         n_pages = torch.ceil(filled / self.page_size)
         pages = n_pages.clamp(max=self.pages)
-        return self.heavy + step.group_size * pages * self.page_size + 2 * n_pages
+        exact = self.heavy + step.group_size * pages * self.page_size
+        # keys of E and the extrema; with attend_exact the values of E too (a local head attends over them)
+        return exact * (2 if self.attend_exact else 1) + 2 * n_pages
 
     def tail_log_bulk(self, step: DecodeStep) -> torch.Tensor:
         """``[b, H]`` the tail-aware ``log Â_bulk``; first the step's key joins its page (in place)."""
+        log_exact, log_rest = self.tail_parts(step)
+        return torch.logaddexp(log_exact, log_rest)
+
+    def tail_parts(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log A_E, log Â_rest)``, each ``[b, H]``: the exact set's mass and eq. 7 on the rest of the bulk
+        (computed once per step; the step's key joins its page first, in place). With :attr:`attend_exact` the step
+        is also told to attend over ``E`` (:meth:`~qada.step.DecodeStep.attend_also`)."""
+        cached = step.__dict__.get("tail:" + self.state_key)
+        if cached is not None:
+            return cached
         append_step_key(self.state(step), step.keys, step.end, self.page_size)
-        scores, valid = self.exact_set(step)
+        scores, valid, slots = self.exact_set_slots(step)
         scores = soft_cap(scores, step.softcap)  # (the pages' bounds rank alike capped or not: tanh is monotone)
         log_exact = torch.logsumexp(scores.masked_fill(~valid, float("-inf")), dim=-1)
         mu_s, var_s = step.score_moments
-        return tail_log_bulk(log_exact, valid.sum(-1), mu_s, var_s, step.t_bulk, step.softcap)
+        n_exact = valid.sum(-1)
+        rest = tail_log_bulk(torch.full_like(log_exact, float("-inf")), n_exact, mu_s, var_s, step.t_bulk,
+                             step.softcap)
+        if self.attend_exact:
+            step.attend_also(slots, valid)
+        step.__dict__["tail:" + self.state_key] = (log_exact, rest)
+        return log_exact, rest
+
+    def tail_log_local(self, step: DecodeStep) -> torch.Tensor:
+        """``[b, H]`` the mass a local head keeps: the window's (sink logits included), plus ``E``'s when it attends
+        over ``E`` (:attr:`attend_exact`)."""
+        if not self.attend_exact:
+            return step.log_local
+        return torch.logaddexp(step.log_local, self.tail_parts(step)[0])
+
+    def tail_log_rest(self, step: DecodeStep) -> torch.Tensor:
+        """``[b, H]`` what a local head leaves out: the whole bulk's estimate, or with :attr:`attend_exact` the rest
+        beyond ``E``."""
+        log_exact, rest = self.tail_parts(step)
+        return rest if self.attend_exact else torch.logaddexp(log_exact, rest)
 
 
 @register_criterion("qada_tail")
@@ -138,7 +182,10 @@ class TailCriterion(TailEstimate, ThresholdCriterion):
         self._check_tail()
 
     def log_bulk(self, step: DecodeStep) -> torch.Tensor:
-        return self.tail_log_bulk(step)
+        return self.tail_log_rest(step)
+
+    def log_local(self, step: DecodeStep) -> torch.Tensor:
+        return self.tail_log_local(step)
 
 
 @register_criterion("qada_tail_budget")
@@ -157,4 +204,4 @@ class TailBudgetCriterion(TailEstimate, BudgetedQAdACriterion):
         self._check_tail()
 
     def score(self, step: DecodeStep) -> torch.Tensor:
-        return step.log_local - self.tail_log_bulk(step)
+        return self.tail_log_local(step) - self.tail_log_rest(step)

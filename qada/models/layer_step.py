@@ -8,7 +8,9 @@ receives as arguments and updates in place:
 2. the criterion's decision (:meth:`~qada.criteria.HeadCriterion.decide`, with whatever it reads to decide),
 3. the group policy (:func:`~qada.attention.group_policy.apply_group_policy`),
 4. the step's statistics row (:func:`~qada.models.statistics.step_counts`, ``kv_read`` included),
-5. the window gather the executor reuses.
+5. the window gather the executor reuses,
+6. where the criterion asks local heads to attend over an extra set of bulk tokens too (the tail-aware criteria's
+   exact set with ``attend_exact``, Quest's pages), that set's attention, merged after the executor.
 
 :class:`LayerStep` runs it for a run: compiled by ``torch.compile`` (``fullgraph=True``, static shapes) on a
 preallocated cache, once per run and reused by every layer and step (the layer's tensors are arguments, not
@@ -31,6 +33,7 @@ import torch
 
 from qada.attention.group_policy import apply_group_policy, kv_read
 from qada.criteria.base import HeadCriterion
+from qada.functional.extra_set import attend_extra, merge_extra
 from qada.models.statistics import step_counts
 from qada.moments.base import MomentSource
 from qada.step import BulkMoments, DecodeStep
@@ -55,6 +58,10 @@ class LayerStepResult(NamedTuple):
         t_bulk: ``[b]`` bulk sizes; ``real``: ``[b, C]`` bool, the slots holding a row's tokens (``None``: all).
         moments: the step's bulk moments (``None`` without a moment source).
         query, start, end: the step's ``[b, H, d]`` query and its rows' bounds as the step checked them.
+        extra_output, log_extra, log_local: where the criterion asked local heads to attend over an extra set too
+            (:meth:`~qada.step.DecodeStep.attend_also`): that set's attention ``[b, H, d]`` and mass ``[b, H]``, and
+            the window's mass (sink logits included) to merge them with the executor's output
+            (:func:`~qada.functional.extra_set.merge_extra`); else ``None``.
     """
 
     decided: torch.Tensor
@@ -71,6 +78,9 @@ class LayerStepResult(NamedTuple):
     query: torch.Tensor
     start: torch.Tensor | None
     end: torch.Tensor | None
+    extra_output: torch.Tensor | None = None
+    log_extra: torch.Tensor | None = None
+    log_local: torch.Tensor | None = None
 
 
 def layer_step(
@@ -114,8 +124,14 @@ def layer_step(
     local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
     reads = kv_read(read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))
     counts = step_counts(local, read, step.fail_safe, reads)
+    extra = step.extra_set
+    extra_output = log_extra = log_local = None
+    if extra is not None:  # local heads attend over window ∪ E: E's part now, merged after the executor
+        extra_output, log_extra = attend_extra(step.query, keys, values, *extra, scale, softcap)
+        log_local = step.log_local
     return LayerStepResult(decided, local, read, counts[None], counts[3], step.window_keys, step.window_values,
-                           step.window_valid, step.t_bulk, step.real, bulk, step.query, step.start, step.end)
+                           step.window_valid, step.t_bulk, step.real, bulk, step.query, step.start, step.end,
+                           extra_output, log_extra, log_local)
 
 
 def resolve_compile(compile: Any) -> Any:
@@ -155,8 +171,10 @@ class LayerStep:
         self.eager = functools.partial(layer_step, **bound)
         self.eager_reason: str | None = None
         self._compiled: Any = None
+        self._merge: Any = None
         if backend is not None:
             self._compiled = compile_layer_step(bound, backend)
+            self._merge = compile_own(merge_extra, "qada_merge_extra", backend)
 
     @property
     def compiled(self) -> bool:
@@ -176,6 +194,14 @@ class LayerStep:
                           f"step of this run runs eagerly (slower; compile=False silences this): {self.eager_reason}",
                           RuntimeWarning, stacklevel=4)
             return result
+
+    def merge(self, buffered: bool, output: torch.Tensor, result: LayerStepResult) -> torch.Tensor:
+        """The executor's ``output [b, H, 1, d]`` with the local heads' extra set merged in
+        (:func:`~qada.functional.extra_set.merge_extra`, compiled alike), where the step asked for one."""
+        if result.extra_output is None:
+            return output
+        merge = self._merge if buffered and self.compiled else merge_extra
+        return merge(output, result.log_local, result.extra_output, result.log_extra, result.local)
 
     def _culprit(self, error: Exception) -> str:
         """The part (a criterion or the moment source) whose source file the error's trace names last (the deepest
@@ -207,11 +233,17 @@ def compile_layer_step(bound: dict[str, Any], backend: Any) -> Any:
         return layer_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states, sink_logits,
                           softcap, **bound)
 
-    # a name of its own too: dynamo keeps what it learnt about the inputs (which sizes and floats change) per
-    # (file, line, name), so a run whose model has another scale would otherwise recompile the next run's step
-    name = f"qada_layer_step_{next(_STEPS)}"
-    own = types.FunctionType(step.__code__.replace(co_name=name, co_qualname=name), step.__globals__, name,
-                             step.__defaults__, step.__closure__)
+    return compile_own(step, "qada_layer_step", backend)
+
+
+def compile_own(function: Any, prefix: str, backend: Any) -> Any:
+    """``function`` compiled by ``torch.compile`` (``fullgraph=True``, host reads refused) on a copy of its code
+    object with a name of its own: dynamo keeps its cache and what it learnt about the inputs (which sizes and floats
+    change) per code object and per (file, line, name), so one run's compiled function never recompiles or evicts
+    another's (another model's scale, another cache size)."""
+    name = f"{prefix}_{next(_STEPS)}"
+    own = types.FunctionType(function.__code__.replace(co_name=name, co_qualname=name), function.__globals__, name,
+                             function.__defaults__, function.__closure__)
     # dynamic=None: the first cache size compiles with static shapes; a run that meets a second one (an evaluation
     # whose prompts differ in length) compiles once more with the sizes symbolic, and never again
     return torch.compile(own, backend=_refusing_host_reads(backend), fullgraph=True, dynamic=None)

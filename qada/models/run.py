@@ -186,7 +186,8 @@ class QAdARun:
             self.rows.clear()  # captured step may outlive it (the graph pool would hold it)
         result = self.layer_step(buffered, query, key, value, start, end, float(scale),
                                  *self._layer_inputs(layer, key.shape[2], key.device), sink_logits, softcap)
-        return self._attend(layer, step_index, query, key, value, scale, start, end, result, sink_logits, softcap)
+        return self._attend(layer, step_index, query, key, value, scale, start, end, result, sink_logits, softcap,
+                            buffered)
 
     def _layer_inputs(self, layer: int, slots: int, device: torch.device) -> tuple:
         """``(layer index [0-d], moment state, criterion states)`` of ``layer`` on a cache of ``slots`` slots, on
@@ -204,7 +205,7 @@ class QAdARun:
     def _attend(self, layer: int, step_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float, start: torch.Tensor | None, end: torch.Tensor | None,
                 result: LayerStepResult, sink_logits: torch.Tensor | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, buffered: bool = False) -> torch.Tensor:
         """The executor on what the layer step decided and gathered; statistics and observers."""
         step = DecodeStep.checked_already(result.query, key, scale, self.window, layer, step_index, result.start,
                                           result.end, result.moments, value, sink_logits, softcap)
@@ -212,6 +213,7 @@ class QAdARun:
                    window_values=result.window_values, t_bulk=result.t_bulk, real=result.real)
         step.fail_safe = result.fail_safe
         output, bulk_blocks = self.executor.attend(step, GroupDecision(result.local, result.read))
+        output = self.layer_step.merge(buffered, output, result)  # local heads: window ∪ the criterion's extra set
         self.stats.add(self._inputs[layer][2], result.counts)
         if self.fanout.observers:
             executed = ExecutorOutput(output, result.local, result.counts[0, 0].float(), result.counts[0, 1].float(),

@@ -1,0 +1,60 @@
+"""Attention over the window plus an extra set of bulk tokens per head (issue 32: local heads attend to what they
+read; Quest's top pages).
+
+A criterion that scores some bulk tokens exactly (the tail-aware criteria's exact set ``E``, Quest's top pages) has
+read their keys already; reading their values too, a local head attends over ``window ∪ E`` instead of the window
+alone. Both parts are softmax attentions over disjoint sets, merged by their masses:
+
+.. math:: o = \\frac{A_\\text{local}\\, o_\\text{local} + A_E\\, o_E}{A_\\text{local} + A_E}
+
+with ``A_local`` the window's mass plus the sink logits (the executor's output ``o_local`` is normalised by it) and
+``A_E = sum_{i in E} e^{s_i}``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qada.functional.capping import soft_cap
+
+__all__ = ["attend_extra", "extra_scores", "merge_extra"]
+
+
+def extra_scores(query: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, scale: float,
+                 softcap: float | None = None) -> torch.Tensor:
+    """``[b, H, n]`` float32 scores of ``query [b, H, d]`` against the keys at ``slots [b, H, n]`` (each query head
+    its own slots) of ``keys [b, H_kv, C, d]``; slots must lie in ``[0, C)``."""
+    b, H, d = query.shape
+    H_kv = keys.shape[1]
+    rows = torch.arange(b, device=keys.device)[:, None, None]
+    groups = (torch.arange(H, device=keys.device) // (H // H_kv))[None, :, None]
+    gathered = keys[rows, groups, slots].float()  # [b, H, n, d]
+    return soft_cap(scale * (gathered @ query.float()[..., None])[..., 0], softcap)
+
+
+def attend_extra(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                 valid: torch.Tensor, scale: float, softcap: float | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each head over its extra set: ``(output [b, H, d] float32, log A_E [b, H])``;
+    ``slots, valid [b, H, n]`` (invalid entries are not attended; an empty set gives ``0`` and ``-inf``)."""
+    scores = extra_scores(query, keys, slots, scale, softcap).masked_fill(~valid, float("-inf"))
+    log_mass = torch.logsumexp(scores, dim=-1)  # [b, H]
+    weights = (scores - log_mass[..., None]).exp().nan_to_num(0.0)  # an empty set: all zero
+    b, H = slots.shape[:2]
+    H_kv = values.shape[1]
+    rows = torch.arange(b, device=values.device)[:, None, None]
+    groups = (torch.arange(H, device=values.device) // (H // H_kv))[None, :, None]
+    gathered = values[rows, groups, slots].float()  # [b, H, n, d]
+    return (weights[..., None] * gathered).sum(-2), log_mass
+
+
+def merge_extra(output: torch.Tensor, log_local: torch.Tensor, extra_output: torch.Tensor, log_extra: torch.Tensor,
+                local: torch.Tensor) -> torch.Tensor:
+    """The local heads' attention over ``window ∪ E`` (module docstring): ``output [b, H, 1, d]`` (the executor's,
+    normalised by ``log_local [b, H]``, the window's mass plus the sink logits) merged with ``extra_output [b, H, d]``
+    of mass ``log_extra [b, H]``; dense heads (``local`` False) keep ``output``. In ``output``'s dtype."""
+    total = torch.logaddexp(log_local, log_extra)
+    keep = (log_local - total).exp().nan_to_num(1.0)[..., None]  # [b, H, 1]; no extra mass: keep all
+    take = (log_extra - total).exp().nan_to_num(0.0)[..., None]
+    merged = keep * output[:, :, 0].float() + take * extra_output
+    return torch.where(local[:, :, None, None], merged[:, :, None].to(output.dtype), output)

@@ -35,8 +35,8 @@ def test_window_plus_the_whole_bulk_is_dense_attention(sinks):
     window_out, _ = executor.attend(step, GroupDecision(local, torch.zeros(b, 2, dtype=torch.bool)))
     bulk = step.bulk_mask.nonzero()[:, 1].view(b, -1)  # [b, T_bulk]: every bulk slot
     slots = bulk[:, None].expand(b, H, bulk.shape[1])
-    extra, log_extra = attend_extra(step.query, step.keys, step.values, slots, torch.ones_like(slots, dtype=torch.bool),
-                                    step.scale)
+    everything = torch.ones_like(slots, dtype=torch.bool)
+    extra, log_extra = attend_extra(step.query, step.keys, step.values, slots, everything, step.scale)
     merged = merge_extra(window_out, step.log_local, extra, log_extra, local)
     dense, _ = executor.attend(step, GroupDecision(~local, torch.ones(b, 2, dtype=torch.bool)))
     assert torch.allclose(merged, dense, atol=1e-5)
@@ -49,8 +49,8 @@ def test_an_empty_extra_set_leaves_the_window_output():
     local = torch.ones(2, 4, dtype=torch.bool)
     out, _ = EXECUTORS.build("reference").attend(step, GroupDecision(local, torch.zeros(2, 2, dtype=torch.bool)))
     slots = torch.zeros(2, 4, 3, dtype=torch.long)
-    extra, log_extra = attend_extra(step.query, step.keys, step.values, slots, torch.zeros_like(slots, dtype=torch.bool),
-                                    step.scale)
+    empty = torch.zeros_like(slots, dtype=torch.bool)
+    extra, log_extra = attend_extra(step.query, step.keys, step.values, slots, empty, step.scale)
     assert torch.isinf(log_extra).all() and torch.equal(merge_extra(out, step.log_local, extra, log_extra, local), out)
 
 

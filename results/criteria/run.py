@@ -5,9 +5,11 @@ set, the hybrid's always-dense heads, calibrated QAdA's correction) is fitted on
 niah_multikey_2, vt) with seed 100, so no evaluated prompt or task was seen by a calibration. Per-sample rows
 resume (identity-checked), so the command can be rerun to add families or finish an interrupted run:
 
-    .venv/bin/python results/criteria/run.py [--lengths 2048,4096] [--samples 10] [--tail] [--tasks ...] [--out DIR]
+    .venv/bin/python results/criteria/run.py [--lengths 2048,4096] [--samples 10] [--tail | --bytes] [--tasks ...]
+        [--out DIR]
 
 ``--tail``: issue 23's comparison (the tail-aware family and the baselines it must beat, fewer points each).
+``--bytes``: issue 32's (``--tail``'s plus window ∪ E and Quest; the comparison report ranks them over kv_read too).
 
 Writes ``results/criteria/<task>-<length>/`` (rows, calibration artifacts), ``results.{json,csv,md}``, the
 plot and the comparison report (``compare.md``: area under score-vs-sparsity over [0.7, 0.95], who dominates).
@@ -89,6 +91,24 @@ def tail_configs(model, artifacts: dict[str, Path]) -> list:
     return out
 
 
+QUEST_PAGES = (4, 8, 16, 32)
+
+
+def bytes_configs(model, artifacts: dict[str, Path]) -> list:
+    """Issue 32's comparison, on the kv_read axis: :func:`tail_configs` plus the tail family's local heads attending
+    over window ∪ E (``attend_exact``) and the Quest baseline at several page counts."""
+    from qada.eval.configs import EvalConfig
+
+    def config(label, criterion, moments, family):
+        return EvalConfig(label, criterion, moments, "sdpa", WINDOW, family)
+
+    out = tail_configs(model, artifacts)
+    out += [config(f"qada_tail+E tau={t}", {"name": "qada_tail", "tau": t, "attend_exact": True}, "stored",
+                   "qada_tail+E") for t in TAIL_TAUS]
+    out += [config(f"quest pages={k}", {"name": "quest", "pages": k}, None, "quest") for k in QUEST_PAGES]
+    return out
+
+
 def configs(model, artifacts: dict[str, Path], new_families: bool = True) -> list:
     """Every configuration of a cell: the paper's families plus budgeted, calibrated and hybrid QAdA."""
     from qada.criteria import CRITERIA
@@ -148,10 +168,13 @@ def main(argv=None) -> int:
                         help="only dense, oracle, QAdA and static (the families of the paper)")
     parser.add_argument("--tail", action="store_true",
                         help="issue 23's comparison only: the tail-aware family and the baselines it must beat")
+    parser.add_argument("--bytes", action="store_true",
+                        help="issue 32's comparison: --tail's configurations plus window ∪ E and Quest (read the "
+                             "results on the kv_read axis)")
     parser.add_argument("--tasks", default=",".join(EVAL_TASKS))
     args = parser.parse_args(argv)
-    if args.tail and args.baseline_only:
-        parser.error("--tail and --baseline-only exclude each other")
+    if sum((args.tail, args.baseline_only, args.bytes)) > 1:
+        parser.error("--tail, --bytes and --baseline-only exclude each other")
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = sorted(set(tasks) - set(EVAL_TASKS))
     if unknown:
@@ -172,9 +195,9 @@ def main(argv=None) -> int:
     records = []
     for length in (int(x) for x in args.lengths.split(",")):
         artifacts = calibration_artifacts(model, tokenizer, length, args.calibration_samples, Path(args.artifacts),
-                                          not (args.baseline_only or args.tail))
-        cell_configs = (tail_configs(model, artifacts) if args.tail else
-                        configs(model, artifacts, not args.baseline_only))
+                                          not (args.baseline_only or args.tail or args.bytes))
+        cell_configs = (tail_configs(model, artifacts) if args.tail else bytes_configs(model, artifacts)
+                        if args.bytes else configs(model, artifacts, not args.baseline_only))
         static = _provenance(artifacts["static"], drop=("alpha",))
         fitted_on = {c.label: [static] if c.family.startswith("static") else artifact_provenance(c.criterion)
                      for c in cell_configs}

@@ -9,7 +9,6 @@ estimate (QAdA).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -25,7 +24,7 @@ from qada.functional import (
     lognormal_log_bulk_from_moments,
 )
 from qada.functional.capping import add_sink_logits, log_mean_exp_score, soft_cap
-from qada.functional.checks import check_float, check_ndim, group_size
+from qada.functional.checks import check_float, check_ndim, check_positive, group_size
 from qada.functional.lognormal import score_moments_unchecked
 from qada.functional.masses import grouped_scores_unchecked
 from qada.window import Window
@@ -118,7 +117,7 @@ class DecodeStep:
         group_size(H, self.keys.shape[1])
         if not isinstance(self.window, Window):
             raise TypeError(f"expected window to be a qada.Window but got {type(self.window).__name__}")
-        _check_positive("scale", self.scale)
+        check_positive("scale", self.scale)
         if self.values is not None:
             check_float("values", self.values)
             if self.values.shape != self.keys.shape:
@@ -131,7 +130,7 @@ class DecodeStep:
                 raise ValueError(f"expected sink_logits of shape [{H}] (one per query head) but got "
                                  f"{tuple(self.sink_logits.shape)}")
         if self.softcap is not None:
-            _check_positive("softcap", self.softcap)
+            check_positive("softcap", self.softcap)
         self.start = _row_positions("start", self.start, b, self.query.device)
         self.end = _row_positions("end", self.end, b, self.query.device)
 
@@ -347,30 +346,22 @@ class DecodeStep:
         self.__dict__["t_bulk"] = t_bulk
         self.__dict__["real"] = real
 
-    def attend_also(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
+    def attend_also(self, slots: torch.Tensor, valid: torch.Tensor, scores: torch.Tensor) -> None:
         """A criterion read these bulk tokens exactly: local heads attend over them besides the window
-        (:mod:`qada.functional.extra_set`). ``slots, valid [b, H, n]`` (each query head its own, in ``[0, T)``; the
-        run merges them into local heads' output)."""
-        self.__dict__["extra_set"] = (slots, valid)
+        (:mod:`qada.functional.extra_set`). ``slots, valid [b, H, n]`` (each query head its own, in ``[0, T)``) and
+        their ``scores [b, H, n]`` as the criterion computed them (soft-capped where the step has a cap), so that
+        their keys are not read twice; the run merges them into local heads' output."""
+        self.__dict__["extra_set"] = (slots, valid, scores)
 
     @property
-    def extra_set(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(slots, valid)`` of :meth:`attend_also`, or ``None``."""
+    def extra_set(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(slots, valid, scores)`` of :meth:`attend_also`, or ``None``."""
         return self.__dict__.get("extra_set")
 
     def note_fail_safe(self, forced_dense: torch.Tensor) -> None:
         """Count heads forced dense because a value was NaN/inf (kept on the device, no sync)."""
         count = forced_dense.sum()
         self.fail_safe = count if self.fail_safe is None else self.fail_safe + count
-
-
-def _check_positive(name: str, value: float) -> None:
-    """Raise unless ``value`` is a finite float > 0. Not while ``torch.compile`` traces the step: there a float
-    argument may be symbolic (a process whose runs use several scales), and it was checked eagerly before."""
-    if torch.compiler.is_compiling():
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"expected {name} to be a finite float > 0 but got {value!r}")
 
 
 def _row_positions(name: str, value: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor | None:

@@ -12,7 +12,7 @@ import qada
 from qada.attention import EXECUTORS
 from qada.attention.base import GroupDecision
 from qada.criteria import CRITERIA
-from qada.functional.extra_set import attend_extra, merge_extra
+from qada.functional.extra_set import attend_extra, extra_scores, merge_extra
 from qada.step import DecodeStep
 from qada.window import Window
 
@@ -36,7 +36,8 @@ def test_window_plus_the_whole_bulk_is_dense_attention(sinks):
     bulk = step.bulk_mask.nonzero()[:, 1].view(b, -1)  # [b, T_bulk]: every bulk slot
     slots = bulk[:, None].expand(b, H, bulk.shape[1])
     everything = torch.ones_like(slots, dtype=torch.bool)
-    extra, log_extra = attend_extra(step.query, step.keys, step.values, slots, everything, step.scale)
+    extra, log_extra = attend_extra(step.values, slots, everything,
+                                    extra_scores(step.query, step.keys, slots, step.scale))
     merged = merge_extra(window_out, step.log_local, extra, log_extra, local)
     dense, _ = executor.attend(step, GroupDecision(~local, torch.ones(b, 2, dtype=torch.bool)))
     assert torch.allclose(merged, dense, atol=1e-5)
@@ -50,7 +51,7 @@ def test_an_empty_extra_set_leaves_the_window_output():
     out, _ = EXECUTORS.build("reference").attend(step, GroupDecision(local, torch.zeros(2, 2, dtype=torch.bool)))
     slots = torch.zeros(2, 4, 3, dtype=torch.long)
     empty = torch.zeros_like(slots, dtype=torch.bool)
-    extra, log_extra = attend_extra(step.query, step.keys, step.values, slots, empty, step.scale)
+    extra, log_extra = attend_extra(step.values, slots, empty, extra_scores(step.query, step.keys, slots, step.scale))
     assert torch.isinf(log_extra).all() and torch.equal(merge_extra(out, step.log_local, extra, log_extra, local), out)
 
 
@@ -73,7 +74,7 @@ def test_quest_decides_every_head_local_and_attends_over_its_pages():
     quest.observe_prefill(0, step.keys[:, :, :-1], None, None, None, step.window, None)
     local = quest(step)
     assert local.all()
-    slots, valid = step.extra_set
+    slots, valid, scores = step.extra_set
     assert slots.shape[:2] == (2, 4) and slots.shape[2] >= 8 and valid.any()
     bulk = step.bulk_mask
     rows = torch.arange(2)[:, None, None]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
-from qada.functional.capping import soft_cap
+from qada.functional.capping import soft_cap, softmax_with_sink_column
 from qada.functional.checks import accumulation_dtype
 from qada.step import DecodeStep
 
@@ -146,12 +146,11 @@ def _attention_for(step: DecodeStep):
         scores = soft_cap((q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale, step.softcap)  # [B, K, G, N]
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
-        if sinks is not None:
-            sink = (sinks if groups is None else sinks[groups]).to(dtype)  # [K, G]
-            scores = torch.cat([scores, sink[None, :, :, None].expand(*scores.shape[:-1], 1)], -1)
-            probabilities = torch.softmax(scores, -1)[..., :-1]
-        else:
+        if sinks is None:
             probabilities = torch.softmax(scores, -1)
+        else:
+            sink = sinks if groups is None else sinks[groups]  # [K, G]: the sink logits of these KV heads' queries
+            probabilities = softmax_with_sink_column(scores, sink[None, :, :, None])
         return (probabilities @ v.to(dtype)).to(q.dtype)
 
     return attention

@@ -19,6 +19,7 @@ import torch
 from qada.criteria.base import HeadCriterion, register_criterion
 from qada.criteria.tail import TailEstimate
 from qada.criteria.tail_index import append_step_key
+from qada.functional.capping import soft_cap
 from qada.step import DecodeStep
 
 __all__ = ["QuestCriterion"]
@@ -43,18 +44,19 @@ class QuestCriterion(TailEstimate, HeadCriterion):
     attend_exact: bool = True
 
     def __post_init__(self) -> None:
-        if self.budget is not None:
-            if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
-                raise ValueError(f"expected budget to be a positive int (tokens) but got {self.budget!r}")
-            self.pages = max(1, self.budget // self.page_size) if isinstance(self.page_size, int) else self.pages
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                        or self.budget < 1):
+            raise ValueError(f"expected budget to be a positive int (tokens) but got {self.budget!r}")
         if self.heavy or not self.attend_exact:
             raise ValueError("quest attends over its pages only: heavy must be 0 and attend_exact True")
         self._check_tail()
+        if self.budget is not None:
+            self.pages = max(1, self.budget // self.page_size)
         if self.pages < 1:
             raise ValueError(f"expected pages >= 1 but got {self.pages!r}")
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         append_step_key(self.state(step), step.keys, step.end, self.page_size)
-        _, valid, slots = self.exact_set_slots(step)
-        step.attend_also(slots, valid)
+        scores, valid, slots = self.exact_set_slots(step)
+        step.attend_also(slots, valid, soft_cap(scores, step.softcap))
         return torch.ones(step.batch_size, step.num_heads, dtype=torch.bool, device=step.device)

@@ -20,7 +20,8 @@ from qada.criteria.budgeted import BudgetedQAdACriterion
 from qada.criteria.tail_index import LayerTail, TailIndex, append_step_key
 from qada.criteria.threshold import ThresholdCriterion
 from qada.functional.capping import soft_cap
-from qada.functional.tail import bounds_from_halves, page_slots, tail_log_bulk
+from qada.functional.extra_set import extra_scores
+from qada.functional.tail import bounds_from_halves, page_slots, tail_log_rest
 from qada.step import DecodeStep
 from qada.window import Window
 
@@ -103,8 +104,7 @@ class TailEstimate:
         clamped = slots.clamp(max=C - 1)
         rows = torch.arange(b, device=keys.device)[:, None, None]
         groups = (torch.arange(H, device=keys.device) // G)[None, :, None]
-        page_keys = keys[rows, groups, clamped].float()  # [b, H, m * P, d]
-        page_scores = scale * (page_keys @ query.float()[..., None])[..., 0]
+        page_scores = extra_scores(query, keys, clamped, scale)  # [b, H, m * P]
         page_valid_slots = (torch.isfinite(top).repeat_interleave(P, dim=-1) & (slots < C)
                             & (slots >= first[:, None, None]) & (slots < last[:, None, None])
                             & ~state.member[rows, groups, clamped])  # fmt: skip
@@ -143,11 +143,9 @@ class TailEstimate:
         scores = soft_cap(scores, step.softcap)  # (the pages' bounds rank alike capped or not: tanh is monotone)
         log_exact = torch.logsumexp(scores.masked_fill(~valid, float("-inf")), dim=-1)
         mu_s, var_s = step.score_moments
-        n_exact = valid.sum(-1)
-        rest = tail_log_bulk(torch.full_like(log_exact, float("-inf")), n_exact, mu_s, var_s, step.t_bulk,
-                             step.softcap)
+        rest = tail_log_rest(valid.sum(-1), mu_s, var_s, step.t_bulk, step.softcap)
         if self.attend_exact:
-            step.attend_also(slots, valid)
+            step.attend_also(slots, valid, scores)
         step.__dict__["tail:" + self.state_key] = (log_exact, rest)
         return log_exact, rest
 

@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from qada.functional.checks import check_positive
+
 __all__ = [
     "GAUSS_HERMITE_NODES",
     "add_sink_logits",
@@ -30,6 +32,7 @@ __all__ = [
     "log_mean_exp_score",
     "sink_output_scale",
     "soft_cap",
+    "softmax_with_sink_column",
     "softmax_with_sinks",
 ]
 
@@ -64,10 +67,8 @@ def capped_log_mean_exp(mu: torch.Tensor, var: torch.Tensor, cap: float, nodes: 
                         ) -> torch.Tensor:
     """``log E[exp(c tanh(s / c))]`` for ``s ~ N(mu, var)``, elementwise over ``mu, var [...]`` (Gauss-Hermite,
     module docstring); accumulates in float64 for float64 inputs, else float32."""
-    if not torch.compiler.is_compiling() and not (isinstance(cap, (int, float)) and not isinstance(cap, bool)
-                                                  and math.isfinite(cap) and cap > 0):
-        raise ValueError(f"expected the soft cap to be a finite float > 0 but got {cap!r}")
-    x, log_w = _RULES[nodes] if nodes in _RULES else hermite_rule(nodes)
+    check_positive("the soft cap", cap)
+    x, log_w = hermite_rule(nodes)
     dtype = torch.float64 if mu.dtype == torch.float64 else torch.float32
     x_t = torch.tensor(x, dtype=dtype, device=mu.device)
     log_w_t = torch.tensor(log_w, dtype=dtype, device=mu.device)
@@ -103,7 +104,13 @@ def softmax_with_sinks(scores: torch.Tensor, sink_logits: torch.Tensor | None) -
     in the denominator (probabilities that sum to less than one); a plain softmax for ``None``."""
     if sink_logits is None:
         return torch.softmax(scores, dim=-1)
-    b, H = scores.shape[:2]
-    sink = sink_logits.to(device=scores.device, dtype=scores.dtype).view(1, H, *([1] * (scores.dim() - 2)))
+    H = scores.shape[1]
+    return softmax_with_sink_column(scores, sink_logits.view(1, H, *([1] * (scores.dim() - 2))))
+
+
+def softmax_with_sink_column(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension of ``scores [..., N]`` with one more logit ``sink`` (broadcast to
+    ``scores[..., :1]``) in the denominator, that sink's probability dropped."""
+    sink = sink.to(device=scores.device, dtype=scores.dtype)
     joined = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
     return torch.softmax(joined, dim=-1)[..., :-1]

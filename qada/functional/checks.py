@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
@@ -12,6 +14,7 @@ __all__ = [
     "check_head_mask",
     "check_head_scores",
     "check_ndim",
+    "check_positive",
     "group_size",
 ]
 
@@ -28,6 +31,15 @@ def check_float(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"expected {name} to be a torch.Tensor but got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
         raise TypeError(f"expected {name} to have a floating dtype {FLOAT_DTYPES} but got {tensor.dtype}")
+
+
+def check_positive(name: str, value: float) -> None:
+    """Raise unless ``value`` is a finite float > 0. Not while ``torch.compile`` traces: there a float argument may
+    be symbolic (a process whose runs use several scales), and it was checked eagerly before."""
+    if torch.compiler.is_compiling():
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"expected {name} to be a finite float > 0 but got {value!r}")
 
 
 def check_ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:

@@ -24,27 +24,27 @@ def extra_scores(query: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, s
                  softcap: float | None = None) -> torch.Tensor:
     """``[b, H, n]`` float32 scores of ``query [b, H, d]`` against the keys at ``slots [b, H, n]`` (each query head
     its own slots) of ``keys [b, H_kv, C, d]``; slots must lie in ``[0, C)``."""
-    b, H, d = query.shape
-    H_kv = keys.shape[1]
-    rows = torch.arange(b, device=keys.device)[:, None, None]
-    groups = (torch.arange(H, device=keys.device) // (H // H_kv))[None, :, None]
-    gathered = keys[rows, groups, slots].float()  # [b, H, n, d]
+    gathered = _by_query_head(keys, slots).float()  # [b, H, n, d]
     return soft_cap(scale * (gathered @ query.float()[..., None])[..., 0], softcap)
 
 
-def attend_extra(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                 valid: torch.Tensor, scale: float, softcap: float | None = None
+def _by_query_head(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``x [b, H_kv, C, d]`` at ``slots [b, H, n]``, each query head from its KV head: ``[b, H, n, d]``."""
+    b, H = slots.shape[:2]
+    rows = torch.arange(b, device=x.device)[:, None, None]
+    groups = (torch.arange(H, device=x.device) // (H // x.shape[1]))[None, :, None]
+    return x[rows, groups, slots]
+
+
+def attend_extra(values: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, scores: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of each head over its extra set: ``(output [b, H, d] float32, log A_E [b, H])``;
+    """Softmax attention of each head over its extra set: ``(output [b, H, d] float32, log A_E [b, H])`` from the
+    set's ``scores [b, H, n]`` (:func:`extra_scores`, as its criterion computed them) and ``values [b, H_kv, C, d]``;
     ``slots, valid [b, H, n]`` (invalid entries are not attended; an empty set gives ``0`` and ``-inf``)."""
-    scores = extra_scores(query, keys, slots, scale, softcap).masked_fill(~valid, float("-inf"))
+    scores = scores.float().masked_fill(~valid, float("-inf"))
     log_mass = torch.logsumexp(scores, dim=-1)  # [b, H]
     weights = (scores - log_mass[..., None]).exp().nan_to_num(0.0)  # an empty set: all zero
-    b, H = slots.shape[:2]
-    H_kv = values.shape[1]
-    rows = torch.arange(b, device=values.device)[:, None, None]
-    groups = (torch.arange(H, device=values.device) // (H // H_kv))[None, :, None]
-    gathered = values[rows, groups, slots].float()  # [b, H, n, d]
+    gathered = _by_query_head(values, slots).float()  # [b, H, n, d]
     return (weights[..., None] * gathered).sum(-2), log_mass
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "page_halves",
     "page_slots",
     "tail_log_bulk",
+    "tail_log_rest",
     "update_page_extrema",
 ]
 
@@ -38,16 +39,26 @@ def tail_log_bulk(
 
     Args:
         log_exact: ``[b, H]`` ``log sum_{i in E} exp(s_i)`` (``-inf`` for an empty ``E``).
+        n_exact, mu_s, var_s, t_bulk, softcap: as for :func:`tail_log_rest`; ``log_exact`` must come from capped
+            scores where there is a ``softcap``.
+    """
+    return torch.logaddexp(log_exact.to(mu_s.dtype), tail_log_rest(n_exact, mu_s, var_s, t_bulk, softcap))
+
+
+def tail_log_rest(n_exact: torch.Tensor, mu_s: torch.Tensor, var_s: torch.Tensor, t_bulk: torch.Tensor,
+                  softcap: float | None = None) -> torch.Tensor:
+    """``log Â_rest = log(T_bulk - |E|) + mu_s + sigma_s^2 / 2``, ``[b, H]``: eq. 7 on the bulk tokens outside ``E``.
+
+    Args:
         n_exact: ``[b, H]`` ``|E|``, the bulk tokens scored exactly (at most ``T_bulk``).
         mu_s, var_s: ``[b, H]`` score moments of the bulk (eq. 5-6, :func:`~qada.functional.lognormal_score_moments`).
         t_bulk: ``[b]`` bulk sizes; the rest ``T_bulk - |E|`` at 0 contributes nothing (``-inf``).
         softcap: a logit soft-cap ``c``: the rest's mean is then ``E[exp(c tanh(s / c))]``
-            (:func:`~qada.functional.capping.log_mean_exp_score`), and ``log_exact`` must come from capped scores.
+            (:func:`~qada.functional.capping.log_mean_exp_score`).
     """
     rest = (t_bulk.to(device=mu_s.device)[:, None] - n_exact.to(mu_s.device)).to(mu_s.dtype)
     log_rest = torch.log(rest) + log_mean_exp_score(mu_s, var_s, softcap)  # the operations of eq. 7, on the rest
-    log_rest = log_rest.masked_fill(rest <= 0, float("-inf"))
-    return torch.logaddexp(log_exact.to(mu_s.dtype), log_rest)
+    return log_rest.masked_fill(rest <= 0, float("-inf"))
 
 
 def page_extrema(keys: torch.Tensor, page_size: int, filled: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,7 +53,8 @@ def qada_attention_forward(
     features = attention_features(module, kwargs, dropout)  # refuses what would change the math unnoticed
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if run.is_sliding(layer, module, kwargs):  # a sliding-window layer is already local: its own mask and cache
+    if run.layers.is_sliding(layer):  # a sliding-window layer is already local: its own mask and cache (the run
+        # knows the model's layers once attached, which is when it is found here)
         return dense_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs, features), None
     if query.shape[2] == 1 and run.on_buffer(layer, key.shape[2]):
         # A decode step on a preallocated cache: the whole buffer, the rows' ends as device tensors, no sync.

@@ -127,7 +127,7 @@ def layer_step(
     extra = step.extra_set
     extra_output = log_extra = log_local = None
     if extra is not None:  # local heads attend over window ∪ E: E's part now, merged after the executor
-        extra_output, log_extra = attend_extra(step.query, keys, values, *extra, scale, softcap)
+        extra_output, log_extra = attend_extra(values, *extra)
         log_local = step.log_local
     return LayerStepResult(decided, local, read, counts[None], counts[3], step.window_keys, step.window_values,
                            step.window_valid, step.t_bulk, step.real, bulk, step.query, step.start, step.end,

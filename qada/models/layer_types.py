@@ -100,7 +100,11 @@ def cache_layers(config: Any) -> tuple[list[str], list[dict]] | None:
 def cache_windows(config: Any) -> dict[int, int]:
     """``{layer: window}`` of the layers whose cache transformers keeps as a sliding window (:func:`cache_layers`),
     for models whose attention modules do not expose their window. Empty when transformers cannot tell."""
-    layers = cache_layers(config)
+    return _windows(cache_layers(config))
+
+
+def _windows(layers: tuple[list[str], list[dict]] | None) -> dict[int, int]:
+    """``{layer: window}`` of :func:`cache_layers`' sliding kinds (empty for ``None``)."""
     if layers is None:
         return {}
     return {layer: int(extra["sliding_window"]) for layer, (kind, extra) in enumerate(zip(*layers, strict=True))
@@ -114,7 +118,7 @@ def layer_types(model: Any) -> LayerTypes:
     indices = []
     config = text_config(model.config)
     kinds = cache_layers(config)
-    cached = cache_windows(config)
+    cached = _windows(kinds)
     for module in attention_modules(model):
         layer = module.layer_idx
         if not isinstance(layer, int):

@@ -123,14 +123,6 @@ class QAdARun:
         preallocated one)."""
         return self.guard.filled_length(layer, q_len, key_len, lambda: self.rows.filled(attention_mask, key_len))
 
-    def is_sliding(self, layer: int, module: Any = None, kwargs: dict | None = None) -> bool:
-        """Whether ``layer`` attends over a sliding window (passed through untouched): from the model's
-        :class:`~qada.models.layer_types.LayerTypes` once attached, else from the call (``sliding_window``)."""
-        if self.layers is not None:
-            return self.layers.is_sliding(layer)
-        window = (kwargs or {}).get("sliding_window", getattr(module, "sliding_window", None))
-        return window is not None
-
     def on_buffer(self, layer: int, key_len: int) -> bool:
         """Whether a decode step of ``layer`` over ``key_len`` slots is on the whole preallocated buffer."""
         return self.guard.buffer_capacity(layer) == key_len

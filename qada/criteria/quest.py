@@ -56,7 +56,7 @@ class QuestCriterion(TailEstimate, HeadCriterion):
             raise ValueError(f"expected pages >= 1 but got {self.pages!r}")
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
-        append_step_key(self.state(step), step.keys, step.end, self.page_size)
+        append_step_key(self.state(step), step.keys, step.end, self.page_size, self.super_page)
         scores, valid, slots = self.exact_set_slots(step)
         step.attend_also(slots, valid, soft_cap(scores, step.softcap))
         return torch.ones(step.batch_size, step.num_heads, dtype=torch.bool, device=step.device)

@@ -5,27 +5,30 @@
 
 (:mod:`qada.functional.tail`). ``qada_tail`` decides with the threshold rule of eq. 2, ``qada_tail_budget`` with the
 budget rule of :class:`~qada.criteria.BudgetedQAdACriterion` on the same estimate. What a local head reads per
-step: its window, the keys of ``E`` (``heavy + pages * page_size`` tokens) and the page extrema (two vectors per
-page: ``2 / page_size`` of the keys).
+step: its window, the keys of ``E`` (``heavy + G * pages * page_size`` tokens per KV group) and the page extrema (two
+vectors per page: ``2 / page_size`` of the keys), or with a page hierarchy the super-pages' extrema and those of the
+pages inside the best super-pages only (:func:`exact_set_reads`). With ``scale_exact`` the sizes grow as
+``sqrt(C)`` with the context.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from qada.criteria.base import register_criterion
 from qada.criteria.budgeted import BudgetedQAdACriterion
-from qada.criteria.tail_index import LayerTail, TailIndex, append_step_key
+from qada.criteria.tail_index import LAYER_FIELDS, LayerTail, TailIndex, append_step_key
 from qada.criteria.threshold import ThresholdCriterion
 from qada.functional.capping import soft_cap
 from qada.functional.extra_set import extra_scores
-from qada.functional.tail import bounds_from_halves, page_slots, tail_log_rest
+from qada.functional.tail import page_slots, tail_log_rest, top_pages, top_pages_hierarchical
 from qada.step import DecodeStep
 from qada.window import Window
 
-__all__ = ["TailBudgetCriterion", "TailCriterion", "TailEstimate"]
+__all__ = ["TailBudgetCriterion", "TailCriterion", "TailEstimate", "exact_set_reads"]
 
 
 @dataclass
@@ -40,6 +43,13 @@ class TailEstimate:
         attend_exact: a local head attends over ``window ∪ E`` (reading ``E``'s values too) instead of the window
             alone, and the decision becomes ``(A_window + A_E) / (A_window + A_E + Â_rest) >= tau``
             (:mod:`qada.functional.extra_set`).
+        super_page: pages per super-page ``S`` of a two-level page hierarchy (0: every page is bounded each step):
+            the super-pages are bounded first, per KV group, and only the pages inside its best ``super_pages`` are
+            (:func:`~qada.functional.tail.top_pages_hierarchical`).
+        super_pages: super-pages per KV group whose pages are bounded (with ``super_page``).
+        scale_exact: a reference context ``C0`` in slots (0: fixed sizes). ``heavy``, ``pages`` and
+            ``super_pages`` are then the sizes at ``C0``; a cache of ``C`` slots uses
+            ``max(1, round(x * sqrt(C / C0)))`` of each (:meth:`sizes`; a size of 0 stays 0).
     """
 
     heavy: int = 32
@@ -47,9 +57,12 @@ class TailEstimate:
     page_size: int = 16
     pages: int = 8
     attend_exact: bool = False
+    super_page: int = 0
+    super_pages: int = 4
+    scale_exact: int = 0
 
     def _check_tail(self) -> None:
-        for name in ("heavy", "observe", "page_size", "pages"):
+        for name in ("heavy", "observe", "page_size", "pages", "super_page", "super_pages", "scale_exact"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"expected {name} to be an int >= 0 but got {value!r}")
@@ -59,11 +72,22 @@ class TailEstimate:
             raise ValueError(f"expected page_size to be an int >= 1 but got {self.page_size!r}")
         if self.heavy and not self.observe:
             raise ValueError("expected observe >= 1 when heavy > 0 (the queries that choose the heavy set)")
-        self._index = TailIndex(self.heavy, self.observe, self.page_size)
+        if self.super_page and not self.super_pages:
+            raise ValueError("expected super_pages >= 1 with a page hierarchy (super_page > 0)")
+        self._index = TailIndex(self.heavy, self.observe, self.page_size, self.super_page)
+
+    def sizes(self, slots: int) -> tuple[int, int, int]:
+        """``(heavy, pages, super_pages)`` for a cache of ``slots`` slots: the fields, or with :attr:`scale_exact`
+        ``C0`` each scaled by ``sqrt(slots / C0)`` (rounded, at least 1 where the field is not 0)."""
+        if not self.scale_exact:
+            return self.heavy, self.pages, self.super_pages
+        factor = math.sqrt(slots / self.scale_exact)
+        return tuple(max(1, round(x * factor)) if x else 0 for x in (self.heavy, self.pages, self.super_pages))
 
     def observe_prefill(self, layer: int, keys: torch.Tensor, queries: torch.Tensor | None, scale: float | None,
                         start: torch.Tensor | None, window: Window, capacity: int | None = None) -> None:
-        self._index.prefill(layer, keys, queries, scale, start, window, capacity)
+        slots = capacity if capacity is not None else keys.shape[2]
+        self._index.prefill(layer, keys, queries, scale, start, window, capacity, heavy_size=self.sizes(slots)[0])
 
     def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
         """The layer's heavy set and page extrema (:meth:`~qada.criteria.tail_index.TailIndex.layer_state`)."""
@@ -81,7 +105,7 @@ class TailEstimate:
     def exact_set_slots(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`exact_set` and the slots of ``E``, ``[b, H, n]`` long (in ``[0, C)``)."""
         tensors = self.state(step)
-        state = LayerTail(*(tensors[name] for name in ("heavy", "heavy_valid", "member", "kmin", "kmax", "halves")))
+        state = LayerTail(**{name: tensors[name] for name in LAYER_FIELDS if name in tensors})
         query, keys, scale = step.query, step.keys, step.scale
         b, H, d = query.shape
         H_kv, C, G = step.num_kv_heads, step.length, step.group_size
@@ -95,11 +119,14 @@ class TailEstimate:
         heavy_valid = (state.heavy_valid & in_bulk)[:, :, None].expand(b, H_kv, G, k).reshape(b, H, k)
         P = self.page_size
         n_pages = -(-C // P)
-        m = min(self.pages, n_pages)
-        bounds = bounds_from_halves(query, state.halves[:, :, :n_pages], scale)  # [b, H, n]
-        low = torch.arange(n_pages, device=keys.device) * P
-        page_valid = (low[None, :] + P > first[:, None]) & (low[None, :] < last[:, None])  # [b, n]
-        top, pages = bounds.masked_fill(~page_valid[:, None, :], float("-inf")).topk(m, dim=-1)  # [b, H, m]
+        _, m, super_pages = self.sizes(C)
+        if self.super_page:
+            n_super = -(-C // (P * self.super_page))
+            top, pages = top_pages_hierarchical(query, state.halves[:, :, :n_pages],
+                                                state.super_halves[:, :, :n_super], scale, first, last, P,
+                                                self.super_page, super_pages, m)
+        else:
+            top, pages = top_pages(query, state.halves[:, :, :n_pages], scale, first, last, P, m)  # [b, H, m]
         slots = page_slots(pages, P)  # [b, H, m * P]
         clamped = slots.clamp(max=C - 1)
         rows = torch.arange(b, device=keys.device)[:, None, None]
@@ -113,18 +140,14 @@ class TailEstimate:
                 torch.cat([heavy_slots, clamped], -1))
 
     def extra_reads(self, step: DecodeStep) -> torch.Tensor:
-        """``[b]`` vectors read per KV head and step: the heavy keys, at most ``G * pages * page_size`` page keys (the
-        pages of its ``G`` query heads) and two extrema per page that holds a token of the row (a preallocated
-        buffer's empty pages are not read)."""
+        """``[b]`` vectors read per KV head and step (:func:`exact_set_reads`)."""
         if step.end is None:
             filled = torch.full((step.batch_size,), step.length, dtype=torch.float64, device=step.device)
         else:
             filled = step.end.to(torch.float64)
-        n_pages = torch.ceil(filled / self.page_size)
-        pages = n_pages.clamp(max=self.pages)
-        exact = self.heavy + step.group_size * pages * self.page_size
-        # keys of E and the extrema; with attend_exact the values of E too (a local head attends over them)
-        return exact * (2 if self.attend_exact else 1) + 2 * n_pages
+        heavy, pages, super_pages = self.sizes(step.length)
+        return exact_set_reads(filled, step.group_size, self.page_size, heavy, pages, self.attend_exact,
+                               self.super_page, super_pages)
 
     def tail_log_bulk(self, step: DecodeStep) -> torch.Tensor:
         """``[b, H]`` the tail-aware ``log Â_bulk``; first the step's key joins its page (in place)."""
@@ -138,7 +161,7 @@ class TailEstimate:
         cached = step.__dict__.get("tail:" + self.state_key)
         if cached is not None:
             return cached
-        append_step_key(self.state(step), step.keys, step.end, self.page_size)
+        append_step_key(self.state(step), step.keys, step.end, self.page_size, self.super_page)
         scores, valid, slots = self.exact_set_slots(step)
         scores = soft_cap(scores, step.softcap)  # (the pages' bounds rank alike capped or not: tanh is monotone)
         log_exact = torch.logsumexp(scores.masked_fill(~valid, float("-inf")), dim=-1)
@@ -163,6 +186,33 @@ class TailEstimate:
         return rest if self.attend_exact else torch.logaddexp(log_exact, rest)
 
 
+def exact_set_reads(filled: torch.Tensor, group_size: int, page_size: int, heavy: int, pages: int,
+                    attend_exact: bool = False, super_page: int = 0, super_pages: int = 0) -> torch.Tensor:
+    """Vectors a KV group reads per step to bound, choose and score its exact set, beyond its window, ``[b]``.
+
+    With ``n = ceil(filled / P)`` pages holding a token of the row (a preallocated buffer's empty pages are not
+    read) and ``G`` query heads per KV head:
+
+    * the keys of ``E``: ``heavy + G * min(pages, candidates) * P`` (each query head's pages), doubled with
+      ``attend_exact`` (their values too);
+    * one level: the extrema of every page, ``2 n`` (``candidates = n``);
+    * a hierarchy of ``S = super_page`` pages per super-page: ``2 ceil(n / S)`` super-page extrema and the
+      extrema of the pages inside the group's ``super_pages`` best, ``2 min(super_pages S, n)``
+      (``candidates = super_pages S``).
+
+    Args:
+        filled: ``[b]`` float, the tokens of each row.
+    """
+    n_pages = torch.ceil(filled / page_size)
+    if super_page:
+        candidates = n_pages.clamp(max=super_pages * super_page)
+        bounds = 2 * torch.ceil(n_pages / super_page) + 2 * candidates
+    else:
+        candidates, bounds = n_pages, 2 * n_pages
+    exact = heavy + group_size * candidates.clamp(max=pages) * page_size
+    return exact * (2 if attend_exact else 1) + bounds
+
+
 @register_criterion("qada_tail")
 @dataclass
 class TailCriterion(TailEstimate, ThresholdCriterion):
@@ -170,7 +220,8 @@ class TailCriterion(TailEstimate, ThresholdCriterion):
 
     Args:
         tau: threshold in ``[0, 1]``; higher means fewer local heads.
-        heavy, observe, page_size, pages: see :class:`TailEstimate`.
+        heavy, observe, page_size, pages, attend_exact, super_page, super_pages, scale_exact: see
+            :class:`TailEstimate`.
     """
 
     needs_moments = True
@@ -194,7 +245,8 @@ class TailBudgetCriterion(TailEstimate, BudgetedQAdACriterion):
 
     Args:
         sparsity, per_group: see :class:`~qada.criteria.BudgetedQAdACriterion`.
-        heavy, observe, page_size, pages: see :class:`TailEstimate`.
+        heavy, observe, page_size, pages, attend_exact, super_page, super_pages, scale_exact: see
+            :class:`TailEstimate`.
     """
 
     def __post_init__(self) -> None:

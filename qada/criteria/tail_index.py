@@ -7,7 +7,9 @@ preallocated cache, nothing made in a step kept past it):
   most (SnapKV's votes, :func:`~qada.functional.tail.heavy_votes`), ``[b, H_kv, k]``, with a membership map
   ``[b, H_kv, C]`` so that a page never counts a heavy token twice;
 * the **page extrema**: elementwise min and max of the keys of every page of ``P`` slots, ``[b, H_kv, C / P, d]``
-  float32; the key written at each decode step joins its page.
+  float32; the key written at each decode step joins its page;
+* with a hierarchy (``super_page = S > 0``), the same extrema of every *super-page* of ``S`` pages (``S P`` slots),
+  ``[b, H_kv, C / (S P), d]``: a step bounds the super-pages first and the pages inside the best ones only.
 
 Slots are the cache's own (``C``: the buffer's capacity on a preallocated cache, the filled length on a growing one,
 whose arrays then grow with it).
@@ -23,14 +25,19 @@ from qada.functional.tail import heavy_votes, page_extrema, page_halves, update_
 from qada.functional.window import bulk_mask
 from qada.window import Window
 
-__all__ = ["LayerTail", "TailIndex", "append_step_key"]
+__all__ = ["LAYER_FIELDS", "LayerTail", "TailIndex", "append_step_key"]
+
+
+#: The tensors of :class:`LayerTail`, in order (the last three only with a hierarchy).
+LAYER_FIELDS = ("heavy", "heavy_valid", "member", "kmin", "kmax", "halves", "super_kmin", "super_kmax", "super_halves")
 
 
 @dataclass
 class LayerTail:
     """One layer's state: ``heavy [b, H_kv, k]`` long slots, ``heavy_valid [b, H_kv, k]``, ``member [b, H_kv, C]``
     bool, ``kmin / kmax [b, H_kv, n_pages, d]`` float32 and their ``halves [b, H_kv, n_pages, 2d]``
-    (:func:`~qada.functional.tail.page_halves`: what a step's page bounds read)."""
+    (:func:`~qada.functional.tail.page_halves`: what a step's page bounds read); with a hierarchy the super-pages'
+    ``super_kmin / super_kmax [b, H_kv, n_super, d]`` and ``super_halves [b, H_kv, n_super, 2d]`` (else ``None``)."""
 
     heavy: torch.Tensor
     heavy_valid: torch.Tensor
@@ -38,6 +45,9 @@ class LayerTail:
     kmin: torch.Tensor
     kmax: torch.Tensor
     halves: torch.Tensor
+    super_kmin: torch.Tensor | None = None
+    super_kmax: torch.Tensor | None = None
+    super_halves: torch.Tensor | None = None
 
     @property
     def slots(self) -> int:
@@ -51,22 +61,24 @@ class TailIndex:
         heavy: ``k``, heavy tokens per KV head (0: no heavy set).
         observe: the prompt's last queries that vote for the heavy set (SnapKV's observation window).
         page_size: slots per page ``P``.
+        super_page: pages per super-page ``S`` (0: no hierarchy).
     """
 
-    def __init__(self, heavy: int, observe: int, page_size: int) -> None:
-        self.heavy, self.observe, self.page_size = heavy, observe, page_size
+    def __init__(self, heavy: int, observe: int, page_size: int, super_page: int = 0) -> None:
+        self.heavy, self.observe, self.page_size, self.super_page = heavy, observe, page_size, super_page
         self.layers: dict[int, LayerTail] = {}
 
     def prefill(self, layer: int, keys: torch.Tensor, queries: torch.Tensor | None, scale: float | None,
-                start: torch.Tensor | None, window: Window, capacity: int | None = None) -> None:
+                start: torch.Tensor | None, window: Window, capacity: int | None = None,
+                heavy_size: int | None = None) -> None:
         """After the prefill of ``layer``: ``keys [b, H_kv, T, d]`` filled, ``queries [b, H, T, d]`` (or ``None``:
-        no heavy set, e.g. a cache prefilled elsewhere), ``capacity``: a preallocated cache's slots."""
+        no heavy set, e.g. a cache prefilled elsewhere), ``capacity``: a preallocated cache's slots, ``heavy_size``:
+        the heavy set's size for this cache (default the index's)."""
         b, H_kv, T, d = keys.shape
         slots = capacity if capacity is not None else T
-        kmin, kmax = page_extrema(keys, self.page_size)
-        n_pages = -(-slots // self.page_size)
-        kmin, kmax = _grow(kmin, n_pages, float("inf")), _grow(kmax, n_pages, float("-inf"))
-        k = self.heavy
+        kmin, kmax = _grown_extrema(keys, self.page_size, slots)
+        supers = _grown_extrema(keys, self.super_slots, slots) if self.super_page else (None, None)
+        k = self.heavy if heavy_size is None else heavy_size
         member = torch.zeros(b, H_kv, slots, dtype=torch.bool, device=keys.device)
         if k == 0 or queries is None or scale is None:
             heavy = torch.zeros(b, H_kv, max(k, 1), dtype=torch.long, device=keys.device)
@@ -87,7 +99,13 @@ class TailIndex:
                 heavy = torch.cat([heavy, heavy.new_zeros(b, H_kv, pad)], -1)
                 valid = torch.cat([valid, valid.new_zeros(b, H_kv, pad)], -1)
             member.scatter_(2, heavy, valid)
-        self.layers[layer] = LayerTail(heavy, valid, member, kmin, kmax, page_halves(kmin, kmax))
+        self.layers[layer] = LayerTail(heavy, valid, member, kmin, kmax, page_halves(kmin, kmax), *supers,
+                                       None if supers[0] is None else page_halves(*supers))
+
+    @property
+    def super_slots(self) -> int:
+        """Slots per super-page, ``S P``."""
+        return self.super_page * self.page_size
 
     def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
         """The tensors of ``layer`` for a cache of ``slots`` slots (a growing cache grows them first, doubling):
@@ -98,8 +116,8 @@ class TailIndex:
                                "prefill; decode through a run attached before it)")
         if slots > state.slots:
             state = self._grown(layer, state, slots)
-        return {"heavy": state.heavy, "heavy_valid": state.heavy_valid, "member": state.member, "kmin": state.kmin,
-                "kmax": state.kmax, "halves": state.halves}
+        names = LAYER_FIELDS if state.super_halves is not None else LAYER_FIELDS[:6]
+        return {name: getattr(state, name) for name in names}
 
     def _grown(self, layer: int, state: LayerTail, slots: int) -> LayerTail:
         """``state`` grown to at least ``slots`` slots (new pages empty), kept as ``layer``'s."""
@@ -107,9 +125,21 @@ class TailIndex:
         n_pages = -(-slots // self.page_size)
         member = torch.cat([state.member, state.member.new_zeros(*state.member.shape[:2], slots - state.slots)], 2)
         kmin, kmax = _grow(state.kmin, n_pages, float("inf")), _grow(state.kmax, n_pages, float("-inf"))
-        grown = LayerTail(state.heavy, state.heavy_valid, member, kmin, kmax, page_halves(kmin, kmax))
+        supers: tuple = (None, None, None)
+        if state.super_kmin is not None:
+            n_super = -(-slots // self.super_slots)
+            low, high = _grow(state.super_kmin, n_super, float("inf")), _grow(state.super_kmax, n_super, float("-inf"))
+            supers = (low, high, page_halves(low, high))
+        grown = LayerTail(state.heavy, state.heavy_valid, member, kmin, kmax, page_halves(kmin, kmax), *supers)
         self.layers[layer] = grown
         return grown
+
+
+def _grown_extrema(keys: torch.Tensor, page_size: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~qada.functional.tail.page_extrema` of ``keys`` padded to the pages of ``slots`` slots."""
+    kmin, kmax = page_extrema(keys, page_size)
+    n_pages = -(-slots // page_size)
+    return _grow(kmin, n_pages, float("inf")), _grow(kmax, n_pages, float("-inf"))
 
 
 def _grow(extrema: torch.Tensor, n_pages: int, fill: float) -> torch.Tensor:
@@ -121,9 +151,10 @@ def _grow(extrema: torch.Tensor, n_pages: int, fill: float) -> torch.Tensor:
 
 
 def append_step_key(state: dict[str, torch.Tensor], keys: torch.Tensor, end: torch.Tensor | None,
-                    page_size: int) -> None:
+                    page_size: int, super_page: int = 0) -> None:
     """In place: the decode step's key (slot ``end - 1`` of ``keys [b, H_kv, C, d]``; the last slot without ``end``)
-    joins its page's extrema in ``state`` (:meth:`TailIndex.layer_state`). No host read."""
+    joins its page's extrema in ``state`` (:meth:`TailIndex.layer_state`), and its super-page's with a hierarchy
+    (``super_page`` pages each). No host read."""
     b, H_kv, C, d = keys.shape
     if end is None:
         slot = torch.full((b,), C - 1, dtype=torch.long, device=keys.device)
@@ -131,3 +162,6 @@ def append_step_key(state: dict[str, torch.Tensor], keys: torch.Tensor, end: tor
         slot = (end - 1).clamp(min=0)
     key = keys.gather(2, slot.view(b, 1, 1, 1).expand(b, H_kv, 1, d))[:, :, 0]
     update_page_extrema(state["kmin"], state["kmax"], key, slot, page_size, state["halves"])
+    if super_page:
+        update_page_extrema(state["super_kmin"], state["super_kmax"], key, slot, super_page * page_size,
+                            state["super_halves"])

@@ -27,6 +27,8 @@ __all__ = [
     "page_slots",
     "tail_log_bulk",
     "tail_log_rest",
+    "top_pages",
+    "top_pages_hierarchical",
     "update_page_extrema",
 ]
 
@@ -120,6 +122,61 @@ def bounds_from_halves(query: torch.Tensor, halves: torch.Tensor, scale: float) 
     q = query.float().reshape(b, H_kv, H // H_kv, d)
     bound = torch.cat([q, q.abs()], -1) @ halves.transpose(-1, -2)  # [b, H_kv, G, n]
     return (scale * bound).reshape(b, H, n)
+
+
+def _page_range_valid(n: int, size: int, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """``[b, n]``: which of ``n`` blocks of ``size`` slots overlap the bulk ``[first, last)`` (``first/last [b]``)."""
+    low = torch.arange(n, device=first.device) * size
+    return (low[None, :] + size > first[:, None]) & (low[None, :] < last[:, None])
+
+
+def top_pages(query: torch.Tensor, halves: torch.Tensor, scale: float, first: torch.Tensor, last: torch.Tensor,
+              page_size: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query head the ``m`` pages overlapping the bulk ``[first, last)`` with the highest bound (one level: every
+    page's bound is computed). ``query [b, H, d]``, ``halves [b, H_kv, n, 2d]``; returns ``(bounds, pages)``, each
+    ``[b, H, m]`` (``-inf`` bounds: fewer than ``m`` pages overlap the bulk)."""
+    n = halves.shape[2]
+    bounds = bounds_from_halves(query, halves, scale)  # [b, H, n]
+    valid = _page_range_valid(n, page_size, first, last)
+    return bounds.masked_fill(~valid[:, None, :], float("-inf")).topk(min(m, n), dim=-1)
+
+
+def top_pages_hierarchical(
+    query: torch.Tensor, halves: torch.Tensor, super_halves: torch.Tensor, scale: float, first: torch.Tensor,
+    last: torch.Tensor, page_size: int, super_page: int, super_pages: int, m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_pages` through a two-level hierarchy: per KV group the ``super_pages`` super-pages (``S =
+    super_page`` pages each) with the highest bound over the group's query heads, then per query head the ``m``
+    best pages inside them. A super-page's bound bounds every page in it (its extrema enclose theirs), so the pages
+    left out of the second level are those of super-pages whose bound — and so every page bound in them — ranks
+    below the kept ones' for every head of the group.
+
+    Reads ``2 n_super + 2 super_pages S`` extrema per KV group instead of ``2 n`` (:func:`top_pages`).
+
+    Args:
+        query: ``[b, H, d]``; ``halves``: ``[b, H_kv, n, 2d]`` the pages'; ``super_halves``: ``[b, H_kv, n_s, 2d]``
+            the super-pages' (:func:`page_halves`); ``first, last``: ``[b]`` the bulk ``[first, last)``.
+
+    Returns:
+        ``(bounds, pages)``, each ``[b, H, min(m, super_pages S)]``; ``-inf`` bounds mark pages outside the bulk.
+    """
+    b, H, d = query.shape
+    H_kv, n, n_super = halves.shape[1], halves.shape[2], super_halves.shape[2]
+    G = H // H_kv
+    super_bounds = bounds_from_halves(query, super_halves, scale).reshape(b, H_kv, G, n_super).amax(2)
+    super_valid = _page_range_valid(n_super, super_page * page_size, first, last)  # [b, n_super]
+    _, supers = super_bounds.masked_fill(~super_valid[:, None, :], float("-inf")).topk(
+        min(super_pages, n_super), dim=-1)  # [b, H_kv, s]
+    candidates = page_slots(supers, super_page)  # [b, H_kv, s S] page numbers
+    clamped = candidates.clamp(max=n - 1)
+    chosen = halves.gather(2, clamped[..., None].expand(*clamped.shape, halves.shape[-1]))  # [b, H_kv, s S, 2d]
+    q = query.float().reshape(b, H_kv, G, d)
+    bounds = scale * (torch.cat([q, q.abs()], -1) @ chosen.transpose(-1, -2))  # [b, H_kv, G, s S]
+    low, size = clamped * page_size, page_size
+    valid = ((candidates < n) & (low + size > first[:, None, None]) & (low < last[:, None, None]))[:, :, None]
+    top, at = bounds.masked_fill(~valid, float("-inf")).topk(min(m, candidates.shape[-1]), dim=-1)  # [b, H_kv, G, m]
+    pages = clamped[:, :, None, :].expand(b, H_kv, G, clamped.shape[-1]).gather(-1, at)
+    return top.reshape(b, H, -1), pages.reshape(b, H, -1)
 
 
 def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:

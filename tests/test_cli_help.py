@@ -141,3 +141,15 @@ def test_building_the_reference_says_so_once(tmp_path, capsys):
     assert str(tmp_path) in err
     load_or_build_reference(model, WordTokenizer(), length=120, seed=1, cache_dir=tmp_path, chunk_size=50)
     assert "building" not in capsys.readouterr().err  # cached: loaded quietly
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_a_second_criterion_is_an_error_not_silently_the_last(command, capsys):
+    """argparse keeps the last of a repeated flag; one configuration per command, so the second is refused."""
+    args = [command, "--criterion", "qada", "--criterion", "dense", "--model", "nowhere"]
+    args += ["--task", "niah_single_1"] if command == "eval" else ["--prompt", "hi"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--criterion given twice" in err and "qada sweep --criterion A --criterion B" in err

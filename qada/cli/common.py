@@ -72,6 +72,27 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+class StoreOnce(argparse.Action):
+    """``store``, but a flag given twice is an error (argparse would keep the last one silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, f"_{self.dest}_given", False):
+            hint = f"; {self.help_once}" if getattr(self, "help_once", None) else ""
+            parser.error(f"{option_string} given twice (it takes one value){hint}")
+        setattr(namespace, f"_{self.dest}_given", True)
+        setattr(namespace, self.dest, values)
+
+
+def one_criterion_action(command: str) -> type[argparse.Action]:
+    """:class:`StoreOnce` for ``--criterion`` of ``command``: a second one points to ``qada sweep``."""
+
+    class OneCriterion(StoreOnce):
+        help_once = (f"`qada {command}` runs one configuration; to compare several, run it once per criterion or "
+                     "use `qada sweep --criterion A --criterion B`")
+
+    return OneCriterion
+
+
 def device_spec(text: str) -> str:
     """An ``argparse`` type: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from qada.cli.common import IMPORTS, HelpFormatter, add_model_arguments, existing_file, model_placement, positive_int
+from qada.cli.common import (
+    IMPORTS,
+    HelpFormatter,
+    add_model_arguments,
+    existing_file,
+    model_placement,
+    one_criterion_action,
+    positive_int,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override "
                              "(default: none)")
     chosen = parser.add_mutually_exclusive_group()
-    chosen.add_argument("--criterion", default=None,
+    chosen.add_argument("--criterion", default=None, action=one_criterion_action("generate"),
                         help="criterion name (see `qada criteria`), inline YAML/JSON mapping or .yaml/.json file; "
                              "dense = unmodified model (default: the --config file's, else qada)")
     chosen.add_argument("--static", default=None, metavar="FILE", type=existing_file,

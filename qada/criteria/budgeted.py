@@ -7,12 +7,14 @@ sparsity, directly comparable with a static mask of equal sparsity.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from qada.criteria.base import register_criterion
 from qada.criteria.budget import BudgetCriterion, spread_count, top_k_mask
+from qada.functional.static import allocate_local_counts
 from qada.step import DecodeStep
 
 __all__ = ["BudgetedQAdACriterion"]
@@ -41,27 +43,77 @@ class BudgetedQAdACriterion(BudgetCriterion):
     about ``sparsity ** G`` (the concepts page, "GQA and bytes"). A group with a non-finite head score is never
     local; ``step.fail_safe`` counts the non-finite heads themselves, as in the per-head mode.
 
+    With ``allocation`` (a static calibration artifact's oracle local frequencies, from other prompts) the budget is
+    spread over the layers by that calibration instead of evenly: layer ``l`` keeps the number of its heads (groups)
+    among the ``round(sparsity L H)`` most frequently local ones of the model
+    (:func:`~qada.functional.static.allocate_local_counts`), so layers whose heads often need the bulk get more dense
+    heads and the mean sparsity is the same. The score still picks which heads, per query.
+
     Args:
         sparsity: fraction of the query heads (or, with ``per_group``, of the KV groups) local per row and step,
             in ``[0, 1]``.
         per_group: decide per KV group instead of per query head.
+        allocation: path of a static calibration artifact (``qada calibrate``) that allocates the budget over the
+            layers; ``None``: the same fraction in every layer.
     """
 
     per_group: bool = False
+    allocation: str | None = None
     needs_moments = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.per_group, bool):
             raise ValueError(f"expected per_group to be a bool but got {self.per_group!r}")
+        self._frequency = None
+        if self.allocation is not None:
+            if not isinstance(self.allocation, (str, os.PathLike)):
+                raise ValueError(f"expected allocation to be the path of a calibration artifact but got "
+                                 f"{self.allocation!r}")
+            from qada.criteria.hybrid import load_local_frequency
+
+            self.allocation = os.fspath(self.allocation)
+            self._frequency = load_local_frequency(self.allocation)
+
+    def check_model(self, num_layers: int, num_heads: int) -> None:
+        if self._frequency is not None and tuple(self._frequency.shape) != (num_layers, num_heads):
+            raise ValueError(f"expected the allocation {self.allocation!r} of shape [{num_layers}, {num_heads}] for "
+                             f"this model but got {list(self._frequency.shape)}")
+        super().check_model(num_layers, num_heads)
+
+    def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
+        """Besides the base's ``ordinal``, with :attr:`allocation` the layer's local ``count`` of heads, or with
+        :attr:`per_group` its ``group_count_<G>`` of KV groups for every group size ``G`` dividing ``H`` (0-d each;
+        the step picks its own)."""
+        state = super().layer_state(layer, slots)
+        if self._frequency is None:
+            return state
+        L, H = self._frequency.shape
+        if not 0 <= layer < L:
+            raise ValueError(f"allocation of {L} layers does not fit layer {layer}")
+        counts = self.__dict__.setdefault("_counts", {})
+        sizes = [g for g in range(1, H + 1) if H % g == 0] if self.per_group else [1]
+        for g in sizes:
+            if g not in counts:
+                counts[g] = allocate_local_counts(self._frequency, self.sparsity, g)
+        if not self.per_group:
+            return {**state, "count": counts[1][layer].clone()}
+        return {**state, **{f"group_count_{g}": counts[g][layer].clone() for g in sizes}}
+
+    def local_count(self, step: DecodeStep) -> torch.Tensor:
+        state = self.state(step)
+        return state["count"] if "count" in state else super().local_count(step)
 
     def score(self, step: DecodeStep) -> torch.Tensor:
         return step.log_local - step.log_bulk_estimate
 
     def group_count(self, step: DecodeStep) -> torch.Tensor:
         """How many KV groups of each row are local with ``per_group``: ``sparsity * H_kv`` spread over the (global)
-        layers (:func:`~qada.criteria.budget.spread_count`, :meth:`layer_ordinal`)."""
-        return spread_count(self.sparsity * step.num_kv_heads, self.state(step)["ordinal"])
+        layers (:func:`~qada.criteria.budget.spread_count`, :meth:`layer_ordinal`), or the allocation's count."""
+        state = self.state(step)
+        if f"group_count_{step.group_size}" in state:
+            return state[f"group_count_{step.group_size}"]
+        return spread_count(self.sparsity * step.num_kv_heads, state["ordinal"])
 
     def decide(self, step: DecodeStep) -> torch.Tensor:
         score = self.checked_score(step)

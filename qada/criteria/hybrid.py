@@ -14,7 +14,7 @@ from qada.criteria.compose import CompositeCriterion, _build
 from qada.functional import calibrate_static_mask, check_threshold
 from qada.step import DecodeStep
 
-__all__ = ["HybridCriterion"]
+__all__ = ["HybridCriterion", "load_always_dense", "load_local_frequency"]
 
 
 def _default_base() -> dict[str, Any]:
@@ -41,15 +41,10 @@ def _as_head_mask(value: Any) -> torch.Tensor:
     return mask.cpu()
 
 
-def load_always_dense(path: str | os.PathLike, dense_fraction: float) -> torch.Tensor:
-    """``[L, H]`` bool: the ``round(dense_fraction L H)`` heads of a static calibration artifact (``qada calibrate``)
-    with the lowest oracle local frequency, ties by ``(layer, head)`` order.
-
-    The artifact is a ``head_mask`` file holding a ``frequency`` tensor; the model fingerprint is checked later,
-    by shape, in :meth:`HybridCriterion.check_model`. A hybrid model's artifact has NaN rows for its sliding-window
-    layers (never decided): only the ``G`` global layers are ranked (``round(dense_fraction G H)`` heads) and the
-    sliding rows are False (those layers pass through qada untouched).
-    """
+def load_local_frequency(path: str | os.PathLike) -> torch.Tensor:
+    """The ``[L, H]`` oracle local frequencies of a static calibration artifact (``qada calibrate``: a ``head_mask``
+    file holding a ``frequency`` tensor), checked (a hybrid model's sliding layers are NaN rows). The model
+    fingerprint is checked later, by shape, in the criterion's ``check_model``."""
     from qada.functional.static import check_local_frequency
 
     tensors, info = load_artifact(path, "head_mask", required=("frequency",))
@@ -60,12 +55,26 @@ def load_always_dense(path: str | os.PathLike, dense_fraction: float) -> torch.T
             "expected a floating [layers, heads] tensor"
         )
     try:
-        sliding = check_local_frequency(frequency)
+        check_local_frequency(frequency)
     except ValueError as error:
         raise ValueError(f"artifact {info.path!r} holds broken frequencies: {error}") from None
+    return frequency
+
+
+def load_always_dense(path: str | os.PathLike, dense_fraction: float) -> torch.Tensor:
+    """``[L, H]`` bool: the ``round(dense_fraction L H)`` heads of a static calibration artifact
+    (:func:`load_local_frequency`) with the lowest oracle local frequency, ties by ``(layer, head)`` order.
+
+    A hybrid model's artifact has NaN rows for its sliding-window layers (never decided): only the ``G`` global
+    layers are ranked (``round(dense_fraction G H)`` heads) and the sliding rows are False (those layers pass through
+    qada untouched).
+    """
+    from qada.functional.static import undecided_layers
+
+    frequency = load_local_frequency(path)
     # the lowest frequencies ranked first; a stable sort keeps ties in (layer, head) order
     always_dense = calibrate_static_mask(-frequency.double(), dense_fraction).cpu()
-    always_dense[sliding.cpu()] = False
+    always_dense[undecided_layers(frequency).cpu()] = False
     return always_dense
 
 

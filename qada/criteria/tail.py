@@ -244,7 +244,7 @@ class TailBudgetCriterion(TailEstimate, BudgetedQAdACriterion):
     ``log A_local - log Â_bulk`` with the tail-aware estimate.
 
     Args:
-        sparsity, per_group: see :class:`~qada.criteria.BudgetedQAdACriterion`.
+        sparsity, per_group, allocation: see :class:`~qada.criteria.BudgetedQAdACriterion`.
         heavy, observe, page_size, pages, attend_exact, super_page, super_pages, scale_exact: see
             :class:`TailEstimate`.
     """

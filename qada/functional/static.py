@@ -15,7 +15,8 @@ import torch
 
 from qada.functional.decisions import check_threshold
 
-__all__ = ["calibrate_static_mask", "check_local_frequency", "static_local_count", "undecided_layers"]
+__all__ = ["allocate_local_counts", "calibrate_static_mask", "check_local_frequency", "static_local_count",
+           "undecided_layers"]
 
 
 def static_local_count(alpha: float, num_layers: int, num_heads: int) -> int:
@@ -75,3 +76,28 @@ def calibrate_static_mask(local_frequency: torch.Tensor, alpha: float) -> torch.
     mask = torch.ones(L, H, dtype=torch.bool, device=local_frequency.device)
     mask[~undecided] = picked.view(-1, H)
     return mask
+
+
+def allocate_local_counts(local_frequency: torch.Tensor, sparsity: float, group_size: int = 1) -> torch.Tensor:
+    """Per-layer local counts for a budget rule: ``[L]`` long, how many heads (or KV groups) of each layer are local.
+
+    The ``round(sparsity * L * H)`` most frequently local heads of all decided layers, ranked together
+    (:func:`calibrate_static_mask`), counted per layer: a layer whose heads the calibration found often needing the
+    bulk gets fewer local heads, one whose heads were mostly local gets more, and the mean over the decided layers
+    is the target. Which heads are local at a step is left to the budget rule's score.
+
+    With ``group_size = G > 1`` KV groups are counted: a group's frequency is the lowest of its ``G`` heads' (a group
+    is local only when all its heads are), and the counts are of the ``H / G`` groups per layer. Undecided rows
+    (NaN, a hybrid model's sliding layers) get every head (group); they are never used.
+
+    Args:
+        local_frequency: ``[L, H]`` oracle local frequencies (a static calibration).
+        sparsity: the mean fraction of local heads (groups) over the decided layers, in ``[0, 1]``.
+        group_size: query heads per KV head.
+    """
+    L, H = local_frequency.shape
+    if group_size < 1 or H % group_size:
+        raise ValueError(f"expected a group size dividing the {H} heads but got {group_size}")
+    frequency = local_frequency.reshape(L, H // group_size, group_size).amin(-1)
+    return calibrate_static_mask(frequency, sparsity).sum(-1)
+

@@ -92,11 +92,15 @@ def tail_configs(model, artifacts: dict[str, Path]) -> list:
 
 
 QUEST_PAGES = (4, 8, 16, 32)
+#: The read-lean tail setting (docs: "Cheaper bounds"): a page hierarchy of 256-token super-pages, exact sets sized
+#: for 8k and scaled by sqrt(C / 8k).
+LEAN = {"super_page": 16, "super_pages": 4, "pages": 4, "heavy": 16, "scale_exact": 8192}
 
 
 def bytes_configs(model, artifacts: dict[str, Path]) -> list:
     """Issue 32's comparison, on the kv_read axis: :func:`tail_configs` plus the tail family's local heads attending
-    over window ∪ E (``attend_exact``) and the Quest baseline at several page counts."""
+    over window ∪ E (``attend_exact``), the read-lean setting (:data:`LEAN`), the budget rule allocated over the
+    layers by the static calibration (other tasks), and the Quest baseline at several page counts."""
     from qada.eval.configs import EvalConfig
 
     def config(label, criterion, moments, family):
@@ -106,6 +110,14 @@ def bytes_configs(model, artifacts: dict[str, Path]) -> list:
     out += [config(f"qada_tail+E tau={t}", {"name": "qada_tail", "tau": t, "attend_exact": True}, "stored",
                    "qada_tail+E") for t in TAIL_TAUS]
     out += [config(f"quest pages={k}", {"name": "quest", "pages": k}, None, "quest") for k in QUEST_PAGES]
+    out += [config(f"qada_tail/lean tau={t}", {"name": "qada_tail", "tau": t, **LEAN}, "stored", "qada_tail/lean")
+            for t in (0.2, 0.3)]
+    out += [config(f"qada_tail+E/lean tau={t}", {"name": "qada_tail", "tau": t, "attend_exact": True, **LEAN},
+                   "stored", "qada_tail+E/lean") for t in (0.15, 0.2, 0.3)]
+    out += [config(f"qada_tail_budget+E/lean/alloc sparsity={s}",
+                   {"name": "qada_tail_budget", "sparsity": s, "attend_exact": True, "allocation":
+                    str(artifacts["static"]), **LEAN}, "stored", "qada_tail_budget+E/lean/alloc")
+            for s in (0.85, 0.9)]
     return out
 
 

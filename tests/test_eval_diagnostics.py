@@ -30,7 +30,7 @@ def test_the_rates_count_what_they_say():
     assert a["log_error_dense"] == pytest.approx(-1.0)  # median of -0.5 and -1.5
     assert a["exact_share_dense"] == pytest.approx(0.5)  # median of 0.25 and 0.75
     assert b["recall"] == 1.0 and b["false_dense"] == 0.0 and b["log_error_dense"] is None
-    assert "| a | 4 | 2 | 0.500 | 0.500 | 0.500 | -1.000 | 0.500 |" in diagnostics_markdown([a, b], 0.5, "cmd")
+    assert "| a | 4 | 2 | 0.500 | - | 0.500 | 0.500 | -1.000 | 0.500 |" in diagnostics_markdown([a, b], 0.5, "cmd")
     with pytest.raises(ValueError, match="tau in"):
         decision_diagnostics(arrays, 0.0)
 
@@ -47,7 +47,8 @@ def test_a_probe_on_a_model_sees_every_step_and_the_oracle_recalls_itself():
     probes = {"oracle": CRITERIA.build({"name": "oracle", "tau": 0.19}),
               "qada": CRITERIA.build({"name": "qada", "tau": 0.19}),
               "qada_tail": CRITERIA.build({"name": "qada_tail", "tau": 0.19, "heavy": 4, "observe": 4,
-                                           "page_size": 4, "pages": 2})}
+                                           "page_size": 4, "pages": 2}),
+              "local": CRITERIA.build("local")}
     probe = CriterionProbe(CRITERIA.build("dense"), probes)
     run = build_run(probe, "current", "sdpa", {"t_local": 8, "t_sink": 2})
     attach(model, run)
@@ -66,6 +67,11 @@ def test_a_probe_on_a_model_sees_every_step_and_the_oracle_recalls_itself():
     assert rows["qada"]["log_error_dense"] is not None and rows["qada"]["exact_share_dense"] is None
     assert 0.0 < rows["qada_tail"]["exact_share_dense"] <= 1.0
     assert rows["qada_tail"]["recall"] >= rows["qada"]["recall"]  # E only adds mass to the estimate
+    # kv_read as the run counts it: all local reads the window of 8 of T = 41..44 tokens at the 4 decode steps
+    lengths = range(ids.shape[1] + 1, out.shape[1])
+    assert rows["local"]["kv_read"] == pytest.approx(sum(8 / T for T in lengths) / len(lengths))
+    assert rows["local"]["kv_read"] < rows["oracle"]["kv_read"] <= 1.0
+    assert rows["qada_tail"]["kv_read"] > rows["local"]["kv_read"]  # (its reads to decide count)
 
 
 def test_a_probe_needs_criteria():

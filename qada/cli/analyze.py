@@ -183,11 +183,13 @@ def run(args: argparse.Namespace) -> int:
     (out / "decision_diagnostics.json").write_text(json.dumps({**meta, "rows": diagnostics}, indent=2))
     probes = " ".join(f"--criteria {shlex.quote(c)}" for c in args.criteria or ())
     (out / "decision_diagnostics.md").write_text(diagnostics_markdown(diagnostics, args.tau, f"{command} {probes}"))
-    print(f"{'criterion':<32} {'sparsity':>9} {'recall':>7} {'false dense':>12} {'log error':>10} {'E share':>8}")
+    print(f"{'criterion':<32} {'sparsity':>9} {'kv_read':>8} {'recall':>7} {'false dense':>12} {'log error':>10} "
+          f"{'E share':>8}")
     for row in diagnostics:
-        cells = [row[k] for k in ("sparsity", "recall", "false_dense", "log_error_dense", "exact_share_dense")]
+        cells = [row[k] for k in ("sparsity", "kv_read", "recall", "false_dense", "log_error_dense",
+                                  "exact_share_dense")]
         print(f"{row['criterion']:<32} " + " ".join(f"{'-' if v is None else f'{v:.3f}':>{w}}"
-                                                    for v, w in zip(cells, (9, 7, 12, 10, 8), strict=True)))
+                                                    for v, w in zip(cells, (9, 8, 7, 12, 10, 8), strict=True)))
     print(f"wrote {out}/table2_log_error.json, head_maps.png/json, sparsity_vs_tau.png/json, "
           "per_token_sparsity.png/json, decision_diagnostics.md/json")
     return 0

@@ -12,7 +12,10 @@ oracle's threshold ``tau``:
 * ``log_error_dense``: median of ``log Â_bulk - log A_bulk`` on the oracle's dense heads (criteria that estimate the
   bulk mass; negative = underestimated, the failure that loses needles);
 * ``exact_share_dense``: median share of ``A_bulk`` held by the exact set ``E`` on those heads (tail-aware criteria);
-* ``sparsity``: the fraction of heads it makes local.
+* ``sparsity``: the fraction of heads it makes local;
+* ``kv_read``: the K/V its decisions would read as a fraction of dense attention's, its own reads to decide included
+  (the run's ``kv_read``, :func:`~qada.attention.group_policy.kv_read`; a KV group reads its bulk unless all its
+  heads are local), the mean over the recorded steps.
 
 Only heads of rows with a bulk count (without one every head is trivially local).
 """
@@ -27,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qada.attention.group_policy import kv_read
 from qada.criteria.base import HeadCriterion
 from qada.criteria.budgeted import BudgetedQAdACriterion
 from qada.criteria.compose import CompositeCriterion
@@ -78,7 +82,9 @@ class CriterionProbe(CompositeCriterion):
         add("log_local", step.log_local)
         add("log_bulk", step.log_bulk)
         for name, probe in self.probes.items():
-            add(f"{name}/local", probe(step))
+            decided = probe(step)
+            add(f"{name}/local", decided)
+            self.records.setdefault(f"{name}/kv_read", []).append(np.array([_kv_read(probe, step, decided)]))
             estimate = _estimate(probe, step)
             if estimate is not None:
                 add(f"{name}/log_bulk", estimate)
@@ -90,6 +96,13 @@ class CriterionProbe(CompositeCriterion):
     def arrays(self) -> dict[str, np.ndarray]:
         """Flat arrays over every recorded (layer, step, row with a bulk, head)."""
         return {name: np.concatenate(parts).reshape(-1) for name, parts in self.records.items()}
+
+
+def _kv_read(probe: HeadCriterion, step: DecodeStep, local: torch.Tensor) -> float:
+    """The step's ``kv_read`` had ``probe`` decided ``local [b, H]`` (every row, as the run counts it)."""
+    b, H_kv = step.batch_size, step.num_kv_heads
+    read = ~local.view(b, H_kv, step.group_size).all(-1) & step.has_bulk.to(local.device)[:, None]
+    return float(kv_read(read, step.t_bulk + step.window.t_local, step.window.t_local, probe.extra_reads(step)))
 
 
 def _estimate(probe: HeadCriterion, step: DecodeStep) -> torch.Tensor | None:
@@ -123,6 +136,7 @@ def decision_diagnostics(arrays: Mapping[str, np.ndarray], tau: float) -> list[d
             "false_dense": _mean(dense[~oracle_dense]),
             "log_error_dense": None,
             "exact_share_dense": None,
+            "kv_read": _mean(arrays[f"{name}/kv_read"]) if f"{name}/kv_read" in arrays else None,
         }
         if f"{name}/log_bulk" in arrays:
             error = arrays[f"{name}/log_bulk"][oracle_dense] - log_bulk[oracle_dense]
@@ -147,12 +161,13 @@ def diagnostics_markdown(rows: list[dict[str, Any]], tau: float, command: str) -
     def cell(value: Any) -> str:
         return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
-    columns = ["criterion", "heads", "oracle_dense", "sparsity", "recall", "false_dense", "log_error_dense",
-               "exact_share_dense"]
+    columns = ["criterion", "heads", "oracle_dense", "sparsity", "kv_read", "recall", "false_dense",
+               "log_error_dense", "exact_share_dense"]
     lines = [f"# Decision diagnostics against the oracle at tau {tau}", "", f"Command: `{command}`", "",
              "recall: share of the oracle's dense heads the criterion makes dense; false_dense: share of the "
              "oracle's local heads it makes dense; log_error_dense: median log(estimate / exact A_bulk) on the "
-             "oracle's dense heads; exact_share_dense: median share of A_bulk in the exact set E there.", "",
+             "oracle's dense heads; exact_share_dense: median share of A_bulk in the exact set E there; kv_read: the "
+             "K/V its decisions would read over dense attention's, its reads to decide included.", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"

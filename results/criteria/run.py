@@ -6,7 +6,7 @@ niah_multikey_2, vt) with seed 100, so no evaluated prompt or task was seen by a
 resume (identity-checked), so the command can be rerun to add families or finish an interrupted run:
 
     .venv/bin/python results/criteria/run.py [--lengths 2048,4096] [--samples 10] [--tail | --bytes] [--tasks ...]
-        [--out DIR]
+        [--families F,... [--families-at LENGTH,...]] [--out DIR]
 
 ``--tail``: issue 23's comparison (the tail-aware family and the baselines it must beat, fewer points each).
 ``--bytes``: issue 32's (``--tail``'s plus window ∪ E and Quest; the comparison report ranks them over kv_read too).
@@ -118,6 +118,11 @@ def bytes_configs(model, artifacts: dict[str, Path]) -> list:
                    {"name": "qada_tail_budget", "sparsity": s, "attend_exact": True, "allocation":
                     str(artifacts["static"]), **LEAN}, "stored", "qada_tail_budget+E/lean/alloc")
             for s in (0.85, 0.9)]
+    # "promote": a local head whose KV group reads its bulk anyway attends to all of it (no extra bytes)
+    out += [EvalConfig(f"qada_tail+E/lean/promote tau={t}", {"name": "qada_tail", "tau": t, "attend_exact": True,
+                                                             **LEAN},
+                       "stored", {"name": "sdpa", "group_policy": "promote"}, WINDOW, "qada_tail+E/lean/promote")
+            for t in (0.15, 0.2, 0.3)]
     return out
 
 
@@ -184,6 +189,11 @@ def main(argv=None) -> int:
                         help="issue 32's comparison: --tail's configurations plus window ∪ E and Quest (read the "
                              "results on the kv_read axis)")
     parser.add_argument("--tasks", default=",".join(EVAL_TASKS))
+    parser.add_argument("--families", default=None,
+                        help="comma-separated families to run (default: all of the chosen comparison's)")
+    parser.add_argument("--families-at", default=None,
+                        help="comma-separated lengths at which --families applies (default: every length); the "
+                             "other lengths run every family, so one command reports them all")
     args = parser.parse_args(argv)
     if sum((args.tail, args.baseline_only, args.bytes)) > 1:
         parser.error("--tail, --bytes and --baseline-only exclude each other")
@@ -191,6 +201,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(tasks) - set(EVAL_TASKS))
     if unknown:
         parser.error(f"unknown task(s) {unknown}; expected some of {list(EVAL_TASKS)}")
+
+    families = set(args.families.split(",")) if args.families else None
+    restricted = {int(x) for x in args.families_at.split(",")} if args.families_at else None
 
     import torch
 
@@ -210,6 +223,12 @@ def main(argv=None) -> int:
                                           not (args.baseline_only or args.tail or args.bytes))
         cell_configs = (tail_configs(model, artifacts) if args.tail else bytes_configs(model, artifacts)
                         if args.bytes else configs(model, artifacts, not args.baseline_only))
+        if families and (restricted is None or length in restricted):
+            unknown_families = sorted(families - {c.family for c in cell_configs})
+            if unknown_families:
+                parser.error(f"unknown families {unknown_families}; expected some of "
+                             f"{sorted({c.family for c in cell_configs})}")
+            cell_configs = [c for c in cell_configs if c.family in families]
         static = _provenance(artifacts["static"], drop=("alpha",))
         fitted_on = {c.label: [static] if c.family.startswith("static") else artifact_provenance(c.criterion)
                      for c in cell_configs}

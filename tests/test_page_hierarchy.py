@@ -172,7 +172,9 @@ def test_a_local_group_reads_little_of_a_dense_one(context, limit):
     fraction = float(kv_read(torch.zeros(b, H_kv, dtype=torch.bool), torch.tensor([context]), 128, extra))
     assert fraction <= limit, fraction
     # the one-level default reads more than the limit: the hierarchy is what brings it under
-    flat = TailCriterion(tau=0.3).extra_reads(step)
+    one_level = TailCriterion(tau=0.3)
+    one_level.observe_prefill(0, keys[:, :, :-1], queries, d**-0.5, None, window, context)
+    flat = one_level.extra_reads(step)
     assert float(kv_read(torch.zeros(b, H_kv, dtype=torch.bool), torch.tensor([context]), 128, flat)) > limit
 
 

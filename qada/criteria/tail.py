@@ -145,7 +145,8 @@ class TailEstimate:
             filled = torch.full((step.batch_size,), step.length, dtype=torch.float64, device=step.device)
         else:
             filled = step.end.to(torch.float64)
-        heavy, pages, super_pages = self.sizes(step.length)
+        _, pages, super_pages = self.sizes(step.length)
+        heavy = self.state(step)["heavy"].shape[2] if self.heavy else 0  # the size chosen at the prefill
         return exact_set_reads(filled, step.group_size, self.page_size, heavy, pages, self.attend_exact,
                                self.super_page, super_pages)
 

@@ -174,6 +174,50 @@ def configs(model, artifacts: dict[str, Path], new_families: bool = True) -> lis
     return out
 
 
+#: Issue 32's goals: (task, length) -> the kv_read at or under which 95% of the dense score must hold.
+READ_GOALS = {("niah_single_1", 2048): 0.40, ("niah_single_2", 2048): 0.40, ("niah_single_1", 4096): 0.25,
+              ("niah_single_2", 4096): 0.25, ("niah_single_1", 8192): 0.15, ("niah_single_2", 8192): 0.15}
+
+
+def goals_markdown(records: list[dict], command: str) -> str:
+    """Per cell and family, the cheapest measured point (lowest kv_read) that keeps 95% of the dense score (single
+    needle) or stays within 5 points of it (multikey), next to the goal; read off the measured rows, nothing
+    interpolated."""
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for record in records:
+        cells.setdefault((record["task"], record["length"]), []).append(record)
+    lines = ["# Fidelity per byte: the cheapest point that keeps the dense score", "",
+             f"Produced by `{command}`. Per cell and family: the lowest kv_read among its measured points whose score "
+             "is >= 95% of dense (niah_single_*) or within 5 points of dense (niah_multikey_1), and that point's "
+             "score; `-` where no point does. Goals: kv_read <= .40 (2k), .25 (4k), .15 (8k) for the single-needle "
+             "tasks, <= .5 for multikey.", ""]
+    for (task, length), rows in sorted(cells.items()):
+        dense = next((r for r in rows if r["family"] == "dense"), None)
+        if dense is None:
+            continue
+        multikey = task.startswith("niah_multikey")
+        floor = dense["score"] - 5 if multikey else 0.95 * dense["score"]
+        goal = 0.5 if multikey else READ_GOALS.get((task, length))
+        lines += [f"## {task} at {length} (n = {dense['n']}, dense {dense['score']:.1f}; goal kv_read <= {goal})", "",
+                  "| family | cheapest kv_read keeping it | its score | configuration | meets the goal |",
+                  "|---|---|---|---|---|"]
+        best = {}
+        for row in rows:
+            if row["family"] == "dense" or row.get("kv_read") is None or row["score"] < floor:
+                continue
+            if row["family"] not in best or row["kv_read"] < best[row["family"]]["kv_read"]:
+                best[row["family"]] = row
+        for family in sorted({r["family"] for r in rows} - {"dense"}):
+            row = best.get(family)
+            if row is None:
+                lines.append(f"| {family} | - | - | - | no |")
+            else:
+                met = "yes" if goal is not None and row["kv_read"] <= goal else "no"
+                lines.append(f"| {family} | {row['kv_read']:.3f} | {row['score']:.1f} | {row['label']} | {met} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="2048,4096")
@@ -189,6 +233,8 @@ def main(argv=None) -> int:
                         help="issue 32's comparison: --tail's configurations plus window ∪ E and Quest (read the "
                              "results on the kv_read axis)")
     parser.add_argument("--tasks", default=",".join(EVAL_TASKS))
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (at most the cores; two runs side by side: 1 each)")
     parser.add_argument("--families", default=None,
                         help="comma-separated families to run (default: all of the chosen comparison's)")
     parser.add_argument("--families-at", default=None,
@@ -207,7 +253,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(max(1, min(args.threads, os.cpu_count() or 1)))
     from qada.eval.evaluator import Evaluator
     from qada.eval.report import format_table, plot_score_vs_sparsity, result_record, write_results
     from qada.eval.sweep import _provenance, artifact_provenance
@@ -250,6 +296,7 @@ def main(argv=None) -> int:
         pass
     else:
         write_comparison(records, out, command=command.strip())
+    (out / "goals.md").write_text(goals_markdown(records, command.strip()))
     print(f"done in {time.time() - start:.0f} s")
     return 0
 

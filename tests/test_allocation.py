@@ -29,6 +29,20 @@ def test_counts_keep_the_mean_and_follow_the_frequencies(seed, L, H_kv, G, spars
     assert ((groups >= 0) & (groups <= H_kv)).all() and abs(int(groups.sum()) - sparsity * L * H_kv) <= 0.5 + 1e-9
 
 
+@settings(max_examples=40, derandomize=True)
+@given(seed=st.integers(0, 10_000), L=st.integers(1, 6), H=st.integers(1, 9), sparsity=st.floats(0, 1),
+       weight=st.floats(0, 1))
+def test_a_tempered_allocation_keeps_the_total_and_lies_between(seed, L, H, sparsity, weight):
+    frequency = torch.rand(L, H, generator=torch.Generator().manual_seed(seed))
+    full = allocate_local_counts(frequency, sparsity)
+    tempered = allocate_local_counts(frequency, sparsity, weight=weight)
+    assert abs(int(tempered.sum()) - float(weight * full.sum() + (1 - weight) * sparsity * L * H)) <= 0.5 + 1e-9
+    even = sparsity * H
+    low, high = torch.minimum(full.double(), torch.tensor(even)), torch.maximum(full.double(), torch.tensor(even))
+    assert ((tempered >= torch.floor(low)) & (tempered <= torch.ceil(high))).all()
+    assert torch.equal(allocate_local_counts(frequency, sparsity, weight=1.0), full)
+
+
 def test_a_layer_that_needs_the_bulk_gets_fewer_local_heads():
     frequency = torch.tensor([[0.1, 0.2, 0.1, 0.0], [0.9, 0.95, 0.8, 0.99], [0.5, 0.6, 0.7, 0.4]])
     assert allocate_local_counts(frequency, 0.5).tolist() == [0, 4, 2]
@@ -39,6 +53,12 @@ def test_a_layer_that_needs_the_bulk_gets_fewer_local_heads():
     assert allocate_local_counts(nan, 0.5).tolist()[1:] == [4, 0]
     with pytest.raises(ValueError, match="group size"):
         allocate_local_counts(frequency, 0.5, 3)
+    # halfway between [0, 4, 2] and the even spread of 2 heads per layer
+    assert allocate_local_counts(frequency, 0.5, weight=0.5).tolist() == [1, 3, 2]
+    # 0.25 of the way: 1.5, 2.5, 2 -> cumulative 1.5, 4, 6 rounds to 2, 4, 6
+    assert allocate_local_counts(frequency, 0.5, weight=0.25).tolist() == [2, 2, 2]
+    with pytest.raises(ValueError, match="weight"):
+        allocate_local_counts(frequency, 0.5, weight=1.5)
 
 
 def _artifact(tmp_path, model, frequency):

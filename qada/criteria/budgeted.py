@@ -14,6 +14,7 @@ import torch
 
 from qada.criteria.base import register_criterion
 from qada.criteria.budget import BudgetCriterion, spread_count, top_k_mask
+from qada.functional import check_threshold
 from qada.functional.static import allocate_local_counts
 from qada.step import DecodeStep
 
@@ -55,10 +56,13 @@ class BudgetedQAdACriterion(BudgetCriterion):
         per_group: decide per KV group instead of per query head.
         allocation: path of a static calibration artifact (``qada calibrate``) that allocates the budget over the
             layers; ``None``: the same fraction in every layer.
+        allocation_weight: with ``allocation``, how far the calibration moves each layer's count from the even
+            spread, in ``[0, 1]`` (1: the calibrated counts; 0.5: halfway).
     """
 
     per_group: bool = False
     allocation: str | None = None
+    allocation_weight: float = 1.0
     needs_moments = True
 
     def __post_init__(self) -> None:
@@ -66,6 +70,7 @@ class BudgetedQAdACriterion(BudgetCriterion):
         if not isinstance(self.per_group, bool):
             raise ValueError(f"expected per_group to be a bool but got {self.per_group!r}")
         self._frequency = None
+        check_threshold("allocation_weight", self.allocation_weight)
         if self.allocation is not None:
             if not isinstance(self.allocation, (str, os.PathLike)):
                 raise ValueError(f"expected allocation to be the path of a calibration artifact but got "
@@ -95,7 +100,7 @@ class BudgetedQAdACriterion(BudgetCriterion):
         sizes = [g for g in range(1, H + 1) if H % g == 0] if self.per_group else [1]
         for g in sizes:
             if g not in counts:
-                counts[g] = allocate_local_counts(self._frequency, self.sparsity, g)
+                counts[g] = allocate_local_counts(self._frequency, self.sparsity, g, self.allocation_weight)
         if not self.per_group:
             return {**state, "count": counts[1][layer].clone()}
         return {**state, **{f"group_count_{g}": counts[g][layer].clone() for g in sizes}}

@@ -78,7 +78,8 @@ def calibrate_static_mask(local_frequency: torch.Tensor, alpha: float) -> torch.
     return mask
 
 
-def allocate_local_counts(local_frequency: torch.Tensor, sparsity: float, group_size: int = 1) -> torch.Tensor:
+def allocate_local_counts(local_frequency: torch.Tensor, sparsity: float, group_size: int = 1,
+                          weight: float = 1.0) -> torch.Tensor:
     """Per-layer local counts for a budget rule: ``[L]`` long, how many heads (or KV groups) of each layer are local.
 
     The ``round(sparsity * L * H)`` most frequently local heads of all decided layers, ranked together
@@ -90,14 +91,27 @@ def allocate_local_counts(local_frequency: torch.Tensor, sparsity: float, group_
     is local only when all its heads are), and the counts are of the ``H / G`` groups per layer. Undecided rows
     (NaN, a hybrid model's sliding layers) get every head (group); they are never used.
 
+    ``weight = w < 1`` tempers the allocation towards the even spread: layer ``l`` gets the integer share (as
+    :func:`~qada.criteria.budget.spread_count` rounds, so the total is kept) of ``w c_l + (1 - w) s H``, where
+    ``c_l`` is the calibrated count above.
+
     Args:
         local_frequency: ``[L, H]`` oracle local frequencies (a static calibration).
         sparsity: the mean fraction of local heads (groups) over the decided layers, in ``[0, 1]``.
         group_size: query heads per KV head.
+        weight: how far the calibration moves the counts from the even spread, in ``[0, 1]``.
     """
     L, H = local_frequency.shape
     if group_size < 1 or H % group_size:
         raise ValueError(f"expected a group size dividing the {H} heads but got {group_size}")
+    check_threshold("weight", weight)
     frequency = local_frequency.reshape(L, H // group_size, group_size).amin(-1)
-    return calibrate_static_mask(frequency, sparsity).sum(-1)
+    counts = calibrate_static_mask(frequency, sparsity).sum(-1)
+    if weight == 1.0:
+        return counts
+    decided = ~undecided_layers(frequency)
+    target = weight * counts.double() + (1 - weight) * sparsity * (H // group_size)
+    cumulative = torch.floor(torch.cumsum(torch.where(decided, target, 0.0), 0) + 0.5)
+    shares = torch.diff(cumulative, prepend=cumulative.new_zeros(1)).long()
+    return torch.where(decided, shares, counts)
 

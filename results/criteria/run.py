@@ -118,6 +118,12 @@ def bytes_configs(model, artifacts: dict[str, Path]) -> list:
                    {"name": "qada_tail_budget", "sparsity": s, "attend_exact": True, "allocation":
                     str(artifacts["static"]), **LEAN}, "stored", "qada_tail_budget+E/lean/alloc")
             for s in (0.85, 0.9)]
+    # the budget rule per KV group (kv_sparsity = sparsity), evenly or halfway to the calibrated allocation
+    for suffix, extra in (("group", {}), ("group/alloc.5", {"allocation": str(artifacts["static"]),
+                                                            "allocation_weight": 0.5})):
+        out += [config(f"qada_tail_budget+E/lean/{suffix} sparsity={s}",
+                       {"name": "qada_tail_budget", "sparsity": s, "attend_exact": True, "per_group": True, **extra,
+                        **LEAN}, "stored", f"qada_tail_budget+E/lean/{suffix}") for s in (0.85, 0.9)]
     # "promote": a local head whose KV group reads its bulk anyway attends to all of it (no extra bytes)
     out += [EvalConfig(f"qada_tail+E/lean/promote tau={t}", {"name": "qada_tail", "tau": t, "attend_exact": True,
                                                              **LEAN},

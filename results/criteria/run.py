@@ -6,7 +6,7 @@ niah_multikey_2, vt) with seed 100, so no evaluated prompt or task was seen by a
 resume (identity-checked), so the command can be rerun to add families or finish an interrupted run:
 
     .venv/bin/python results/criteria/run.py [--lengths 2048,4096] [--samples 10] [--tail | --bytes] [--tasks ...]
-        [--families F,... [--families-at LENGTH,...]] [--out DIR]
+        [--families F,... [--families-at LENGTH,...]] [--length-families LENGTH:F,...] [--out DIR]
 
 ``--tail``: issue 23's comparison (the tail-aware family and the baselines it must beat, fewer points each).
 ``--bytes``: issue 32's (``--tail``'s plus window ∪ E and Quest; the comparison report ranks them over kv_read too).
@@ -246,6 +246,8 @@ def main(argv=None) -> int:
     parser.add_argument("--families-at", default=None,
                         help="comma-separated lengths at which --families applies (default: every length); the "
                              "other lengths run every family, so one command reports them all")
+    parser.add_argument("--length-families", action="append", default=[], metavar="LENGTH:F,...",
+                        help="the families to run at one length (repeatable; overrides --families there)")
     args = parser.parse_args(argv)
     if sum((args.tail, args.baseline_only, args.bytes)) > 1:
         parser.error("--tail, --bytes and --baseline-only exclude each other")
@@ -256,6 +258,12 @@ def main(argv=None) -> int:
 
     families = set(args.families.split(",")) if args.families else None
     restricted = {int(x) for x in args.families_at.split(",")} if args.families_at else None
+    per_length = {}
+    for item in args.length_families:
+        length_text, _, names = item.partition(":")
+        if not length_text.isdigit() or not names:
+            parser.error(f"expected --length-families LENGTH:F1,F2,... but got {item!r}")
+        per_length[int(length_text)] = set(names.split(","))
 
     import torch
 
@@ -275,12 +283,13 @@ def main(argv=None) -> int:
                                           not (args.baseline_only or args.tail or args.bytes))
         cell_configs = (tail_configs(model, artifacts) if args.tail else bytes_configs(model, artifacts)
                         if args.bytes else configs(model, artifacts, not args.baseline_only))
-        if families and (restricted is None or length in restricted):
-            unknown_families = sorted(families - {c.family for c in cell_configs})
+        chosen = per_length.get(length, families if restricted is None or length in restricted else None)
+        if chosen:
+            unknown_families = sorted(chosen - {c.family for c in cell_configs})
             if unknown_families:
                 parser.error(f"unknown families {unknown_families}; expected some of "
                              f"{sorted({c.family for c in cell_configs})}")
-            cell_configs = [c for c in cell_configs if c.family in families]
+            cell_configs = [c for c in cell_configs if c.family in chosen]
         static = _provenance(artifacts["static"], drop=("alpha",))
         fitted_on = {c.label: [static] if c.family.startswith("static") else artifact_provenance(c.criterion)
                      for c in cell_configs}

@@ -160,7 +160,8 @@ def test_budget_parameters_are_checked():
 def test_budget_config_round_trip():
     criterion = CRITERIA.build({"name": "qada_budget", "sparsity": 0.75, "per_group": True})
     config = criterion.to_config()
-    assert config == {"name": "qada_budget", "sparsity": 0.75, "per_group": True}
+    assert config == {"name": "qada_budget", "sparsity": 0.75, "per_group": True, "allocation": None,
+                      "allocation_weight": 1.0}
     rebuilt = CRITERIA.build(yaml.safe_load(yaml.safe_dump(config)))
     assert rebuilt.to_config() == config and torch.equal(rebuilt(_step()), criterion(_step()))
 
@@ -269,7 +270,8 @@ def test_hybrid_config_round_trip_with_a_mask():
     )
     config = hybrid.to_config()
     assert config["dense_mask"] == [[True] + [False] * 5, [False] * 5 + [True]]
-    assert config["base"] == {"name": "qada_budget", "sparsity": 0.75, "per_group": True}
+    assert config["base"] == {"name": "qada_budget", "sparsity": 0.75, "per_group": True, "allocation": None,
+                              "allocation_weight": 1.0}
     rebuilt = CRITERIA.build(yaml.safe_load(yaml.safe_dump(config)))
     assert rebuilt.to_config() == config
     assert torch.equal(rebuilt(_step(layer=1)), hybrid(_step(layer=1)))

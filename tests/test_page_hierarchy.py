@@ -138,6 +138,8 @@ def test_sizes_scale_with_the_square_root_of_the_context():
     assert tail.sizes(64) == (1, 1, 1)  # never below 1
     assert TailCriterion(heavy=0, pages=3, scale_exact=100).sizes(400) == (0, 6, 8)  # 0 stays 0
     assert TailCriterion().sizes(10**6) == (32, 8, 4)  # no scaling: the fields
+    floor = TailCriterion(**LEAN, shrink_exact=False)
+    assert floor.sizes(2048) == (16, 4, 4) and floor.sizes(32768) == (32, 8, 8)  # only grows
 
 
 def test_hierarchy_reads_what_a_hand_count_says():
@@ -212,6 +214,7 @@ def test_the_hierarchy_decodes_inside_a_model_compiled_as_eagerly(cache):
     (dict(super_page=-1), "super_page to be an int >= 0"),
     (dict(super_page=4, super_pages=0), "super_pages >= 1"),
     (dict(scale_exact=1.5), "scale_exact to be an int >= 0"),
+    (dict(shrink_exact=0), "shrink_exact to be a bool"),
 ])  # fmt: skip
 def test_bad_hierarchy_parameters_are_clear_errors(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -95,6 +95,8 @@ QUEST_PAGES = (4, 8, 16, 32)
 #: The read-lean tail setting (docs: "Cheaper bounds"): a page hierarchy of 256-token super-pages, exact sets sized
 #: for 8k and scaled by sqrt(C / 8k).
 LEAN = {"super_page": 16, "super_pages": 4, "pages": 4, "heavy": 16, "scale_exact": 8192}
+#: The same, with sizes that only grow (below 8k they stay the 8k ones): at 2k the shrunk sets lost needles.
+LEAN_FLOOR = {**LEAN, "shrink_exact": False}
 
 
 def bytes_configs(model, artifacts: dict[str, Path]) -> list:
@@ -124,6 +126,12 @@ def bytes_configs(model, artifacts: dict[str, Path]) -> list:
         out += [config(f"qada_tail_budget+E/lean/{suffix} sparsity={s}",
                        {"name": "qada_tail_budget", "sparsity": s, "attend_exact": True, "per_group": True, **extra,
                         **LEAN}, "stored", f"qada_tail_budget+E/lean/{suffix}") for s in (0.85, 0.9)]
+    out += [config(f"qada_tail+E/lean-floor tau={t}", {"name": "qada_tail", "tau": t, "attend_exact": True,
+                                                       **LEAN_FLOOR}, "stored", "qada_tail+E/lean-floor")
+            for t in (0.15, 0.2, 0.3)]
+    out += [config(f"qada_tail_budget+E/lean-floor/group sparsity={s}",
+                   {"name": "qada_tail_budget", "sparsity": s, "attend_exact": True, "per_group": True,
+                    **LEAN_FLOOR}, "stored", "qada_tail_budget+E/lean-floor/group") for s in (0.85, 0.9)]
     # "promote": a local head whose KV group reads its bulk anyway attends to all of it (no extra bytes)
     out += [EvalConfig(f"qada_tail+E/lean/promote tau={t}", {"name": "qada_tail", "tau": t, "attend_exact": True,
                                                              **LEAN},

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -320,7 +321,7 @@ def main(argv=None) -> int:
                                       {"fitted_on": fitted_on[entry["label"]]} if fitted_on[entry["label"]] else {})
                         for entry in results.values()]
     print(format_table(records))
-    command = "python results/criteria/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python results/criteria/run.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     write_results(records, out, command=command.strip())
     plot_score_vs_sparsity(records, out / "score_vs_sparsity.png", "criteria on unseen prompts (SmolLM2-135M)")
     try:

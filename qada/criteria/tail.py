@@ -150,8 +150,9 @@ class TailEstimate:
             filled = torch.full((step.batch_size,), step.length, dtype=torch.float64, device=step.device)
         else:
             filled = step.end.to(torch.float64)
-        _, pages, super_pages = self.sizes(step.length)
-        heavy = self.state(step)["heavy"].shape[2] if self.heavy else 0  # the size chosen at the prefill
+        heavy, pages, super_pages = self.sizes(step.length)
+        if self.heavy and self._index.layers:  # the size chosen at the prefill (a growing cache's C moves on)
+            heavy = self.state(step)["heavy"].shape[2]
         return exact_set_reads(filled, step.group_size, self.page_size, heavy, pages, self.attend_exact,
                                self.super_page, super_pages)
 

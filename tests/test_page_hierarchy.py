@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import tiny_model
+from tiny_models import greedy_step_logits, tiny_model
 
 import qada
 from qada.attention.group_policy import kv_read
@@ -193,16 +193,8 @@ def test_the_hierarchy_decodes_inside_a_model_compiled_as_eagerly(cache):
         with torch.no_grad(), qada.apply(model, criterion=criterion, moments="current",
                                          window={"t_local": 8, "t_sink": 2}, compile=compile) as run:
             past = StaticCache(config=model.config, max_cache_len=80) if cache == "static" else DynamicCache()
-            out = model(input_ids=ids, past_key_values=past, use_cache=True)
-            logits, position = [], ids.shape[1]
-            for _ in range(6):
-                token = out.logits[:, -1:].argmax(-1)
-                out = model(input_ids=token, past_key_values=past, use_cache=True,
-                            cache_position=torch.tensor([position]))
-                position += 1
-                logits.append(out.logits[:, -1])
-            summary = run.summary()
-            outputs.append((torch.cat(logits), summary, run.layer_step.eager_reason))
+            logits = greedy_step_logits(model, ids, past, 6)
+            outputs.append((logits, run.summary(), run.layer_step.eager_reason))
     assert all(torch.isfinite(o[0]).all() for o in outputs)
     assert outputs[0][1]["kv_read"] > 0.0  # (above 1 here: at 76 tokens the bounds cost more than they save)
     if len(outputs) == 2:

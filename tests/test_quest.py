@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import greedy_step_logits, tiny_model
 
 import qada
 from qada.attention import EXECUTORS
@@ -94,18 +94,8 @@ def test_attending_over_what_was_read_decodes_inside_a_model_compiled_as_eagerly
     for compile in (False, "aot_eager"):
         with torch.no_grad(), qada.apply(model, criterion=criterion, moments="current",
                                          window={"t_local": 8, "t_sink": 2}, compile=compile) as run:
-            cache = StaticCache(config=model.config, max_cache_len=60)
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-            logits = []
-            position = ids.shape[1]
-            for _ in range(5):
-                token = out.logits[:, -1:].argmax(-1)
-                out = model(input_ids=token, past_key_values=cache, use_cache=True,
-                            cache_position=torch.tensor([position]))
-                position += 1
-                logits.append(out.logits[:, -1])
-            summary = run.summary()
-            outputs.append((torch.cat(logits), summary, run.layer_step.eager_reason))
+            logits = greedy_step_logits(model, ids, StaticCache(config=model.config, max_cache_len=60), 5)
+            outputs.append((logits, run.summary(), run.layer_step.eager_reason))
     (eager, eager_summary, _), (compiled, summary, reason) = outputs
     assert reason is None and torch.allclose(eager, compiled, atol=1e-4)
     assert summary["kv_read"] == pytest.approx(eager_summary["kv_read"]) and 0 < summary["kv_read"] < 1

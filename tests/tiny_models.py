@@ -102,3 +102,17 @@ def saved_tiny_model(directory) -> str:
     tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+def greedy_step_logits(model, ids: torch.Tensor, cache, steps: int) -> torch.Tensor:
+    """Prefill ``ids [1, T]`` into ``cache``, then decode ``steps`` greedy tokens one call each (with their
+    ``cache_position``): the last-position logits of every decode call, ``[steps, vocab]``."""
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    logits, position = [], ids.shape[1]
+    for _ in range(steps):
+        token = out.logits[:, -1:].argmax(-1)
+        out = model(input_ids=token, past_key_values=cache, use_cache=True, cache_position=torch.tensor([position]))
+        position += 1
+        logits.append(out.logits[:, -1])
+    return torch.cat(logits)
+

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qada.attention.group_policy import kv_read
+from qada.attention.group_policy import apply_group_policy, kv_read
 from qada.criteria.base import HeadCriterion
 from qada.criteria.budgeted import BudgetedQAdACriterion
 from qada.criteria.compose import CompositeCriterion
@@ -100,8 +100,7 @@ class CriterionProbe(CompositeCriterion):
 
 def _kv_read(probe: HeadCriterion, step: DecodeStep, local: torch.Tensor) -> float:
     """The step's ``kv_read`` had ``probe`` decided ``local [b, H]`` (every row, as the run counts it)."""
-    b, H_kv = step.batch_size, step.num_kv_heads
-    read = ~local.view(b, H_kv, step.group_size).all(-1) & step.has_bulk.to(local.device)[:, None]
+    _, read = apply_group_policy(local, step.has_bulk, step.num_kv_heads)
     return float(kv_read(read, step.t_bulk + step.window.t_local, step.window.t_local, probe.extra_reads(step)))
 
 

@@ -160,7 +160,7 @@ def top_pages_hierarchical(
     Returns:
         ``(bounds, pages)``, each ``[b, H, min(m, super_pages S)]``; ``-inf`` bounds mark pages outside the bulk.
     """
-    b, H, d = query.shape
+    b, H = query.shape[:2]
     H_kv, n, n_super = halves.shape[1], halves.shape[2], super_halves.shape[2]
     G = H // H_kv
     super_bounds = bounds_from_halves(query, super_halves, scale).reshape(b, H_kv, G, n_super).amax(2)
@@ -170,8 +170,7 @@ def top_pages_hierarchical(
     candidates = page_slots(supers, super_page)  # [b, H_kv, s S] page numbers
     clamped = candidates.clamp(max=n - 1)
     chosen = halves.gather(2, clamped[..., None].expand(*clamped.shape, halves.shape[-1]))  # [b, H_kv, s S, 2d]
-    q = query.float().reshape(b, H_kv, G, d)
-    bounds = scale * (torch.cat([q, q.abs()], -1) @ chosen.transpose(-1, -2))  # [b, H_kv, G, s S]
+    bounds = bounds_from_halves(query, chosen, scale).reshape(b, H_kv, G, -1)  # [b, H_kv, G, s S]
     low, size = clamped * page_size, page_size
     valid = ((candidates < n) & (low + size > first[:, None, None]) & (low < last[:, None, None]))[:, :, None]
     top, at = bounds.masked_fill(~valid, float("-inf")).topk(min(m, candidates.shape[-1]), dim=-1)  # [b, H_kv, G, m]

@@ -44,44 +44,8 @@ else:
 
 
 @triton.jit
-def qada_decode_split_kernel(
-    Q, K, V, LOCAL, START, END, ACC, M, L, COUNTS,
-    stride_qb, stride_qh, stride_qd,
-    stride_kb, stride_kh, stride_kt, stride_kd,
-    stride_vb, stride_vh, stride_vt, stride_vd,
-    stride_lb, stride_lh,
-    C, H_KV, t_sink, t_local, num_splits, qk_scale, softcap,
-    G: tl.constexpr, D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_START: tl.constexpr, HAS_END: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-):  # fmt: skip
-    """One program = one (row, KV head) and one split of its virtual block list, for all ``G`` query heads.
-
-    Reads ``Q [b, H, 1, d]``, ``K, V [b, H_kv, C, d]`` (any strides), ``LOCAL [b, H]`` bool (effective local
-    mask), ``START, END [b]`` integers (only with ``HAS_START`` / ``HAS_END``). Writes, at ``(pair, split)``
-    with ``pair = row * H_kv + kv_head``, the split's unnormalised ``ACC [.., G, D]``, running max ``M [.., G]``
-    (log2 domain: scores are multiplied by ``qk_scale = scale * log2(e)``) and sum ``L [.., G]``, all float32,
-    and ``COUNTS [.., 2]`` int32: blocks loaded only for the bulk (no window token), blocks loaded in all.
-    ``DOT_FP32`` upcasts the inputs of both dots to float32 (bfloat16 under the interpreter, whose bfloat16
-    ``tl.dot`` is wrong). Every loop-carried value is float32 whatever type ``qk_scale`` arrives with. With
-    ``SOFTCAP`` the scores are soft-capped, ``c tanh(s / c)`` with ``c = softcap`` (``qk_scale`` is then the
-    plain ``scale``, and the capped score is taken to the log2 domain).
-    """
-    pair = tl.program_id(0)
-    split = tl.program_id(1)
-    row = pair // H_KV
-    kv_head = pair % H_KV
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_ok = offs_g < G
-    d_ok = offs_d < D
-    heads = kv_head * G + offs_g
-    row64 = row.to(tl.int64)
-    kv64 = kv_head.to(tl.int64)
-
-    # --- the row's token ranges (device values; no host involvement) ---------------------------------------
+def row_range(START, END, row, C, t_sink, t_local, HAS_START: tl.constexpr, HAS_END: tl.constexpr):
+    """``(first, last, t_bulk, bulk_lo, bulk_hi)`` of ``row`` (module docstring), from device values only."""
     if HAS_START:
         first = tl.load(START + row).to(tl.int32)
     else:
@@ -93,16 +57,16 @@ def qada_decode_split_kernel(
     first = tl.minimum(tl.maximum(first, 0), C)
     last = tl.minimum(tl.maximum(last, first), C)
     t_bulk = tl.maximum(last - first - t_local, 0)
-    has_bulk = t_bulk > 0
     bulk_lo = first + t_sink
     bulk_hi = bulk_lo + t_bulk  # bulk = [bulk_lo, bulk_hi), empty without a bulk
+    return first, last, t_bulk, bulk_lo, bulk_hi
 
-    is_local = tl.load(LOCAL + row64 * stride_lb + heads.to(tl.int64) * stride_lh, mask=g_ok, other=1)
-    dense = (is_local == 0) & g_ok  # [BLOCK_G]
-    read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
 
-    # --- virtual block list: segment A then segment B (B starts after A's last block) ----------------------
-    whole = read | (has_bulk == 0)
+@triton.jit
+def block_list(first, last, bulk_lo, bulk_hi, whole, BLOCK_N: tl.constexpr):
+    """The virtual block list (module docstring) as ``(a_lo, n_a, b_lo, n_virtual)``: entry ``i`` is block
+    ``a_lo + i`` for ``i < n_a``, else ``b_lo + i - n_a``. ``whole``: every block of ``[first, last)``; else the
+    blocks meeting ``[first, bulk_lo)`` then those meeting ``[bulk_hi, last)`` not listed already."""
     a_end = tl.where(whole, last, bulk_lo)
     b_begin = tl.where(whole, last, bulk_hi)
     a_lo = first // BLOCK_N
@@ -111,23 +75,29 @@ def qada_decode_split_kernel(
     b_hi = tl.where(last > b_begin, tl.cdiv(last, BLOCK_N), b_lo)
     n_a = a_hi - a_lo
     n_virtual = n_a + tl.maximum(b_hi - b_lo, 0)
-    per_split = tl.cdiv(n_virtual, num_splits)
-    v_begin = split * per_split
-    v_end = tl.minimum(v_begin + per_split, n_virtual)
+    return a_lo, n_a, b_lo, n_virtual
 
-    q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-    if DOT_FP32:
-        q = q.to(tl.float32)
 
+@triton.jit
+def attend_blocks(
+    q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+    first, last, bulk_lo, bulk_hi, has_bulk, read, dense, a_lo, n_a, b_lo, v_begin, v_end, qk_scale, softcap,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the ``G`` queries ``q [BLOCK_G, BLOCK_D]`` over entries ``[v_begin, v_end)`` of the
+    virtual block list: returns ``(m [BLOCK_G], l [BLOCK_G], acc [BLOCK_G, BLOCK_D], n_bulk)`` in float32 (log2
+    domain, see :func:`qada_decode_split_kernel`) and the number of blocks loaded only for the bulk. ``read``:
+    the group reads its bulk; ``dense [BLOCK_G]``: the heads that attend over it."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     n_bulk = tl.zeros([], dtype=tl.int32)
     window_a_end = tl.where(has_bulk, bulk_lo, last)  # the window: [first, window_a_end) and, with a bulk,
-    k_base = K + row64 * stride_kb + kv64 * stride_kh  # [bulk_hi, last)
-    v_base = V + row64 * stride_vb + kv64 * stride_vh
-    for i in range(v_begin, v_end):
+    for i in range(v_begin, v_end):  # [bulk_hi, last)
         blk = tl.where(i < n_a, a_lo + i, b_lo + (i - n_a))
         lo = blk * BLOCK_N
         hi = lo + BLOCK_N
@@ -163,14 +133,86 @@ def qada_decode_split_kernel(
             has_bulk & (tl.maximum(lo, bulk_hi) < tl.minimum(hi, last))
         )
         n_bulk += tl.where(has_window, 0, 1)
+    return m_i, l_i, acc, n_bulk
 
+
+@triton.jit
+def store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bulk, n_loaded,
+                G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Store one split's ``acc, m, l`` and its two block counts at slot ``(pair, split)``."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
     slot = pair.to(tl.int64) * num_splits + split
     out = slot * G + offs_g
-    tl.store(ACC + out[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(ACC + out[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & (offs_d < D)[None, :])
     tl.store(M + out, m_i, mask=g_ok)
     tl.store(L + out, l_i, mask=g_ok)
     tl.store(COUNTS + slot * 2, n_bulk)
-    tl.store(COUNTS + slot * 2 + 1, tl.maximum(v_end - v_begin, 0))
+    tl.store(COUNTS + slot * 2 + 1, n_loaded)
+
+
+@triton.jit
+def qada_decode_split_kernel(
+    Q, K, V, LOCAL, START, END, ACC, M, L, COUNTS,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_lb, stride_lh,
+    C, H_KV, t_sink, t_local, num_splits, qk_scale, softcap,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_START: tl.constexpr, HAS_END: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """One program = one (row, KV head) and one split of its virtual block list, for all ``G`` query heads.
+
+    Reads ``Q [b, H, 1, d]``, ``K, V [b, H_kv, C, d]`` (any strides), ``LOCAL [b, H]`` bool (effective local
+    mask), ``START, END [b]`` integers (only with ``HAS_START`` / ``HAS_END``). Writes, at ``(pair, split)``
+    with ``pair = row * H_kv + kv_head``, the split's unnormalised ``ACC [.., G, D]``, running max ``M [.., G]``
+    (log2 domain: scores are multiplied by ``qk_scale = scale * log2(e)``) and sum ``L [.., G]``, all float32,
+    and ``COUNTS [.., 2]`` int32: blocks loaded only for the bulk (no window token), blocks loaded in all.
+    ``DOT_FP32`` upcasts the inputs of both dots to float32 (bfloat16 under the interpreter, whose bfloat16
+    ``tl.dot`` is wrong). Every loop-carried value is float32 whatever type ``qk_scale`` arrives with. With
+    ``SOFTCAP`` the scores are soft-capped, ``c tanh(s / c)`` with ``c = softcap`` (``qk_scale`` is then the
+    plain ``scale``, and the capped score is taken to the log2 domain).
+    """
+    pair = tl.program_id(0)
+    split = tl.program_id(1)
+    row = pair // H_KV
+    kv_head = pair % H_KV
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    heads = kv_head * G + offs_g
+    row64 = row.to(tl.int64)
+    kv64 = kv_head.to(tl.int64)
+
+    first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
+    has_bulk = t_bulk > 0
+
+    is_local = tl.load(LOCAL + row64 * stride_lb + heads.to(tl.int64) * stride_lh, mask=g_ok, other=1)
+    dense = (is_local == 0) & g_ok  # [BLOCK_G]
+    read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
+
+    a_lo, n_a, b_lo, n_virtual = block_list(first, last, bulk_lo, bulk_hi, read | (has_bulk == 0), BLOCK_N)
+    per_split = tl.cdiv(n_virtual, num_splits)
+    v_begin = split * per_split
+    v_end = tl.minimum(v_begin + per_split, n_virtual)
+
+    q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m_i, l_i, acc, n_bulk = attend_blocks(
+        q, K + row64 * stride_kb + kv64 * stride_kh, V + row64 * stride_vb + kv64 * stride_vh,
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        first, last, bulk_lo, bulk_hi, has_bulk, read, dense, a_lo, n_a, b_lo, v_begin, v_end, qk_scale, softcap,
+        D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32, SOFTCAP,
+    )  # fmt: skip
+    store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bulk, tl.maximum(v_end - v_begin, 0),
+                G, D, BLOCK_G, BLOCK_D)  # fmt: skip
 
 
 @triton.jit

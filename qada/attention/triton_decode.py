@@ -131,8 +131,6 @@ class TritonExecutor(AttentionExecutor):
         m = torch.empty(pairs, S, G, **f32)
         l = torch.empty(pairs, S, G, **f32)
         counts = torch.empty(pairs, S, 2, dtype=torch.int32, device=query.device)
-        output = torch.empty(b, H, 1, d, dtype=query.dtype, device=query.device)
-        bulk_blocks = torch.empty((), dtype=torch.int64, device=query.device)
         start, end = step.start, step.end  # [b] long or None: read inside the kernel only
         softcap, sinks = step.softcap, step.sink_logits
         run = _triton_kernel.run  # (a graph break under the interpreter: torch.compile must not trace it)
@@ -149,16 +147,31 @@ class TritonExecutor(AttentionExecutor):
             DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
             num_warps=self.num_warps, num_stages=self.num_stages,
         )  # fmt: skip
-        BLOCK_S = _next_pow2(S)
-        run(
-            _triton_kernel.qada_decode_combine_kernel, (b * H + 1,),
-            acc, m, l, counts, output, bulk_blocks, m if sinks is None else sinks.contiguous(),
-            output.stride(0), output.stride(1), output.stride(3),
-            H, S, pairs * S,
-            G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=BLOCK_D, BLOCK_C=256,
-            HAS_SINKS=sinks is not None,
-        )  # fmt: skip
+        output, bulk_blocks = combine(query, acc, m, l, counts, sinks)
         return TritonLaunch(output, bulk_blocks, acc, m, l, counts)
+
+
+def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, counts: torch.Tensor,
+            sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The combine launch: the splits ``acc [pairs, S, G, d]``, ``m, l [pairs, S, G]``, ``counts [pairs, S, 2]``
+    of a split kernel for ``query [b, H, d]`` (and the sink logits ``[H]`` or ``None``) merged into ``(output [b,
+    H, 1, d]`` in the query dtype, ``bulk_blocks`` 0-d int64)."""
+    from qada.attention import _triton_kernel
+
+    b, H, d = query.shape
+    pairs, S, G = m.shape
+    output = torch.empty(b, H, 1, d, dtype=query.dtype, device=query.device)
+    bulk_blocks = torch.empty((), dtype=torch.int64, device=query.device)
+    BLOCK_S = _next_pow2(S)
+    _triton_kernel.run(
+        _triton_kernel.qada_decode_combine_kernel, (b * H + 1,),
+        acc, m, l, counts, output, bulk_blocks, m if sinks is None else sinks.contiguous(),
+        output.stride(0), output.stride(1), output.stride(3),
+        H, S, pairs * S,
+        G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=max(16, _next_pow2(d)), BLOCK_C=256,
+        HAS_SINKS=sinks is not None,
+    )  # fmt: skip
+    return output, bulk_blocks
 
 
 class TritonLaunch(NamedTuple):

@@ -13,6 +13,7 @@ from qada.attention.base import (
     register_executor,
 )
 from qada.attention.flex import FlexExecutor
+from qada.attention.fused import FusedTritonExecutor
 from qada.attention.group_policy import GROUP_POLICIES, apply_group_policy, check_group_policy
 from qada.attention.reference import ReferenceExecutor
 from qada.attention.sdpa import SDPAExecutor
@@ -24,6 +25,7 @@ __all__ = [
     "AttentionExecutor",
     "ExecutorOutput",
     "FlexExecutor",
+    "FusedTritonExecutor",
     "GroupDecision",
     "ReferenceExecutor",
     "SDPAExecutor",

@@ -1,0 +1,189 @@
+"""The split kernel of the ``triton_fused`` executor: the QAdA decision (paper eqs. 5-7) and split-K decode in one
+launch. Imported lazily: importing it imports triton. Its splits are merged by the ``triton`` executor's combine
+kernel (:mod:`qada.attention._triton_kernel`, whose token ranges and virtual block lists this kernel shares).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from qada.attention._triton_kernel import attend_blocks, block_list, row_range, store_split
+
+
+@triton.jit
+def cap(s, softcap):
+    """``c tanh(s / c)`` (``c = softcap``) as ``c (1 - 2 / (exp(2 s / c) + 1))``, float32."""
+    return (softcap * (1.0 - 2.0 / (tl.math.exp2(2.0 * s / softcap * 1.4426950408889634) + 1.0))).to(tl.float32)
+
+
+@triton.jit
+def window_log_mass(
+    q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk, scale, softcap,
+    D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """``(log A_window [BLOCK_G], bad [BLOCK_G])``: the natural-log mass ``logsumexp_i s_i`` of the float32 queries
+    ``q [BLOCK_G, BLOCK_D]`` over the row's window (``[first, last)`` minus the bulk ``[bulk_lo, bulk_hi)``), with
+    ``s_i = scale q·k_i`` soft-capped under ``SOFTCAP``, and whether some window score is NaN or ``+inf`` (the
+    eager logsumexp is then not finite: the fail-safe). Reads the window's blocks once each, in float32."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    a_lo, n_a, b_lo, n_window = block_list(first, last, bulk_lo, bulk_hi, has_bulk == 0, BLOCK_N)
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_G], dtype=tl.int32)
+    for i in range(0, n_window):
+        blk = tl.where(i < n_a, a_lo + i, b_lo + (i - n_a))
+        offs = blk * BLOCK_N + offs_n
+        ok = (offs >= first) & (offs < last) & ((offs < bulk_lo) | (offs >= bulk_hi))
+        k = tl.load(k_base + offs[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
+                    mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if SOFTCAP:
+            s = cap(s, softcap)
+        broken = (s != s) | (s == float("inf"))  # NaN or +inf: the eager logsumexp is not finite (-inf is 0)
+        bad += tl.max(tl.where(ok[None, :] & broken, 1, 0), axis=1)
+        s = tl.where(ok[None, :] & (broken == 0), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        total = total * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+        m = m_new
+    log_window = tl.where(total > 0, m + tl.log(total), float("-inf"))
+    return log_window, bad > 0
+
+
+@triton.jit
+def logaddexp(a, b):
+    """``log(e^a + e^b)`` elementwise (``-inf`` when both are ``-inf``)."""
+    hi = tl.maximum(a, b)
+    lo = tl.minimum(a, b)
+    hi_safe = tl.where(hi == float("-inf"), 0.0, hi)
+    return tl.where(hi == float("-inf"), float("-inf"), hi_safe + tl.log(1.0 + tl.exp(lo - hi_safe)))
+
+
+@triton.jit
+def qada_fused_split_kernel(
+    Q, K, V, MEAN, COV, START, END, SINKS, GH_X, GH_LOGW,
+    ACC, M, L, COUNTS, DECIDED, LOCAL, READ, BROKEN,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_mb, stride_mh, stride_md,
+    stride_cb, stride_ch, stride_ci, stride_cj,
+    C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau, n_nodes,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+    HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """One program = one (row, KV head) and one split: the group's QAdA decision, then its split of the attention.
+
+    Reads ``Q [b, H, 1, d]``, ``K, V [b, H_kv, C, d]``, the bulk key moments ``MEAN [b, H_kv, d]`` and ``COV [b,
+    H_kv, d, d]`` (any strides and float dtype), ``START, END [b]`` (only with ``HAS_START`` / ``HAS_END``), the
+    sink logits ``SINKS [H]`` (only with ``HAS_SINKS``) and, under ``SOFTCAP``, the ``n_nodes`` Gauss-Hermite
+    nodes ``GH_X`` and log weights ``GH_LOGW`` (:func:`qada.functional.capping.hermite_rule`).
+
+    Decision, in float32 for every query head ``h`` of the group, as the eager ``qada`` criterion computes it:
+
+    * ``log A_local = logsumexp`` of the (capped) window scores ``scale q·k``, ``logaddexp``-ed with ``SINKS[h]``;
+    * ``mu_s = scale q·mean`` (eq. 5), ``sigma_s^2 = scale^2 q^T cov q`` (eq. 6), and (eq. 7)
+      ``log Â_bulk = log T_bulk + mu_s + sigma_s^2 / 2``, or ``log T_bulk + log E[exp(c tanh(s / c))]`` by
+      Gauss-Hermite under a cap, ``-inf`` without a bulk;
+    * broken (fail-safe, forced dense) where the row has a bulk and a value is not finite; local where
+      ``log A_local - logaddexp(log A_local, log Â_bulk) >= log_tau`` and not broken, or where the row has no bulk;
+    * the group reads its bulk when one of its heads is dense; with ``PROMOTE`` every head of such a group is dense.
+
+    Every split computes the decision (it fixes the virtual block list); split 0 stores it: ``DECIDED, LOCAL,
+    BROKEN [b, H]`` and ``READ [b, H_kv]``, uint8 0/1. The attention and what it writes (``ACC, M, L, COUNTS``) are
+    those of :func:`~qada.attention._triton_kernel.qada_decode_split_kernel` with the effective local mask.
+    """
+    pair = tl.program_id(0)
+    split = tl.program_id(1)
+    row = pair // H_KV
+    kv_head = pair % H_KV
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    heads = kv_head * G + offs_g
+    row64 = row.to(tl.int64)
+    kv64 = kv_head.to(tl.int64)
+    k_base = K + row64 * stride_kb + kv64 * stride_kh
+    q_rows = Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh
+
+    first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
+    has_bulk = t_bulk > 0
+
+    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    qf = q.to(tl.float32)
+
+    # --- log A_local: the window's exact mass (and the sink logit) ---------------------------------------------
+    log_local, bad = window_log_mass(qf, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
+                                     scale, softcap, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP)  # fmt: skip
+    if HAS_SINKS:
+        sink = tl.load(SINKS + heads, mask=g_ok, other=0.0).to(tl.float32)
+        log_local = logaddexp(log_local, sink)
+
+    # --- eqs. 5-7: the lognormal estimate of log A_bulk from the KV head's moments ---------------------------
+    mean = tl.load(MEAN + row64 * stride_mb + kv64 * stride_mh + offs_d * stride_md, mask=d_ok, other=0.0)
+    mu = tl.sum(qf * mean.to(tl.float32)[None, :], axis=1) * scale  # [BLOCK_G]
+    q_cov = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)  # q^T cov, BLOCK_K rows of cov at a time
+    cov_base = COV + row64 * stride_cb + kv64 * stride_ch
+    for k0 in tl.static_range(0, BLOCK_D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < D
+        q_k = tl.load(q_rows + offs_k[None, :] * stride_qd, mask=g_ok[:, None] & k_ok[None, :], other=0.0)
+        cov_k = tl.load(cov_base + offs_k[:, None].to(tl.int64) * stride_ci + offs_d[None, :] * stride_cj,
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        q_cov += tl.dot(q_k.to(tl.float32), cov_k.to(tl.float32), input_precision="ieee")
+    var = tl.sum(q_cov * qf, axis=1) * scale * scale  # [BLOCK_G]
+    if SOFTCAP:  # log E[exp(c tanh(s / c))], s ~ N(mu, var): log sum_j w_j / sqrt(pi) exp(cap(mu + sqrt(2) sigma x_j))
+        offs_x = tl.arange(0, BLOCK_X)
+        x_ok = offs_x < n_nodes
+        x = tl.load(GH_X + offs_x, mask=x_ok, other=0.0).to(tl.float32)
+        log_w = tl.load(GH_LOGW + offs_x, mask=x_ok, other=0.0).to(tl.float32)
+        sigma = tl.sqrt(tl.maximum(var, 0.0))
+        terms = log_w[None, :] + cap(mu[:, None] + 1.4142135623730951 * sigma[:, None] * x[None, :], softcap)
+        terms = tl.where(x_ok[None, :], terms, float("-inf"))
+        peak = tl.max(terms, axis=1)  # finite unless mu or var is NaN (the terms are at most c + log w_j)
+        peak = tl.where(tl.abs(peak) < float("inf"), peak, 0.0)
+        log_mean_exp = peak + tl.log(tl.sum(tl.exp(terms - peak[:, None]), axis=1))
+    else:
+        log_mean_exp = mu + 0.5 * var
+    log_t = tl.log(tl.maximum(t_bulk, 1).to(tl.float32))
+    log_bulk = tl.where(has_bulk, log_t + log_mean_exp, float("-inf"))
+
+    # --- the threshold decision (fail-safe), then the group policy --------------------------------------------
+    finite = (tl.abs(log_local) < float("inf")) & (tl.abs(log_bulk) < float("inf")) & (bad == 0)
+    broken = has_bulk & (finite == 0) & g_ok
+    ratio_ok = (log_local - logaddexp(log_local, log_bulk)) >= log_tau
+    decided = tl.where(has_bulk, ratio_ok & (broken == 0), 1) != 0
+    dense = (decided == 0) & g_ok  # [BLOCK_G]
+    read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
+    local = decided
+    if PROMOTE:
+        local = decided & (read == 0)
+        dense = (local == 0) & g_ok
+    if split == 0:
+        out = row64 * (H_KV * G) + heads.to(tl.int64)
+        tl.store(DECIDED + out, decided.to(tl.uint8), mask=g_ok)
+        tl.store(LOCAL + out, local.to(tl.uint8), mask=g_ok)
+        tl.store(BROKEN + out, broken.to(tl.uint8), mask=g_ok)
+        tl.store(READ + row64 * H_KV + kv64, read.to(tl.uint8))
+
+    # --- the attention over this split's share of the virtual block list ---------------------------------------
+    a_lo, n_a, b_lo, n_virtual = block_list(first, last, bulk_lo, bulk_hi, read | (has_bulk == 0), BLOCK_N)
+    per_split = tl.cdiv(n_virtual, num_splits)
+    v_begin = split * per_split
+    v_end = tl.minimum(v_begin + per_split, n_virtual)
+    if DOT_FP32:
+        q = qf
+    m_i, l_i, acc, n_bulk = attend_blocks(
+        q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
+        first, last, bulk_lo, bulk_hi, has_bulk, read, dense, a_lo, n_a, b_lo, v_begin, v_end, qk_scale, softcap,
+        D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32, SOFTCAP,
+    )  # fmt: skip
+    store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bulk, tl.maximum(v_end - v_begin, 0),
+                G, D, BLOCK_G, BLOCK_D)  # fmt: skip

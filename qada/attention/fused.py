@@ -1,0 +1,162 @@
+"""The ``triton_fused`` executor: the QAdA decision (paper eqs. 5-7) made inside the ``triton`` split kernel.
+
+On a run whose criterion is the plain ``qada`` threshold rule with a moment source, the run's layer step hands the
+decision to this executor (:meth:`FusedTritonExecutor.decide_and_attend`): after the moment step (torch, as in the
+unfused step) a layer's decode step is two launches, whatever the decision:
+
+1. the fused split kernel (:mod:`qada.attention._fused_kernel`), one program per (row, KV head, split): it reads the
+   ``G`` queries, the row's window keys and its KV head's bulk moments, computes ``log A_local`` (the window's exact
+   mass, sink logit included), ``log Â_bulk = log T_bulk + mu_s + sigma_s^2 / 2`` (eq. 7; Gauss-Hermite under a
+   soft cap), the fail-safe threshold decision at ``tau`` and the group policy, then its split of the attention,
+   skipping the bulk blocks of a group whose heads are all local; split 0 stores the decision;
+2. the ``triton`` executor's combine kernel (log-sum-exp merge of the splits, sink logits, bulk block count).
+
+The statistics row (sparsity, kv_sparsity, kv_read, fail-safe) follows in a few torch operations. No host read of
+a tensor value, grid from the shapes only. The decision equals the eager criterion's up to float32 rounding (a head
+whose ratio lies within rounding of ``tau`` may go either way).
+
+Anything else (another criterion, no moment source) is an error when the run first decodes: use ``triton``. Called
+as a plain executor (with a decision given, e.g. :func:`~qada.attention.decode_attention`), it is the ``triton``
+executor.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from qada.attention.base import GroupDecision, register_executor
+from qada.attention.triton_decode import TritonExecutor, _next_pow2, check_triton_runtime, combine
+from qada.step import DecodeStep
+
+__all__ = ["FusedLaunch", "FusedTritonExecutor"]
+
+_LOG2E = 1.4426950408889634
+
+
+class FusedLaunch(NamedTuple):
+    """What one :meth:`FusedTritonExecutor.decide_and_attend` computed (``pairs = b * H_kv``, ``S`` splits).
+
+    Attributes:
+        output: ``[b, H, 1, d]`` in the query dtype.
+        bulk_blocks: 0-d int64, blocks loaded only for the bulk.
+        decided: ``[b, H]`` bool, the criterion's decision (True = local; every head of a row without a bulk).
+        local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool, the bulks read.
+        broken: ``[b, H]`` bool, the heads forced dense by a non-finite value (the fail-safe).
+        counts: ``[pairs, S, 2]`` int32 per program: blocks loaded only for the bulk, blocks loaded in all.
+    """
+
+    output: torch.Tensor
+    bulk_blocks: torch.Tensor
+    decided: torch.Tensor
+    local: torch.Tensor
+    read: torch.Tensor
+    broken: torch.Tensor
+    counts: torch.Tensor
+
+
+@functools.cache
+def _hermite(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gauss-Hermite nodes and ``log(w_j / sqrt(pi))`` as float32 tensors on ``device``, made once per device
+    (the first capped step, before any graph capture, makes them)."""
+    from qada.functional.capping import hermite_rule
+
+    nodes, log_weights = hermite_rule()
+    return (torch.tensor(nodes, dtype=torch.float32, device=device),
+            torch.tensor(log_weights, dtype=torch.float32, device=device))
+
+
+@register_executor("triton_fused")
+@dataclass
+class FusedTritonExecutor(TritonExecutor):
+    """The ``triton`` executor whose split kernel also makes the ``qada`` criterion's decision: one split launch and
+    one combine launch per layer and step for the whole decision and attention (module docstring).
+
+    In a run it applies when the criterion is the plain ``qada`` one (:class:`~qada.criteria.QAdACriterion`, any
+    ``tau``) with a moment source (``stored``, ``current``, ...); any other criterion is an error at the run's first
+    step (``triton`` decodes for every criterion). Its decisions, statistics and output are those of ``qada`` with
+    the ``triton`` executor, up to float32 rounding. Arguments as for :class:`~qada.attention.TritonExecutor`.
+    """
+
+    fuses_decision = True
+    """A run's layer step decides through :meth:`decide_and_attend` (:meth:`~qada.models.layer_step.LayerStep.fuse`)."""
+
+    _handed: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact") -> FusedLaunch:
+        """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches.
+
+        Reads ``step.query [b, H, d]``, ``keys, values [b, H_kv, C, d]``, ``start``, ``end``, the window, the scale,
+        ``softcap``, ``sink_logits [H]`` and ``step.bulk_moments`` (mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``,
+        the bulk of each row as :attr:`~qada.step.DecodeStep.t_bulk` counts it).
+        """
+        query, key, value = step.query, step.keys, step.values
+        check_triton_runtime(query.device)
+        if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"expected float16, bfloat16 or float32 inputs for 'triton_fused' but got {query.dtype}")
+        from qada.attention import _fused_kernel, _triton_kernel
+
+        if query.device.type == "cpu" and not _triton_kernel.INTERPRETED:
+            raise RuntimeError(
+                "the 'triton_fused' executor got CPU tensors but its kernel was compiled for the GPU: set "
+                "TRITON_INTERPRET=1 before triton is first imported"
+            )
+        mean, cov = step.bulk_moments
+        b, H, d = query.shape
+        H_kv, C = key.shape[1], key.shape[2]
+        G = H // H_kv
+        if mean.shape != (b, H_kv, d) or cov.shape != (b, H_kv, d, d):
+            raise ValueError(f"expected moments mean [{b}, {H_kv}, {d}] and cov [{b}, {H_kv}, {d}, {d}] but got mean "
+                             f"{tuple(mean.shape)} and cov {tuple(cov.shape)}")
+        dot_fp32 = _triton_kernel.INTERPRETED and query.dtype == torch.bfloat16
+        BLOCK_G, BLOCK_D = max(16, _next_pow2(G)), max(16, _next_pow2(d))
+        pairs = b * H_kv
+        S = self.splits(query.device, pairs, C)
+        device = query.device
+        f32 = dict(dtype=torch.float32, device=device)
+        acc = torch.empty(pairs, S, G, d, **f32)
+        m = torch.empty(pairs, S, G, **f32)
+        l = torch.empty(pairs, S, G, **f32)
+        counts = torch.empty(pairs, S, 2, dtype=torch.int32, device=device)
+        flags = torch.empty(3, b, H, dtype=torch.uint8, device=device)  # decided, local, broken
+        read = torch.empty(b, H_kv, dtype=torch.uint8, device=device)
+        start, end = step.start, step.end
+        softcap, sinks = step.softcap, step.sink_logits
+        nodes, log_weights = _hermite(device) if softcap else (m, m)
+        window = step.window
+        log_tau = math.log(tau) if tau > 0 else float("-inf")
+        _triton_kernel.run(
+            _fused_kernel.qada_fused_split_kernel, (pairs, S),
+            query, key, value, mean, cov, query if start is None else start, query if end is None else end,
+            query if sinks is None else sinks, nodes, log_weights,
+            acc, m, l, counts, flags[0], flags[1], read, flags[2],
+            *query.stride(), *key.stride(), *value.stride(), *mean.stride(), *cov.stride(),
+            C, H_kv, window.t_sink, window.t_local, S,
+            float(step.scale), float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau,
+            nodes.shape[0] if softcap else 1,
+            G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D, BLOCK_K=16,
+            BLOCK_X=_next_pow2(nodes.shape[0]) if softcap else 16,
+            HAS_START=start is not None, HAS_END=end is not None, HAS_SINKS=sinks is not None,
+            PROMOTE=policy == "promote",
+            INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
+            DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
+            num_warps=self.num_warps, num_stages=self.num_stages,
+        )  # fmt: skip
+        output, bulk_blocks = combine(query, acc, m, l, counts, sinks)
+        flags = flags.view(torch.bool)
+        return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read.view(torch.bool), flags[2], counts)
+
+    def hand_over(self, local: torch.Tensor, output: torch.Tensor, bulk_blocks: torch.Tensor) -> None:
+        """Keep ``output`` and ``bulk_blocks``, which the run's layer step computed with the decision ``local``:
+        the run's next :meth:`attend` with that very ``local`` tensor returns them instead of attending again."""
+        self._handed = (local, output, bulk_blocks)
+
+    def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, torch.Tensor]:
+        handed, self._handed = self._handed, None
+        if handed is not None and handed[0] is decision.local:  # the layer step attended already
+            return handed[1], handed[2]
+        return super().attend(step, decision)

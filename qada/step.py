@@ -340,11 +340,15 @@ class DecodeStep:
         """Take the derived values the run's layer step computed for this very step
         (:class:`qada.models.layer_step.LayerStepResult`): ``window_keys``/``window_values`` ``[b, H_kv, W, d]``,
         ``window_valid [b, W]``, ``t_bulk [b]`` and ``real [b, T]`` (or ``None``), as this step would compute them;
-        the executor then does not compute them again."""
-        self.__dict__["_window_keys"] = (window_keys, window_valid)
-        self.__dict__["window_values"] = window_values
+        the executor then does not compute them again. A ``None`` window (a step whose kernel read the window
+        itself, :mod:`qada.models.fused_step`) or ``real`` is not taken: the step computes it on demand."""
+        if window_keys is not None:
+            self.__dict__["_window_keys"] = (window_keys, window_valid)
+        if window_values is not None:
+            self.__dict__["window_values"] = window_values
         self.__dict__["t_bulk"] = t_bulk
-        self.__dict__["real"] = real
+        if real is not None:
+            self.__dict__["real"] = real
 
     def attend_also(self, slots: torch.Tensor, valid: torch.Tensor, scores: torch.Tensor) -> None:
         """A criterion read these bulk tokens exactly: local heads attend over them besides the window

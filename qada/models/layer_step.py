@@ -62,6 +62,9 @@ class LayerStepResult(NamedTuple):
             (:meth:`~qada.step.DecodeStep.attend_also`): that set's attention ``[b, H, d]`` and mass ``[b, H]``, and
             the window's mass (sink logits included) to merge them with the executor's output
             (:func:`~qada.functional.extra_set.merge_extra`); else ``None``.
+        output, bulk_blocks: where the executor made the decision in its kernel (:meth:`LayerStep.fuse`): the
+            attention ``[b, H, 1, d]`` and its 0-d bulk-only block count; the window fields are then ``None``;
+            else ``None``.
     """
 
     decided: torch.Tensor
@@ -81,6 +84,8 @@ class LayerStepResult(NamedTuple):
     extra_output: torch.Tensor | None = None
     log_extra: torch.Tensor | None = None
     log_local: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    bulk_blocks: torch.Tensor | None = None
 
 
 def layer_step(
@@ -168,8 +173,10 @@ class LayerStep:
                  backend: str | None) -> None:
         self.criterion, self.moments, self.backend = criterion, moments, backend
         bound = dict(criterion=criterion, moments=moments, window=window, policy=policy)
+        self._bound = bound
         self.eager = functools.partial(layer_step, **bound)
         self.eager_reason: str | None = None
+        self.fused: Any = None  # the executor that makes the decision in its kernel (fuse), else None
         self._compiled: Any = None
         self._merge: Any = None
         if backend is not None:
@@ -181,8 +188,35 @@ class LayerStep:
         """Whether steps on a preallocated cache run compiled."""
         return self._compiled is not None and self.eager_reason is None
 
+    def fuse(self, executor: Any) -> None:
+        """Make the decision with ``executor`` (one that ``fuses_decision``, e.g. ``triton_fused``): every step is
+        then :func:`~qada.models.fused_step.fused_layer_step`, whose attention output the executor returns at the
+        run's next call (:meth:`~qada.attention.FusedTritonExecutor.hand_over`). Raises ``ValueError`` unless the
+        criterion is the plain ``qada`` one with a moment source. Under Triton's interpreter the step runs eagerly
+        (``torch.compile`` does not trace the interpreter); on a GPU it is compiled with the kernels' launches."""
+        from qada.models.fused_step import check_fusable, fused_layer_step
+
+        check_fusable(self.criterion, self.moments, executor)
+        bound = dict(self._bound, executor=executor)
+        self.fused = executor
+        self.eager = functools.partial(fused_layer_step, **bound)
+        self._compiled, self.eager_reason = None, None
+        if self.backend is not None:
+            from qada.attention import _triton_kernel
+
+            if _triton_kernel.INTERPRETED:
+                self.eager_reason = "the fused kernels run in Triton's interpreter, which torch.compile does not trace"
+            else:
+                self._compiled = compile_layer_step(bound, self.backend, fused_layer_step)
+
     def __call__(self, buffered: bool, *args: Any) -> LayerStepResult:
         """:func:`layer_step` on ``args``; compiled when ``buffered`` (fixed shapes) and :attr:`compiled`."""
+        result = self._step(buffered, *args)
+        if self.fused is not None:
+            self.fused.hand_over(result.local, result.output, result.bulk_blocks)
+        return result
+
+    def _step(self, buffered: bool, *args: Any) -> LayerStepResult:
         if not (buffered and self.compiled):
             return self.eager(*args)
         try:
@@ -192,7 +226,7 @@ class LayerStep:
             self.eager_reason = _reason(error)
             warnings.warn(f"qada: {self._culprit(error)} cannot be compiled into the layer step, so every decode "
                           f"step of this run runs eagerly (slower; compile=False silences this): {self.eager_reason}",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=5)
             return result
 
     def merge(self, buffered: bool, output: torch.Tensor, result: LayerStepResult) -> torch.Tensor:
@@ -220,18 +254,21 @@ class LayerStep:
         return f"{kind} {part.registry_name or type(part).__name__!r}"
 
 
-def compile_layer_step(bound: dict[str, Any], backend: Any) -> Any:
-    """:func:`layer_step` with the keyword arguments ``bound`` (the components), compiled by ``torch.compile``
-    (``fullgraph=True``) with ``backend``: static shapes for the first cache size, symbolic ones from the second on.
+def compile_layer_step(bound: dict[str, Any], backend: Any, function: Any = None) -> Any:
+    """:func:`layer_step` (or ``function``, with its arguments) with the keyword arguments ``bound`` (the
+    components), compiled by ``torch.compile`` (``fullgraph=True``) with ``backend``: static shapes for the first
+    cache size, symbolic ones from the second on.
 
     The function compiled has a code object of its own: ``torch.compile`` keeps its cache (and its recompile limit,
     8) per code object, so each run's step is compiled for that run's components and never evicts another's (a
     ``functools.partial`` or a plain closure would share one code object across runs)."""
 
+    chosen = layer_step if function is None else function
+
     def step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,  # noqa: ANN001
              sink_logits=None, softcap=None):
-        return layer_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states, sink_logits,
-                          softcap, **bound)
+        return chosen(query, keys, values, start, end, scale, layer, moment_state, criterion_states, sink_logits,
+                      softcap, **bound)
 
     return compile_own(step, "qada_layer_step", backend)
 

@@ -1,0 +1,77 @@
+"""The layer step whose decision is made in the attention kernel (the ``triton_fused`` executor).
+
+:func:`fused_layer_step` is :func:`~qada.models.layer_step.layer_step` for a run whose criterion is the plain ``qada``
+threshold rule (:class:`~qada.criteria.QAdACriterion`) and whose executor fuses the decision
+(:class:`~qada.attention.FusedTritonExecutor`): the moment source's step (torch, as unfused), then the executor's
+two launches (decision + split-K attention, combine), then the statistics row from the decision the kernel wrote.
+It returns the same :class:`~qada.models.layer_step.LayerStepResult` (the window fields ``None``: nothing gathers
+the window; a step computes it on demand) with the attention's ``output`` and ``bulk_blocks``, which the executor
+returns when the run calls it next (:meth:`~qada.attention.FusedTritonExecutor.hand_over`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qada.attention.group_policy import kv_read
+from qada.criteria.base import HeadCriterion
+from qada.models.statistics import step_counts
+from qada.moments.base import MomentSource
+from qada.step import DecodeStep
+from qada.window import Window
+
+__all__ = ["check_fusable", "fused_layer_step"]
+
+
+def check_fusable(criterion: HeadCriterion, moments: MomentSource | None, executor: Any) -> None:
+    """Raise ``ValueError`` unless ``executor`` can make ``criterion``'s decision: the plain ``qada`` criterion
+    (not a subclass, which may change the estimate) with a moment source."""
+    from qada.criteria.qada import QAdACriterion
+
+    name = getattr(executor, "registry_name", "") or type(executor).__name__
+    if type(criterion) is not QAdACriterion:
+        raise ValueError(
+            f"the {name!r} executor makes the decision of the plain 'qada' criterion in its kernel, but the run's "
+            f"criterion is {criterion.registry_name or type(criterion).__name__!r}: use the 'triton' executor, "
+            "which attends for any criterion"
+        )
+    if moments is None:
+        raise ValueError(f"the {name!r} executor needs the run's moment source (the 'qada' criterion reads moments)")
+
+
+def fused_layer_step(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: torch.Tensor | None,
+    end: torch.Tensor | None,
+    scale: float,
+    layer: torch.Tensor,
+    moment_state: dict[str, torch.Tensor] | None,
+    criterion_states: dict[str, dict[str, torch.Tensor]],
+    sink_logits: torch.Tensor | None = None,
+    softcap: float | None = None,
+    *,
+    criterion: HeadCriterion,
+    moments: MomentSource,
+    window: Window,
+    policy: str,
+    executor: Any,
+) -> Any:
+    """:func:`~qada.models.layer_step.layer_step` (same arguments) with the decision and the attention made by
+    ``executor.decide_and_attend`` at ``criterion.tau``: ``query [b, H, 1, d]``, ``keys, values [b, H_kv, C, d]``.
+    Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the attention."""
+    from qada.models.layer_step import LayerStepResult
+
+    rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
+    bulk = moments.step(moment_state, keys, start, rows_end, window)
+    step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk,
+                      values=values, states=criterion_states, sink_logits=sink_logits, softcap=softcap)
+    launch = executor.decide_and_attend(step, criterion.tau, policy)
+    reads = kv_read(launch.read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))
+    counts = step_counts(launch.local, launch.read, launch.broken.sum(), reads)
+    return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,
+                           step.t_bulk, None, bulk, step.query, step.start, step.end,
+                           output=launch.output, bulk_blocks=launch.bulk_blocks)

@@ -1,0 +1,383 @@
+"""The ``triton_fused`` executor: the ``qada`` decision (eqs. 5-7) in the split kernel, against the eager criterion
+and the unfused ``triton`` executor. On CPU the kernels run in Triton's interpreter (slow: small shapes only)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+if not torch.cuda.is_available():  # must happen before triton is imported anywhere
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from tiny_models import tiny_model  # noqa: E402
+from transformers import DynamicCache, StaticCache  # noqa: E402
+
+from qada.attention import EXECUTORS, FusedTritonExecutor, apply_group_policy  # noqa: E402
+from qada.attention.base import GroupDecision  # noqa: E402
+from qada.criteria import QAdACriterion  # noqa: E402
+from qada.functional import local_ratio  # noqa: E402
+from qada.models import attach, build_run  # noqa: E402
+from qada.models.layer_step import LayerStep  # noqa: E402
+from qada.moments import StoredMoments  # noqa: E402
+from qada.moments.reference import collect_reference_keys  # noqa: E402
+from qada.step import BulkMoments, DecodeStep  # noqa: E402
+from qada.window import Window  # noqa: E402
+from tests.test_attention_triton import DEVICE, TOLERANCE, hand_blocks  # noqa: E402
+
+WINDOW = Window(32, 4)
+
+
+def bulk_moments(k, starts, ends, window, dtype=torch.float32):
+    """Mean and population covariance of each row's bulk keys (the moments a perfect source would give)."""
+    b, H_kv, C, d = k.shape
+    mean, cov = torch.zeros(b, H_kv, d, dtype=dtype), torch.zeros(b, H_kv, d, d, dtype=dtype)
+    for r in range(b):
+        first = 0 if starts is None else starts[r]
+        last = C if ends is None else ends[r]
+        t_bulk = max(0, last - first - window.t_local)
+        if t_bulk < 2:
+            continue
+        keys = k[r, :, first + window.t_sink : first + window.t_sink + t_bulk].float()
+        centred = keys - keys.mean(1, keepdim=True)
+        mean[r] = keys.mean(1).to(dtype)
+        cov[r] = (centred.transpose(1, 2) @ centred / t_bulk).to(dtype)
+    return mean, cov
+
+
+def make_step(b, H, H_kv, C, d, starts, ends, dtype, seed, softcap=None, sinks=False, window=WINDOW):
+    """A decode step with random q, k, v (some query heads aligned with their sinks, so that they are local) and
+    the bulk's own moments."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, H, d, generator=g)
+    k = torch.randn(b, H_kv, C, d, generator=g) * 1.5
+    v = torch.randn(b, H_kv, C, d, generator=g)
+    G = H // H_kv
+    for r in range(b):  # heads 0 of every group: the query points at the row's first sink key
+        first = 0 if starts is None else starts[r]
+        q[r, ::G] += 0.6 * k[r, :, first]
+    mean, cov = bulk_moments(k, starts, ends, window)
+    sink_logits = torch.randn(H, generator=g) + 3.0 if sinks else None  # about the window's mass
+    rows = [None if x is None else torch.tensor(x, device=DEVICE) for x in (starts, ends)]
+    return DecodeStep(q.to(DEVICE, dtype), k.to(DEVICE, dtype), d**-0.5, window, start=rows[0], end=rows[1],
+                      moments=BulkMoments(mean.to(DEVICE), cov.to(DEVICE)), values=v.to(DEVICE, dtype),
+                      sink_logits=None if sink_logits is None else sink_logits.to(DEVICE), softcap=softcap)
+
+
+def fresh(step):
+    """A copy of ``step`` without its cached derived values."""
+    return DecodeStep(step.query, step.keys, step.scale, step.window, start=step.start, end=step.end,
+                      moments=step.moments, values=step.values, sink_logits=step.sink_logits, softcap=step.softcap)
+
+
+def eager(step, tau, policy="exact"):
+    """The eager ``qada`` criterion and group policy: ``(decided, local, read, fail_safe, ratio)``."""
+    step = fresh(step)
+    decided = QAdACriterion(tau).decide(step)
+    local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
+    fail_safe = torch.zeros((), dtype=torch.long) if step.fail_safe is None else step.fail_safe
+    return decided, local, read, fail_safe, local_ratio(step.log_local, step.log_bulk_estimate)
+
+
+def tau_between(ratio, has_bulk, G):
+    """A threshold halfway between two neighbouring ratios, near the median of the groups' smallest ratios (about
+    half of the groups all local), and far (relative 1e-3) from every ratio: the decisions cannot hinge on rounding."""
+    H_kv = ratio.shape[1] // G
+    values = ratio[has_bulk].flatten().double().sort().values.tolist()
+    group_min = ratio.view(-1, H_kv, G).amin(-1)[has_bulk].flatten().double().sort().values.tolist()
+    target = group_min[len(group_min) // 2]
+    gaps = [(abs((x + y) / 2 - target), (x + y) / 2) for x, y in zip(values, values[1:], strict=False)
+            if y - x > 2e-3 * max(y, 1e-30)]  # fmt: skip
+    return min(gaps)[1]
+
+
+def check_fused(step, tau, policy="exact", block=16, splits=3):
+    """The fused launch against the eager criterion (decisions, fail-safe), the unfused ``triton`` executor on the
+    eager decision (output) and the block counts of :func:`hand_blocks` (local groups skip their bulk blocks)."""
+    decided, local, read, fail_safe, ratio = eager(step, tau, policy)
+    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits)
+    got = executor.decide_and_attend(fresh(step), tau, policy)
+    near = (ratio - tau).abs() <= 1e-4 * tau  # rounding may decide these either way (none with tau_between)
+    assert torch.equal(got.decided | near, decided | near) and torch.equal(got.decided & ~near, decided & ~near)
+    if not near.any():
+        assert torch.equal(got.decided, decided) and torch.equal(got.local, local) and torch.equal(got.read, read)
+    assert int(got.broken.sum()) == int(fail_safe)
+    unfused = EXECUTORS.build("triton", group_policy=policy, block_size=block, num_splits=splits)
+    expected = unfused.launch(fresh(step), GroupDecision(got.local, got.read))
+    atol, rtol = TOLERANCE[step.query.dtype]
+    assert got.output.shape == (*step.query.shape[:2], 1, step.head_dim) and got.output.dtype == step.query.dtype
+    torch.testing.assert_close(got.output.float(), expected.output.float(), atol=atol, rtol=rtol)
+    reference = EXECUTORS.build("reference", group_policy=policy)
+    ref_out, _ = reference.attend(fresh(step), GroupDecision(got.local, got.read))
+    torch.testing.assert_close(got.output.float(), ref_out.float(), atol=atol, rtol=rtol)
+    starts = None if step.start is None else step.start.tolist()
+    ends = None if step.end is None else step.end.tolist()
+    loaded, bulk_only = hand_blocks(step.length, block, starts, ends, got.local.cpu(), step.num_kv_heads, step.window)
+    assert got.bulk_blocks.item() == bulk_only and got.counts[..., 1].sum().item() == loaded
+    assert torch.equal(got.counts, expected.counts)
+    return got, (decided, local, read, fail_safe, ratio)
+
+
+CASES = [  # (b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits)
+    (2, 4, 2, 400, 16, None, None, torch.float32, None, False, "exact", 16, 3),
+    (2, 6, 2, 520, 32, [0, 60], [500, 520], torch.float32, None, False, "promote", 32, 4),
+    (2, 4, 2, 300, 32, [10, 0], [290, 40], torch.bfloat16, None, False, "exact", 32, 2),  # row 1: no bulk
+    (2, 4, 2, 320, 16, [0, 7], None, torch.float32, 4.0, True, "exact", 16, 3),  # soft cap, sink logits
+    (2, 6, 2, 360, 32, None, [360, 333], torch.bfloat16, 3.0, True, "promote", 32, 3),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"C{c[3]}-d{c[4]}-{str(c[7])[6:]}-cap{c[8]}-sinks{c[9]}-{c[10]}")
+def test_fused_decision_and_output_equal_eager(case):
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits = case
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C, softcap=softcap, sinks=sinks)
+    _, _, _, _, ratio = eager(step, 0.5, policy)
+    tau = tau_between(ratio, fresh(step).has_bulk, H // H_kv)
+    got, (decided, local, read, _, _) = check_fused(step, tau, policy, block, splits)
+    with_bulk = fresh(step).has_bulk
+    assert (~read[with_bulk]).any() and read[with_bulk].any()  # not vacuous: some groups skip, some read
+    assert (~decided).any()
+
+
+@pytest.mark.parametrize("tau", [0.0, 1.0])
+def test_extreme_thresholds(tau):
+    """``tau = 0``: every head local (log tau = -inf); ``tau = 1``: every head of a row with a bulk dense."""
+    step = make_step(2, 4, 2, 200, 16, [0, 150], None, torch.float32, seed=1)
+    got, _ = check_fused(step, tau)
+    with_bulk = fresh(step).has_bulk
+    assert got.decided.all() if tau == 0 else (~got.decided[with_bulk]).all() and got.decided[~with_bulk].all()
+
+
+def test_local_groups_never_read_their_bulk():
+    """NaN in the pure-bulk blocks (keys and values) of the groups the kernel decided local never reaches the
+    output; the same poison in a group that reads its bulk does."""
+    step = make_step(2, 4, 2, 256, 16, None, None, torch.float32, seed=4)
+    _, _, _, _, ratio = eager(step, 0.5)
+    tau = tau_between(ratio, fresh(step).has_bulk, 2)
+    executor = FusedTritonExecutor(block_size=16, num_splits=2)
+    clean = executor.decide_and_attend(fresh(step), tau)
+    assert (~clean.read).any() and clean.read.any()
+    keys, values = step.keys.clone(), step.values.clone()
+    pure_bulk = slice(32, 224)  # blocks 2 .. 13 of 16 slots hold bulk tokens only (bulk = [4, 228))
+    for r, g in (~clean.read).nonzero().tolist():
+        keys[r, g, pure_bulk] = float("nan")
+        values[r, g, pure_bulk] = float("nan")
+    poisoned = DecodeStep(step.query, keys, step.scale, step.window, moments=step.moments, values=values)
+    got = executor.decide_and_attend(poisoned, tau)
+    assert torch.equal(got.local, clean.local) and torch.isfinite(got.output).all()
+    torch.testing.assert_close(got.output, clean.output, atol=0, rtol=0)
+    r, g = clean.read.nonzero()[0].tolist()
+    keys[r, g, pure_bulk] = float("nan")
+    got = executor.decide_and_attend(DecodeStep(step.query, keys, step.scale, step.window, moments=step.moments,
+                                                values=values), tau)
+    assert got.output[r, g * 2 : g * 2 + 2][~got.local[r, g * 2 : g * 2 + 2]].isnan().all()
+
+
+def test_fail_safe_forces_non_finite_estimates_dense():
+    """A NaN in one KV head's moments (row 0) and an overflowing covariance (row 1): those heads are forced dense
+    and counted, as the eager criterion does."""
+    step = make_step(2, 4, 2, 200, 16, None, None, torch.float32, seed=2)
+    mean, cov = (t.clone() for t in step.moments)
+    mean[0, 1, 3] = float("nan")
+    cov[1, 0] *= 1e38
+    broken = DecodeStep(step.query, step.keys, step.scale, step.window, moments=BulkMoments(mean, cov),
+                        values=step.values)
+    got, (decided, _, _, fail_safe, _) = check_fused(broken, 0.01)
+    assert int(fail_safe) == 4 and (~got.decided[0, 2:]).all() and (~got.decided[1, :2]).all()
+    assert got.broken[0, 2:].all() and got.broken[1, :2].all() and int(got.broken.sum()) == 4
+
+
+def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch):
+    """The step's decision and attention: two launches (grid from the shapes), no host read, only allocations."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qada.attention import _triton_kernel
+
+    step = make_step(2, 4, 2, 150, 16, [0, 9], [150, 130], torch.float32, seed=6)
+    executor = FusedTritonExecutor(block_size=16, num_splits=3)
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.paused = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.paused:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    record, launches, run = Record(), [], _triton_kernel.run
+
+    def counted(kernel, grid, *args, **kwargs):
+        launches.append((kernel.fn.__name__, grid))
+        record.paused = True  # the interpreter's own host copies are not the executor's work
+        try:
+            run(kernel, grid, *args, **kwargs)
+        finally:
+            record.paused = False
+
+    monkeypatch.setattr(_triton_kernel, "run", counted)
+    with monkeypatch.context() as patched:
+        for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "__float__"):
+            patched.setattr(torch.Tensor, name, lambda *a, _n=name, **kw: pytest.fail(f"host sync: Tensor.{_n}"))
+        with record:
+            executor.decide_and_attend(step, 0.3)
+    assert launches == [("qada_fused_split_kernel", (4, 3)), ("qada_decode_combine_kernel", (2 * 4 + 1,))]
+    views = {"aten.view.dtype", "aten.select.int", "aten.detach.default"}  # metadata only: no kernel
+    assert set(record.ops) <= {"aten.empty.memory_format"} | views, record.ops
+
+
+def test_plain_executor_call_is_the_triton_executor():
+    """Called with a decision (outside a run), ``triton_fused`` attends as ``triton`` does."""
+    step = make_step(1, 4, 2, 100, 16, None, None, torch.float32, seed=3)
+    decision = GroupDecision(torch.tensor([[True, True, False, True]], device=DEVICE),
+                             torch.tensor([[False, True]], device=DEVICE))
+    got = EXECUTORS.build("triton_fused", block_size=16).attend(fresh(step), decision)
+    expected = EXECUTORS.build("triton", block_size=16).attend(fresh(step), decision)
+    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
+    assert got[1].item() == expected[1].item()
+
+
+# --- in a model: the fused run decodes as the unfused one --------------------------------------------------------
+
+MODEL_WINDOW = {"t_local": 8, "t_sink": 2}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7))
+    return collect_reference_keys(model, ids, chunk_size=16)
+
+
+def make_run(source, executor, reference, criterion=None):
+    if source == "stored":
+        source = StoredMoments(offset=12, min_bulk_keys=4)
+        source.set_reference(reference)
+    return build_run(criterion=criterion or {"name": "qada", "tau": 0.3}, moments=source, executor=executor,
+                     window=MODEL_WINDOW)
+
+
+def greedy(model, run, cache_kind, steps=6):
+    """Greedy decoding of two rows (row 1 left-padded): ``(tokens [2, steps], summary)``."""
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache = (StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 3) if cache_kind == "static"
+             else DynamicCache(config=model.config))  # fmt: skip
+    attach(model, run)
+    run.reset_stats()
+    try:
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        tokens = []
+        for _ in range(steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        return torch.cat(tokens, 1), run.summary()
+    finally:
+        run.remove()
+
+
+@contextlib.contextmanager
+def fused_steps(counter):
+    """Count the layer steps that decided in the kernel."""
+    original = LayerStep.__call__
+
+    def spy(self, buffered, *args):
+        result = original(self, buffered, *args)
+        counter.append(result.output is not None)
+        return result
+
+    LayerStep.__call__ = spy
+    try:
+        yield
+    finally:
+        LayerStep.__call__ = original
+
+
+@pytest.mark.parametrize(("source", "cache"), [("stored", "static"), ("current", "dynamic")])
+def test_model_fused_run_equals_triton_run(model, reference, source, cache):
+    unfused = greedy(model, make_run(source, {"name": "triton", "block_size": 16}, reference), cache)
+    calls: list = []
+    with fused_steps(calls):
+        fused = greedy(model, make_run(source, {"name": "triton_fused", "block_size": 16}, reference), cache)
+    assert calls and all(calls)  # every decode step decided in the kernel
+    assert torch.equal(fused[0], unfused[0])
+    for key in ("sparsity", "kv_sparsity", "kv_read"):
+        assert fused[1][key] == pytest.approx(unfused[1][key], abs=1e-12), key
+    assert fused[1]["fail_safe"] == unfused[1]["fail_safe"] and fused[1]["decode_steps"] == unfused[1]["decode_steps"]
+    assert 0.0 < fused[1]["kv_sparsity"] < 1.0  # not vacuous: some groups skip their bulk, some read it
+
+
+def test_model_other_criterion_is_an_error(model, reference):
+    run = make_run("stored", "triton_fused", reference, criterion={"name": "oracle", "tau": 0.3})
+    with pytest.raises(ValueError, match="plain 'qada' criterion.*use the 'triton' executor"):
+        greedy(model, run, "static", steps=1)
+
+
+# --- the kernel compiles for the GPU (no GPU needed) -----------------------------------------------------------
+
+COMPILE = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from qada.attention import _fused_kernel as K
+
+    kernel = K.qada_fused_split_kernel
+    for dtype, rows, features in (("bf16", True, True), ("fp32", False, False)):
+        pointers = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, MEAN="*fp32", COV="*fp32",
+                        START="*i64" if rows else "*" + dtype, END="*i64" if rows else "*" + dtype,
+                        SINKS="*fp32" if features else "*" + dtype, GH_X="*fp32", GH_LOGW="*fp32",
+                        ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", DECIDED="*u8", LOCAL="*u8", READ="*u8",
+                        BROKEN="*u8")
+        constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, BLOCK_K=16, BLOCK_X=64, HAS_START=rows,
+                         HAS_END=rows, HAS_SINKS=features, PROMOTE=features,
+                         INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features)
+        floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
+        names = kernel.arg_names
+        signature = {n: pointers.get(n, "constexpr" if n in constants else floats.get(n, "i32")) for n in names}
+        source = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constants.items()})
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    print("compiled")
+    """
+)
+
+
+def test_fused_kernel_compiles_for_the_gpu():
+    """The fused split kernel compiles (TTIR .. cubin) for sm_90 without a GPU: with bfloat16 inputs, rows, a soft
+    cap, sink logits and ``promote``, and with float32 inputs and none of them."""
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no nvidia backend")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_hermite_rule_matches_the_eager_capped_estimate():
+    """(Guards the constants the kernel reads under a soft cap.)"""
+    from qada.attention.fused import _hermite
+    from qada.functional.capping import capped_log_mean_exp
+
+    x, log_w = _hermite(torch.device("cpu"))
+    mu, var, c = torch.tensor([0.3]), torch.tensor([2.0]), 3.0
+    s = mu[:, None] + math.sqrt(2.0) * var.sqrt()[:, None] * x
+    mine = torch.logsumexp(log_w + c * torch.tanh(s / c), -1)
+    torch.testing.assert_close(mine, capped_log_mean_exp(mu, var, c))

@@ -239,6 +239,7 @@ def _decode(model, cache, base_length: int, first: torch.Tensor, run, forward, w
                 first_logits = logits.float().cpu()
         tokens = stepper.tokens()
         summary = run.summary() if run is not None else {"sparsity": 0.0, "kv_sparsity": 0.0, "fail_safe": 0}
+        components = run.describe() if run is not None else None
         counters = None
         if count_steps:
             counters = count_step_events(model, cache, stepper.ids, stepper.position, forward, count_steps, cudagraphs)
@@ -246,7 +247,8 @@ def _decode(model, cache, base_length: int, first: torch.Tensor, run, forward, w
         if run is not None:
             run.remove()
     return {"first_s": times[0], "warmup_s": sum(times[:warmup]), "step_s": times[warmup:], "tokens": tokens,
-            "first_logits": first_logits, "summary": summary, "counters": counters}  # fmt: skip
+            "first_logits": first_logits, "summary": summary, "components": components,
+            "counters": counters}  # fmt: skip
 
 
 def kv_bytes_per_token(model: Any) -> int:
@@ -438,7 +440,9 @@ def _rows(model, T, B, cases, results, errors, steps, reps, warmup, bandwidth_gb
             "sparsity": summary["sparsity"],
             "sparsity_per_rep": [r["summary"]["sparsity"] for r in res],
             "kv_sparsity": summary["kv_sparsity"],
+            "kv_read": summary.get("kv_read", 1.0),
             "fail_safe": summary["fail_safe"],
+            "run": res[0]["components"],  # criterion, executor, moments (a stored reference's file and fingerprint)
         }
         if dense:
             agreement, prefix, compared = _agreement(res, dense[0])

@@ -159,13 +159,14 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     configs: dict[str, DecodeConfig] = {"dense": DecodeConfig(kind, count_events=True)}
     if batch == 1:
         configs[f"dense {other} cache"] = DecodeConfig(other)
-    configs["qada dense"] = DecodeConfig(kind, lambda: dense_run(suite.e2e_executor))
+    configs["qada dense"] = DecodeConfig(kind, lambda: dense_run(suite.e2e_executor), count_events=True)
     criteria = {"qada": {"name": "qada", "tau": 0.6}, **(TAIL_CONFIGS if workload.tail else {})}
+    moments = workload.moments or suite.e2e_moments
     for name, criterion in criteria.items():
         for compile, suffix in ((None, ""),) + (((False, " eager"),) if workload.eager else ()):
             configs[name + suffix] = DecodeConfig(kind, lambda criterion=criterion, compile=compile: prepare_run(
-                build_run(criterion=criterion, moments=suite.e2e_moments, executor=suite.e2e_executor,
-                          compile=compile), model, tokenizer), count_events=name == "qada")
+                build_run(criterion=criterion, moments=moments, executor=suite.e2e_executor, compile=compile),
+                model, tokenizer), count_events=not suffix)
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
         configs[f"static rho_kv={rho}"] = DecodeConfig(kind, lambda mask=mask: static_run(mask, suite.e2e_executor))

@@ -229,7 +229,8 @@ def markdown(results: dict[str, Any]) -> str:
             "unwrapped eager model on the same cache, `x dense compiled` with the unwrapped compiled one. Byte "
             "ceiling: (weights + per row the K/V an ideal kernel reads: all T tokens of dense KV groups, the window "
             "of skipped ones) / measured copy bandwidth; `of ceiling` = ceiling time / measured step time. sparsity "
-            "/ kv_sparsity: what the run did (`run.summary()`). agreement: greedy tokens identical to dense's at the "
+            "/ kv_sparsity / kv_read (the K/V a step reads over dense's, the criterion's reads to decide "
+            "included): what the run did (`run.summary()`). agreement: greedy tokens identical to dense's at the "
             "same position and row (worst repetition), the shortest identical prefix, max |logit - dense logit| on "
             "the first step; `same as eager`: a compiled row's tokens against its eager twin's.\n\n"
         )
@@ -238,8 +239,10 @@ def markdown(results: dict[str, Any]) -> str:
             out.append(f"### {description}\n\n")
             out.append(table(["T", "B", "config", "cache", "tokens/s median [min-max] xreps", "x dense",
                               "x dense compiled", "first step ms", "warm-up s", "ceiling ms", "of ceiling", "sparsity",
-                              "kv_sparsity", "token agreement", "identical prefix", "first-step max abs logit diff",
-                              "same as eager"], [_e2e_cells(r) for r in rows]))  # fmt: skip
+                              "kv_sparsity", "kv_read", "token agreement", "identical prefix",
+                              "first-step max abs logit diff", "same as eager"],
+                             [_e2e_cells(r) for r in rows]))  # fmt: skip
+            out.append(_moments_lines(rows))
         counted = [r for r in results["end_to_end"] if "counters" in r]
         if counted:
             out.append("\n### Kernels and host syncs per decode step\n\n")
@@ -281,9 +284,9 @@ def markdown(results: dict[str, Any]) -> str:
 def _e2e_cells(r: dict[str, Any]) -> list[Any]:
     head = [r["T"], r.get("B", 1), r["config"], r.get("cache", "")]
     if "skipped" in r:
-        return head + ["skipped: " + r["skipped"]] + [""] * 12
+        return head + ["skipped: " + r["skipped"]] + [""] * 13
     if "tokens_per_s_median" not in r:
-        return head + ["FAILED: " + r.get("error", "")[:160]] + [""] * 12
+        return head + ["FAILED: " + r.get("error", "")[:160]] + [""] * 13
     warm = r.get("warmup_s")
     warm_cell = "n/a" if not warm else (f"{warm['times'][0]:.2f}" + (
         f" / {statistics.median(warm['times'][1:]):.2f}" if len(warm["times"]) > 1 else ""))
@@ -293,11 +296,25 @@ def _e2e_cells(r: dict[str, Any]) -> list[Any]:
         _fmt(1e3 * r["first_step_s"]["median"], 0) if "first_step_s" in r else "n/a", warm_cell,
         _fmt(1e3 * r["t_min_s"], 1) if "t_min_s" in r else "n/a",
         f"{r['ceiling_fraction']:.0%}" if r.get("ceiling_fraction") is not None else "n/a",
-        f"{r['sparsity']:.3f}", f"{r['kv_sparsity']:.3f}", _fmt(r.get("token_agreement")),
+        f"{r['sparsity']:.3f}", f"{r['kv_sparsity']:.3f}", _fmt(r.get("kv_read"), 3), _fmt(r.get("token_agreement")),
         f"{r['identical_prefix']}/{r['tokens_compared']}" if "identical_prefix" in r else "n/a",
         f"{r['first_step_max_abs_logit_diff']:.3g}" if "first_step_max_abs_logit_diff" in r else "n/a",
         _fmt(r.get("eager_agreement")) if r.get("compiled") else "",
     ]  # fmt: skip
+
+
+def _moments_lines(rows: list[dict[str, Any]]) -> str:
+    """One line per distinct moment source of the rows: which configurations read it and, for a stored reference,
+    its prompt kind, file and model fingerprint (so two machines' runs can be seen to use the same reference)."""
+    seen: dict[str, list[str]] = {}
+    for r in rows:
+        moments = (r.get("run") or {}).get("moments")
+        if moments:
+            seen.setdefault(", ".join(f"{k} {v}" for k, v in moments.items()), []).append(r["config"])
+    if not seen:
+        return ""
+    lines = [f"* moments {what}: {', '.join(dict.fromkeys(configs))}" for what, configs in seen.items()]
+    return "\nMoment sources (`run.describe()`):\n\n" + "\n".join(lines) + "\n\n"
 
 
 def _ms(t: dict) -> str:

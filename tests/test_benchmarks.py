@@ -216,10 +216,17 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     rows = {(r["model"], r["B"], r["config"]): r for r in data["end_to_end"]}
     eager = EAGER - {"static rho_kv=0.5"}
     twins = {f"{name} eager" for name in {"qada"} | TAIL}  # compile=False: the same layer step, eagerly
-    assert {("smollm2", 2, c) for c in eager | COMPILED | twins} == {k for k in rows if k[0] == "smollm2"}
-    assert {("tiny-random", 1, c) for c in eager - TAIL | COMPILED | {"dense dynamic cache",
-                                                                      "static rho_kv=0.875 compiled"}
+    graphed = {f"{name} compiled" for name in ("dense", "qada dense", "qada")}  # graph-captured on a GPU
+    assert {("smollm2", 2, c) for c in eager | graphed | twins | {f"{t} compiled" for t in TAIL}} == {
+        k for k in rows if k[0] == "smollm2"}
+    assert {("tiny-random", 1, c) for c in eager | graphed | {"dense dynamic cache", "qada_tail_budget compiled",
+                                                              "static rho_kv=0.875 compiled"}
             } == {k for k in rows if k[0] == "tiny-random"}  # fmt: skip
+    stored = rows[("smollm2", 2, "qada")]["run"]["moments"]  # the CPU suites' source, its reference named
+    assert stored["name"] == "stored" and stored["prompt"] == "random_words"
+    assert stored["file"].endswith(".safetensors") and len(stored["fingerprint"]) == 16
+    assert rows[("tiny-random", 1, "qada")]["run"]["moments"] == {"name": "current"}  # random weights
+    assert 0 < rows[("smollm2", 2, "qada")]["kv_read"] <= 1
     for key, row in rows.items():
         assert "error" not in row, (key, row.get("error"))
         assert row["cache"] == ("dynamic" if "dynamic" in key[2] else "static") and "t_min_s" in row

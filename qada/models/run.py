@@ -117,6 +117,13 @@ class QAdARun:
             return summary
         return {**summary, **all_layer_sparsity(summary, self.layers)}
 
+    def describe(self) -> dict[str, Any]:
+        """The run's components as configured, for a report: ``criterion`` and ``executor`` (their configs), and
+        ``moments`` (:meth:`~qada.moments.MomentSource.describe`: the stored reference's file and model fingerprint
+        once prepared; ``None`` when the criterion reads no moments)."""
+        return {"criterion": self.criterion.to_config(), "executor": self.executor.to_config(),
+                "moments": self.moments.describe() if self.uses_moments else None}
+
     def filled_length(self, layer: int, q_len: int, attention_mask: torch.Tensor | None, key_len: int) -> int:
         """How many of the ``key_len`` cache slots of ``layer`` hold tokens (see
         :meth:`~qada.models.guards.CacheGuard.filled_length`: ``key_len`` for a growing cache, less for a

@@ -58,6 +58,11 @@ class MomentSource(Component, abc.ABC):
         return {"model": self.needs_model,
                 "reference_prompt": self.needs_model and getattr(self, "path", None) is None}
 
+    def describe(self) -> dict[str, Any]:
+        """What the run's moments come from, for a report: ``name`` and, for sources built from a reference prompt,
+        its kind, seed and (once prepared) the file and model fingerprint it was loaded from."""
+        return {"name": self.registry_name or type(self).__name__}
+
     def prepare(self, model: Any, tokenizer: Any = None, window: Window | None = None) -> None:  # noqa: B027
         """Build or load what the source needs for ``model`` (reference keys); a no-op by default.
 

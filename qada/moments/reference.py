@@ -38,6 +38,7 @@ __all__ = [
     "bucket_ends",
     "collect_reference_keys",
     "compute_bucketed_moments",
+    "fingerprint_key",
     "load_or_build_reference",
     "reference_cache_file",
     "reference_length",
@@ -50,12 +51,14 @@ MAX_REFERENCE_LENGTH = 32768
 class ReferenceKeys:
     """Post-RoPE keys of a reference prompt: ``keys [L, H_kv, N, d]`` plus the model fingerprint and details.
 
-    ``info`` records how the prompt was made (``prompt``, ``seed``, ``length``, ...).
+    ``info`` records how the prompt was made (``prompt``, ``seed``, ``length``, ...); ``path`` is the file the keys
+    were loaded from or cached to (``None``: built in memory and not saved).
     """
 
     keys: torch.Tensor
     fingerprint: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    path: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.keys, torch.Tensor) or self.keys.ndim != 4:
@@ -86,7 +89,7 @@ class ReferenceKeys:
             )
         if not keys.dtype.is_floating_point or not bool(torch.isfinite(keys).all()):
             raise ArtifactError(f"artifact {info.path!r} holds keys that are not finite floats ({keys.dtype})")
-        return cls(keys, dict(info.model), dict(info.info))
+        return cls(keys, dict(info.model), dict(info.info), os.fspath(path))
 
 
 @torch.no_grad()
@@ -162,6 +165,12 @@ def reference_length(model: Any, length: int | None = None) -> int:
     return min(int(max_positions or MAX_REFERENCE_LENGTH), MAX_REFERENCE_LENGTH)
 
 
+def fingerprint_key(fingerprint: dict[str, Any]) -> str:
+    """16 hex digits identifying a model fingerprint (:func:`qada.artifacts.model_fingerprint`): part of every
+    cached artifact's file name, and what a run's description reports."""
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def reference_cache_file(
     kind: str,
     fingerprint: dict[str, Any],
@@ -176,7 +185,7 @@ def reference_cache_file(
     ``<cache>/<kind>-<model_type>-<hash of the fingerprint>-<prompt>-n<length>-s<seed><extra>.safetensors``
     under :func:`qada.cache.cache_dir` (``cache_dir``, ``$QADA_CACHE_DIR`` or ``~/.cache/qada``).
     """
-    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    key = fingerprint_key(fingerprint)
     model = fingerprint.get("model_type")
     name = f"{kind}-{model}-{key}-{prompt}-n{length}-s{seed}{extra}.safetensors"
     return resolve_cache_dir(cache_dir) / name
@@ -239,6 +248,7 @@ def load_or_build_reference(
     # Cached in float16 (half the disk); use what was cached so fresh and cached runs agree.
     reference.keys = reference.keys.to(torch.float16)
     reference.save(file)
+    reference.path = os.fspath(file)
     return reference
 
 

@@ -21,6 +21,7 @@ from qada.moments.base import MomentSource, register_moment_source
 from qada.moments.math import shifted_sums, state_from_shifted_sums, to_bulk_moments
 from qada.moments.reference import (
     ReferenceKeys,
+    fingerprint_key,
     load_or_build_reference,
     reference_cache_file,
     reference_length,
@@ -155,6 +156,10 @@ class ReferenceMomentSource(MomentSource):
             )
         return ends.clamp(max=available)
 
+    def describe(self) -> dict[str, Any]:
+        described = {**super().describe(), "prompt": self.prompt, "seed": self.seed, "offset": self.offset}
+        return {**described, **({"path": self.path} if self.path is not None else {})}
+
     def resolved_length(self, model: Any) -> int:
         """``length``, or the model's maximum positions capped at 32768
         (:func:`~qada.moments.reference.reference_length`)."""
@@ -200,6 +205,16 @@ class StoredMoments(ReferenceMomentSource):
         """Use ``reference`` (keys ``[L, H_kv, N, d]``) from now on; per-sequence state is reset."""
         self._reference = reference
         self.reset()
+
+    def describe(self) -> dict[str, Any]:
+        """:meth:`ReferenceMomentSource.describe` plus, once prepared, the reference's length, the file it was loaded
+        from or cached to, and the fingerprint of the model it was built with."""
+        described = super().describe()
+        if self._reference is not None:
+            reference = self._reference
+            described.update(length=reference.length, file=Path(reference.path).name if reference.path else None,
+                             fingerprint=fingerprint_key(reference.fingerprint))
+        return described
 
     @property
     def reference(self) -> ReferenceKeys:

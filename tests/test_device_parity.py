@@ -1,0 +1,124 @@
+"""Decisions on two devices (qada.eval.parity): the comparison on the CPU, and the CPU against CUDA on a GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qada.eval.parity import compare_decisions, decision_parity, record_decisions
+from tests.tiny_models import tiny_model
+
+QADA = {"name": "qada", "tau": 0.42}  # the tiny model's ratios lie near 0.4-0.45: half its heads local
+
+
+def _decisions(*rows):
+    return {(layer, step): torch.tensor(value, dtype=torch.bool) for layer, step, value in rows}
+
+
+def test_compare_counts_mismatches_and_excuses_only_heads_near_tau():
+    reference = _decisions((0, 0, [[True, False, True]]), (1, 0, [[False, False, True]]))
+    other = _decisions((0, 0, [[False, False, True]]), (1, 0, [[False, True, True]]))
+    # the reference flips head 0 of layer 0 between tau - delta and tau + delta: near tau; layer 1's head 1 does not
+    below = _decisions((0, 0, [[True, False, True]]), (1, 0, [[False, False, True]]))
+    above = _decisions((0, 0, [[False, False, True]]), (1, 0, [[False, False, True]]))
+    report = compare_decisions(reference, other, below, above)
+    assert (report.decisions, report.mismatched, report.near_tau, report.unexplained) == (6, 2, 1, 1)
+    assert report.per_layer == {0: 0, 1: 1}
+    assert not report.equal
+    assert report.sparsity == {"reference": 3 / 6, "other": 3 / 6}
+    plain = compare_decisions(reference, other)  # no band: every mismatch is unexplained
+    assert (plain.near_tau, plain.unexplained) == (0, 2)
+
+
+def test_compare_reports_steps_decided_on_one_device_only():
+    reference = _decisions((0, 0, [[True]]), (0, 1, [[True]]))
+    report = compare_decisions(reference, _decisions((0, 0, [[True]])))
+    assert report.missing == [(0, 1)] and report.unexplained == 0 and not report.equal
+    with pytest.raises(ValueError, match="both"):
+        compare_decisions(reference, reference, below=reference)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids = torch.randint(3, model.config.vocab_size, (1, 300))
+    return model, ids
+
+
+def test_record_decisions_covers_every_layer_and_step(tiny):
+    model, ids = tiny
+    decisions, described = record_decisions(model, ids, [5, 6, 7], QADA, moments="current", compile=False)
+    assert sorted(decisions) == [(layer, step) for layer in range(3) for step in range(3)]
+    assert all(d.dtype == torch.bool and d.shape == (1, model.config.num_attention_heads) for d in decisions.values())
+    assert described["moments"] == {"name": "current"} and described["criterion"]["tau"] == 0.42
+    with pytest.raises(ValueError, match="continuation"):
+        record_decisions(model, ids, [], QADA, moments="current")
+
+
+def test_parity_of_a_copy_is_exact_and_a_changed_layer_is_found(tiny):
+    model, ids = tiny
+    same, described = decision_parity(model, copy.deepcopy(model), ids, [5, 6, 7, 8], QADA, moments="current",
+                                      compile=False)
+    assert same.equal and same.mismatched == 0 and same.decisions == 3 * 4 * model.config.num_attention_heads
+    assert 0.2 < same.sparsity["reference"] < 0.8  # mixed decisions: a change can show
+    assert described["reference"]["moments"] == described["other"]["moments"]
+    changed = copy.deepcopy(model)
+    with torch.no_grad():  # layer 1's keys change: its decisions (and those after it) are not rounding
+        changed.model.layers[1].self_attn.k_proj.weight.mul_(3.0)
+    report, _ = decision_parity(model, changed, ids, [5, 6, 7, 8], QADA, moments="current", compile=False,
+                                delta=0.001)
+    assert report.per_layer[0] == 0
+    assert report.unexplained > 0 and not report.equal
+
+
+def test_compiled_layer_step_decides_as_the_eager_one(tiny):
+    """The same device, the layer step compiled against eager: the parity machinery on the one difference a CPU
+    has (the compiled step's fused arithmetic)."""
+    model, ids = tiny
+    eager, _ = record_decisions(model, ids, [5, 6, 7], QADA, moments="current", compile=False)
+    compiled, _ = record_decisions(model, ids, [5, 6, 7], QADA, moments="current", compile=True)
+    below, _ = record_decisions(model, ids, [5, 6, 7], {**QADA, "tau": 0.41}, moments="current", compile=False)
+    above, _ = record_decisions(model, ids, [5, 6, 7], {**QADA, "tau": 0.43}, moments="current", compile=False)
+    assert compare_decisions(eager, compiled, below, above).equal
+
+
+# --- on a GPU: the CPU's decisions against CUDA's, the embedded model ---------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair():
+    from qada.eval.passkey import passkey_prompt
+    from qada.models.loading import load_model
+
+    cpu, tokenizer = load_model("smollm2-135m", dtype=torch.float32, device="cpu")
+    gpu, _ = load_model("smollm2-135m", dtype=torch.float32, device="cuda")
+    ids = passkey_prompt(tokenizer, length=2048, depth=0.5, seed=0).input_ids[:, :2048]
+    with torch.no_grad():
+        out = cpu.generate(ids, max_new_tokens=8, do_sample=False)
+    return cpu, gpu, tokenizer, ids, out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("moments", ["stored", "current"])
+@pytest.mark.parametrize("criterion", [{"name": "qada", "tau": 0.6}, {"name": "qada_tail", "tau": 0.3}],
+                         ids=["qada", "qada_tail"])
+def test_cuda_decides_as_the_cpu(smollm2_pair, criterion, moments, compile):
+    """Every layer's decisions on CUDA equal the CPU's on the same prompt, tokens and dtype, except heads whose
+    ratio lies within 0.01 of tau; both read the same stored reference (file and model fingerprint)."""
+    cpu, gpu, tokenizer, ids, continuation = smollm2_pair
+    report, described = decision_parity(cpu, gpu, ids, continuation, criterion, moments, tokenizer, compile,
+                                        delta=0.01, executor="sdpa", other_executor="triton")
+    print(f"{criterion['name']} {moments} compile={compile}: {report}")
+    assert report.equal, report
+    assert abs(report.sparsity["reference"] - report.sparsity["other"]) <= 0.02
+    ref, other = described["reference"]["moments"], described["other"]["moments"]
+    if moments == "stored":
+        named = ("prompt", "file", "fingerprint")
+        assert [ref[k] for k in named] == [other[k] for k in named]

@@ -325,9 +325,9 @@ def test_model_fused_run_equals_triton_run(model, reference, source, cache):
 
 
 def test_model_other_criterion_is_an_error(model, reference):
-    run = make_run("stored", "triton_fused", reference, criterion={"name": "oracle", "tau": 0.3})
+    """Said when the run is built, before any work."""
     with pytest.raises(ValueError, match="plain 'qada' criterion.*use the 'triton' executor"):
-        greedy(model, run, "static", steps=1)
+        make_run("stored", "triton_fused", reference, criterion={"name": "oracle", "tau": 0.3})
 
 
 # --- the kernel compiles for the GPU (no GPU needed) -----------------------------------------------------------

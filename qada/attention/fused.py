@@ -15,7 +15,7 @@ The statistics row (sparsity, kv_sparsity, kv_read, fail-safe) follows in a few 
 a tensor value, grid from the shapes only. The decision equals the eager criterion's up to float32 rounding (a head
 whose ratio lies within rounding of ``tau`` may go either way).
 
-Anything else (another criterion, no moment source) is an error when the run first decodes: use ``triton``. Called
+Anything else (another criterion, no moment source) is an error when the run is built: use ``triton``. Called
 as a plain executor (with a decision given, e.g. :func:`~qada.attention.decode_attention`), it is the ``triton``
 executor.
 """
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from qada.attention.base import GroupDecision, register_executor
+from qada.attention.base import register_executor
 from qada.attention.triton_decode import TritonExecutor, _next_pow2, check_triton_runtime, combine
 from qada.step import DecodeStep
 
@@ -84,8 +84,6 @@ class FusedTritonExecutor(TritonExecutor):
 
     fuses_decision = True
     """A run's layer step decides through :meth:`decide_and_attend` (:meth:`~qada.models.layer_step.LayerStep.fuse`)."""
-
-    _handed: Any = field(default=None, init=False, repr=False, compare=False)
 
     def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact") -> FusedLaunch:
         """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches.
@@ -149,14 +147,3 @@ class FusedTritonExecutor(TritonExecutor):
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks)
         flags = flags.view(torch.bool)
         return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read.view(torch.bool), flags[2], counts)
-
-    def hand_over(self, local: torch.Tensor, output: torch.Tensor, bulk_blocks: torch.Tensor) -> None:
-        """Keep ``output`` and ``bulk_blocks``, which the run's layer step computed with the decision ``local``:
-        the run's next :meth:`attend` with that very ``local`` tensor returns them instead of attending again."""
-        self._handed = (local, output, bulk_blocks)
-
-    def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, torch.Tensor]:
-        handed, self._handed = self._handed, None
-        if handed is not None and handed[0] is decision.local:  # the layer step attended already
-            return handed[1], handed[2]
-        return super().attend(step, decision)

@@ -71,7 +71,6 @@ def qada_attention_forward(
         mask = None if attention_mask is None else attention_mask[..., :T]
         run.rows.check_contiguous(mask, T)
         output = dense_attention(module, query, key, value, mask, scaling, dropout, kwargs, features)
-        fuse_decision(run)
         run.prefill(layer, key, run.rows.starts(attention_mask, T), capacity, query=query, scale=scaling)
         return output, None
     output = decode_step(run, layer, query, key, value, attention_mask, scaling, kwargs.get("position_ids"), features)
@@ -88,14 +87,6 @@ def decode_step(run: QAdARun, layer: int, query: torch.Tensor, key: torch.Tensor
 
         return decode_op(run, layer, query, key, value, attention_mask, scaling, position_ids, features.sink_logits,
                          features.softcap)
-    fuse_decision(run)
     return run.decode(layer, query, key, value, scaling, attention_mask, position_ids, features.sink_logits,
                       features.softcap)
 
-
-def fuse_decision(run: QAdARun) -> None:
-    """Where the run's executor makes the decision in its kernel (``fuses_decision``: ``triton_fused``), let the
-    run's layer step decide through it (:meth:`~qada.models.layer_step.LayerStep.fuse`; once, at the first prefill
-    or eager decode step: a ``ValueError`` there if the criterion is not the plain ``qada`` one)."""
-    if getattr(run.executor, "fuses_decision", False) and run.layer_step.fused is not run.executor:
-        run.layer_step.fuse(run.executor)

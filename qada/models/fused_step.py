@@ -5,8 +5,8 @@ threshold rule (:class:`~qada.criteria.QAdACriterion`) and whose executor fuses 
 (:class:`~qada.attention.FusedTritonExecutor`): the moment source's step (torch, as unfused), then the executor's
 two launches (decision + split-K attention, combine), then the statistics row from the decision the kernel wrote.
 It returns the same :class:`~qada.models.layer_step.LayerStepResult` (the window fields ``None``: nothing gathers
-the window; a step computes it on demand) with the attention's ``output`` and ``bulk_blocks``, which the executor
-returns when the run calls it next (:meth:`~qada.attention.FusedTritonExecutor.hand_over`).
+the window; a step computes it on demand) with the attention's ``output`` and ``bulk_blocks``, which the run takes
+instead of calling the executor.
 """
 
 from __future__ import annotations

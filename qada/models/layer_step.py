@@ -190,8 +190,8 @@ class LayerStep:
 
     def fuse(self, executor: Any) -> None:
         """Make the decision with ``executor`` (one that ``fuses_decision``, e.g. ``triton_fused``): every step is
-        then :func:`~qada.models.fused_step.fused_layer_step`, whose attention output the executor returns at the
-        run's next call (:meth:`~qada.attention.FusedTritonExecutor.hand_over`). Raises ``ValueError`` unless the
+        then :func:`~qada.models.fused_step.fused_layer_step`, whose result carries the attention ``output`` (the run
+        does not call the executor again). Raises ``ValueError`` unless the
         criterion is the plain ``qada`` one with a moment source. Under Triton's interpreter the step runs eagerly
         (``torch.compile`` does not trace the interpreter); on a GPU it is compiled with the kernels' launches."""
         from qada.models.fused_step import check_fusable, fused_layer_step
@@ -211,12 +211,6 @@ class LayerStep:
 
     def __call__(self, buffered: bool, *args: Any) -> LayerStepResult:
         """:func:`layer_step` on ``args``; compiled when ``buffered`` (fixed shapes) and :attr:`compiled`."""
-        result = self._step(buffered, *args)
-        if self.fused is not None:
-            self.fused.hand_over(result.local, result.output, result.bulk_blocks)
-        return result
-
-    def _step(self, buffered: bool, *args: Any) -> LayerStepResult:
         if not (buffered and self.compiled):
             return self.eager(*args)
         try:
@@ -226,7 +220,7 @@ class LayerStep:
             self.eager_reason = _reason(error)
             warnings.warn(f"qada: {self._culprit(error)} cannot be compiled into the layer step, so every decode "
                           f"step of this run runs eagerly (slower; compile=False silences this): {self.eager_reason}",
-                          RuntimeWarning, stacklevel=5)
+                          RuntimeWarning, stacklevel=4)
             return result
 
     def merge(self, buffered: bool, output: torch.Tensor, result: LayerStepResult) -> torch.Tensor:

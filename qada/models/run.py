@@ -71,6 +71,10 @@ class QAdARun:
         self._last_layer: int | None = None  # the last one: its step drops the per-step bounds
         self._step: LayerStep | None = None
         self._inputs: dict[int, tuple] = {}  # layer -> (slots, the layer step's per-layer arguments, [layer])
+        if getattr(executor, "fuses_decision", False):  # the decision is made in the executor's kernel: said now
+            from qada.models.fused_step import check_fusable
+
+            check_fusable(criterion, moments, executor)
 
     @property
     def layer_step(self) -> LayerStep:
@@ -79,6 +83,8 @@ class QAdARun:
             moments = self.moments if self.uses_moments else None
             policy = getattr(self.executor, "group_policy", "exact")
             self._step = LayerStep(self.criterion, moments, self.window, policy, self.backend)
+            if getattr(self.executor, "fuses_decision", False):
+                self._step.fuse(self.executor)
         return self._step
 
     @property
@@ -211,7 +217,10 @@ class QAdARun:
         step.share(window_keys=result.window_keys, window_valid=result.window_valid,
                    window_values=result.window_values, t_bulk=result.t_bulk, real=result.real)
         step.fail_safe = result.fail_safe
-        output, bulk_blocks = self.executor.attend(step, GroupDecision(result.local, result.read))
+        if result.output is not None:  # the layer step attended already (an executor that fuses the decision)
+            output, bulk_blocks = result.output, result.bulk_blocks
+        else:
+            output, bulk_blocks = self.executor.attend(step, GroupDecision(result.local, result.read))
         output = self.layer_step.merge(buffered, output, result)  # local heads: window ∪ the criterion's extra set
         self.stats.add(self._inputs[layer][2], result.counts)
         if self.fanout.observers:

@@ -1,8 +1,10 @@
-"""Goals (issues 8, 14, 22, 30) and the markdown report of one benchmark run."""
+"""Goals (issues 8, 14, 22, 30, 33) and the markdown report of one benchmark run."""
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import table
@@ -152,6 +154,7 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
          "ceiling", r and r.get("ceiling_fraction"), 0.5, unmeasured=gpu_unmeasured,
          detail=r and r.get("t_min_s") and f"t_min {1e3 * r['t_min_s']:.2f} ms vs "
          f"{1e3 * r['seconds_per_token']['median']:.2f} ms")  # fmt: skip
+    _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, gpu_unmeasured)
     counted = [r for r in e2e if "extra_kernels_per_layer" in r.get("counters", {})]
     trips = max(counted, key=lambda r: r["counters"]["extra_round_trips_per_step"]) if counted else None
     goal("GPU: host round trips per decode step beyond dense's own (qada vs dense, eager and compiled, worst case)",
@@ -162,6 +165,56 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
          kernels and kernels["counters"]["extra_kernels_per_layer"], 6, higher_is_better=False,
          unmeasured=gpu_unmeasured, detail=kernels and _where(kernels))
     return goals
+
+
+CPU_SUITE_FILE = Path(__file__).parent / "results" / "quick-cpu.json"
+"""The committed CPU suite whose QAdA decisions a GPU run must reproduce (issue 33)."""
+
+
+def _cpu_suite_row(config: str, T: int) -> dict[str, Any] | None:
+    """The ``config`` row at ``T`` of :data:`CPU_SUITE_FILE` (``None`` when the file or the row is missing)."""
+    try:
+        rows = json.loads(CPU_SUITE_FILE.read_text()).get("end_to_end", [])
+    except (OSError, ValueError):
+        return None
+    return next((r for r in rows if r.get("config") == config and r.get("T") == T and "sparsity" in r), None)
+
+
+def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmeasured) -> None:
+    """Issue 33's goals: the CPU's decisions on CUDA, the decision in the kernel, dense at bandwidth."""
+    r, cpu = next((r for r in e2e if r["config"] == "qada" and r["T"] == 7680 and r.get("model") == "smollm2"),
+                  None), _cpu_suite_row("qada", 7680)
+    goal("GPU: QAdA tau 0.6 sparsity on SmolLM2 at 7.68k, |GPU - the CPU suite's| (benchmarks/results/quick-cpu.json)",
+         r and cpu and abs(r["sparsity"] - cpu["sparsity"]), 0.02, higher_is_better=False, unmeasured=unmeasured,
+         detail=r and cpu and f"GPU {r['sparsity']:.3f} / kv {r['kv_sparsity']:.3f}, CPU {cpu['sparsity']:.3f} / kv "
+         f"{cpu['kv_sparsity']:.3f}; moments {(r.get('run') or {}).get('moments')}")  # fmt: skip
+    for B, target in ((32, 2.0), (1, 0.9)):
+        value, r = compiled_ratio("qada fused compiled", 7680, "smollm2", B)
+        goal(f"GPU: SmolLM2 at 7.68k, B={B}: graph-captured QAdA tau 0.6, decision in the kernel (triton_fused) / "
+             "compiled dense tokens/s", value, target, unmeasured=unmeasured,
+             detail=r and f"sparsity {r['sparsity']:.3f}, kv_read {r.get('kv_read', float('nan')):.3f}")
+        q, _ = compiled_ratio("qada compiled", 7680, "smollm2", B)
+        t, _ = compiled_ratio("qada_tail compiled", 7680, "smollm2", B)
+        goal(f"GPU: SmolLM2 at 7.68k, B={B}: graph-captured qada_tail tau 0.3 / qada tau 0.6 tokens/s",
+             q and t and t / q, 0.9, unmeasured=unmeasured)
+    budget, r = compiled_ratio("qada_tail_budget compiled", 131072, "llama3-8b-random", 1)
+    own, _ = compiled_ratio("qada dense compiled", 131072, "llama3-8b-random", 1)
+    goal("GPU: Llama-3-8B shapes at 128k, B=1: graph-captured qada_tail_budget 0.85 / qada's own all-dense path",
+         budget and own and budget / own, 1.5, unmeasured=unmeasured, detail="random weights")
+    goal("GPU: Llama-3-8B shapes at 128k, B=1: graph-captured qada_tail_budget 0.85 / transformers' compiled dense",
+         budget, 4.0, unmeasured=unmeasured, detail=r and f"kv_read {r.get('kv_read', float('nan')):.3f}")
+    dense = [r for r in attention if r["executor"] == "triton" and r["local_groups"] == 0 and r["T"] >= 32768
+             and "graphed_bandwidth_gbs" in r]  # fmt: skip
+    worst = min(dense, key=lambda r: r["graphed_bandwidth_gbs"]) if dense and copy_bw else None
+    goal("GPU: triton executor, every group dense, graph-captured, fraction of copy bandwidth at T >= 32k (worst "
+         "over B = 1 and 8)", worst and worst["graphed_bandwidth_gbs"] / copy_bw, 0.8, unmeasured=unmeasured,
+         detail=worst and f"{worst['shape']} T={worst['T']}: {worst['graphed_bandwidth_gbs']:.0f} GB/s")
+    fused = [r for r in e2e if r["config"] == "qada fused compiled"
+             and "extra_kernels_per_layer" in r.get("counters", {})]  # fmt: skip
+    kernels = max(fused, key=lambda r: r["counters"]["extra_kernels_per_layer"]) if fused else None
+    goal("GPU: extra kernels per layer and decode step, graph-captured QAdA with the decision in the kernel",
+         kernels and kernels["counters"]["extra_kernels_per_layer"], 6, higher_is_better=False,
+         unmeasured=unmeasured, detail=kernels and _where(kernels))
 
 
 def _where(r: dict[str, Any]) -> str:

@@ -216,12 +216,14 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     rows = {(r["model"], r["B"], r["config"]): r for r in data["end_to_end"]}
     eager = EAGER - {"static rho_kv=0.5"}
     twins = {f"{name} eager" for name in {"qada"} | TAIL}  # compile=False: the same layer step, eagerly
-    graphed = {f"{name} compiled" for name in ("dense", "qada dense", "qada")}  # graph-captured on a GPU
-    assert {("smollm2", 2, c) for c in eager | graphed | twins | {f"{t} compiled" for t in TAIL}} == {
+    fused = {"qada fused"}  # the triton executor's suite: the decision in the split kernel too
+    graphed = {f"{name} compiled" for name in ("dense", "qada dense", "qada", "qada fused")}  # CUDA graphs on a GPU
+    assert {("smollm2", 2, c) for c in eager | fused | graphed | twins | {f"{t} compiled" for t in TAIL}} == {
         k for k in rows if k[0] == "smollm2"}
-    assert {("tiny-random", 1, c) for c in eager | graphed | {"dense dynamic cache", "qada_tail_budget compiled",
-                                                              "static rho_kv=0.875 compiled"}
-            } == {k for k in rows if k[0] == "tiny-random"}  # fmt: skip
+    random_rows = eager | fused | graphed | {"dense dynamic cache", "qada_tail_budget compiled",
+                                             "static rho_kv=0.875 compiled"}
+    assert {("tiny-random", 1, c) for c in random_rows} == {k for k in rows if k[0] == "tiny-random"}
+    assert rows[("smollm2", 2, "qada fused")]["sparsity"] == pytest.approx(rows[("smollm2", 2, "qada")]["sparsity"])
     stored = rows[("smollm2", 2, "qada")]["run"]["moments"]  # the CPU suites' source, its reference named
     assert stored["name"] == "stored" and stored["prompt"] == "random_words"
     assert stored["file"].endswith(".safetensors") and len(stored["fingerprint"]) == 16

@@ -39,8 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="moment source: stored, bucketed, current, a mapping or a file; used if the criterion "
                              "needs moments (default: the --config file's, else stored)")
     parser.add_argument("--executor", default=None,
-                        help="attention executor: sdpa, reference, flex, triton, a mapping or a file (default: the "
-                             "--config file's, else sdpa)")
+                        help="attention executor: sdpa, reference, flex, triton, triton_fused (plain qada only), a "
+                             "mapping or a file (default: the --config file's, else sdpa)")
     parser.add_argument("--t-local", type=positive_int, default=None,
                         help="local window size (default: the --config file's, else 128)")
     parser.add_argument("--t-sink", type=int, default=None,

@@ -17,7 +17,7 @@ from benchmarks.common import graphed, measure
 from qada.attention import EXECUTORS, decode_attention
 from qada.window import Window
 
-__all__ = ["Shape", "copy_bandwidth", "group_local_mask", "run_attention"]
+__all__ = ["Shape", "copy_bandwidth", "dense_launch_sweep", "group_local_mask", "run_attention"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,47 @@ def run_attention(
                         f"  attention {shape.name} T={T} {name} rho_kv={row['rho_kv']:.3f} {timing.ms()} ms "
                         f"x{row['speedup_vs_dense']:.2f} vs dense"
                     )
+            del q, k, v
+    return rows
+
+
+def dense_launch_sweep(shapes: list[Shape], lengths: list[int], device: torch.device | str, reps: int,
+                       inner: int = 1, log=print) -> list[dict[str, Any]]:
+    """CUDA only: the ``triton`` executor with every KV group dense, graph-captured, over its launch parameters
+    (``block_size`` 64 / 128, ``num_splits`` auto / ~4 / ~8 programs per SM, ``num_warps`` 4 / 8, ``num_stages`` 2 /
+    3), at every ``T >= 32768`` of ``lengths``: one row per setting with its bandwidth, so that a GPU run shows how
+    close the executor's dense path gets to copy bandwidth and which setting gets there. Empty on the CPU."""
+    if torch.device(device).type != "cuda":
+        return []
+    window = Window()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for shape in shapes:
+        for T in [t for t in lengths if t >= 32768]:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            q = torch.randn(shape.b, shape.H, 1, shape.d, generator=g).to(device, shape.dtype)
+            k = torch.randn(shape.b, shape.H_kv, T, shape.d, generator=g).to(device, shape.dtype)
+            v = torch.randn(shape.b, shape.H_kv, T, shape.d, generator=g).to(device, shape.dtype)
+            local = group_local_mask(shape, 0, device)
+            nbytes = kv_bytes(shape, T, 0, window)
+            pairs = shape.b * shape.H_kv
+            for block in (64, 128):
+                for splits in (None, -(-4 * sms // pairs), -(-8 * sms // pairs)):
+                    for warps in (4, 8):
+                        for stages in (2, 3):
+                            setting = {"name": "triton", "block_size": block, "num_splits": splits,
+                                       "num_warps": warps, "num_stages": stages}  # fmt: skip
+                            executor = EXECUTORS.build(setting)
+
+                            def call(executor=executor, q=q, k=k, v=v, local=local, scale=shape.d**-0.5):
+                                return decode_attention(executor, q, k, v, local, window, scale)
+
+                            row = {"shape": shape.name, "b": shape.b, "T": T, "setting": setting,
+                                   "kv_bytes_ideal": nbytes} | _graphed(call, device, reps, inner, nbytes)
+                            rows.append(row)
+                            if "graphed_bandwidth_gbs" in row:
+                                log(f"  dense sweep {shape.name} T={T} {setting}: {row['graphed_bandwidth_gbs']:.0f} "
+                                    "GB/s")
             del q, k, v
     return rows
 

@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 suite.attention_shapes, suite.attention_lengths, suite.executors, device,
                 suite.attention_reps, suite.attention_inner, suite.flex_compile, log,
             )  # fmt: skip
+            if "triton" in suite.executors:  # CUDA only: the dense path's launch parameters against copy bandwidth
+                results["dense_sweep"] = attention.dense_launch_sweep(
+                    suite.attention_shapes, suite.attention_lengths, device, suite.attention_reps,
+                    suite.attention_inner, log)
 
         def run_overhead() -> None:
             results["overhead"] = overhead.run_overhead(

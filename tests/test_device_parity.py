@@ -85,6 +85,27 @@ def test_compiled_layer_step_decides_as_the_eager_one(tiny):
     assert compare_decisions(eager, compiled, below, above).equal
 
 
+def test_describe_names_the_stored_reference_file_and_fingerprint(tiny, tmp_path):
+    """A run's description says which reference its stored moments read: the file and the model fingerprint (what a
+    GPU run and a CPU run must share to decide alike); before it is prepared, only what was configured."""
+    from qada.artifacts import model_fingerprint
+    from qada.models import build_run, prepare_run
+    from qada.moments.reference import collect_reference_keys, fingerprint_key
+
+    model, ids = tiny
+    file = tmp_path / "reference.safetensors"
+    collect_reference_keys(model, ids[:, :200], info={"prompt": "random_words"}).save(file)
+    run = build_run(criterion=QADA, moments={"name": "stored", "path": str(file)}, executor="sdpa")
+    assert run.describe()["moments"] == {"name": "stored", "prompt": "random_words", "seed": 0, "offset": 1024,
+                                         "path": str(file)}
+    described = prepare_run(run, model).describe()
+    assert described["moments"]["file"] == "reference.safetensors" and described["moments"]["length"] == 200
+    assert described["moments"]["fingerprint"] == fingerprint_key(model_fingerprint(model.config, model))
+    assert (described["criterion"]["name"], described["criterion"]["tau"]) == ("qada", 0.42)
+    assert described["executor"]["name"] == "sdpa"
+    assert build_run(criterion="oracle", moments="stored", executor="sdpa").describe()["moments"] is None
+
+
 # --- on a GPU: the CPU's decisions against CUDA's, the embedded model ---------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -63,6 +63,70 @@ def logaddexp(a, b):
 
 
 @triton.jit
+def bulk_log_mean_exp(
+    qf, q_rows, stride_qd, mean_base, stride_md, cov_base, stride_ci, stride_cj, GH_X, GH_LOGW, scale, softcap,
+    n_nodes, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """``[BLOCK_G]`` float32 ``log E[exp(s)]`` of one bulk score of each query head under the lognormal model:
+    ``mu_s + sigma_s^2 / 2`` with ``mu_s = scale q·mean`` (eq. 5) and ``sigma_s^2 = scale^2 q^T cov q`` (eq. 6), or
+    under ``SOFTCAP`` ``log E[exp(c tanh(s / c))]`` by Gauss-Hermite. ``qf [BLOCK_G, BLOCK_D]`` the float32
+    queries, also at ``q_rows [BLOCK_G, 1]`` (pointers; rows read ``BLOCK_K`` features at a time), ``mean_base``
+    / ``cov_base`` the KV head's mean ``[d]`` and covariance ``[d, d]``."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    mean = tl.load(mean_base + offs_d * stride_md, mask=d_ok, other=0.0)
+    mu = tl.sum(qf * mean.to(tl.float32)[None, :], axis=1) * scale  # [BLOCK_G]
+    q_cov = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)  # q^T cov, BLOCK_K rows of cov at a time
+    for k0 in tl.static_range(0, BLOCK_D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < D
+        q_k = tl.load(q_rows + offs_k[None, :] * stride_qd, mask=g_ok[:, None] & k_ok[None, :], other=0.0)
+        cov_k = tl.load(cov_base + offs_k[:, None].to(tl.int64) * stride_ci + offs_d[None, :] * stride_cj,
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        q_cov += tl.dot(q_k.to(tl.float32), cov_k.to(tl.float32), input_precision="ieee")
+    var = tl.sum(q_cov * qf, axis=1) * scale * scale  # [BLOCK_G]
+    if SOFTCAP:  # log E[exp(c tanh(s / c))], s ~ N(mu, var): log sum_j w_j / sqrt(pi) exp(cap(mu + sqrt(2) sigma x_j))
+        offs_x = tl.arange(0, BLOCK_X)
+        x_ok = offs_x < n_nodes
+        x = tl.load(GH_X + offs_x, mask=x_ok, other=0.0).to(tl.float32)
+        log_w = tl.load(GH_LOGW + offs_x, mask=x_ok, other=0.0).to(tl.float32)
+        sigma = tl.sqrt(tl.maximum(var, 0.0))
+        terms = log_w[None, :] + cap(mu[:, None] + 1.4142135623730951 * sigma[:, None] * x[None, :], softcap)
+        terms = tl.where(x_ok[None, :], terms, float("-inf"))
+        peak = tl.max(terms, axis=1)  # finite unless mu or var is NaN (the terms are at most c + log w_j)
+        peak = tl.where(tl.abs(peak) < float("inf"), peak, 0.0)
+        log_mean_exp = peak + tl.log(tl.sum(tl.exp(terms - peak[:, None]), axis=1))
+    else:
+        log_mean_exp = mu + 0.5 * var
+    return log_mean_exp
+
+
+@triton.jit
+def threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                       PROMOTE: tl.constexpr):  # fmt: skip
+    """The fail-safe threshold decision of the ``G`` heads of one group and the group policy: ``(decided, local,
+    broken, dense [BLOCK_G], read)``. Broken (forced dense) where the row has a bulk and ``log_local``,
+    ``log_bulk`` or a flag of ``bad`` is not finite / set; local where ``log_local - logaddexp(log_local,
+    log_bulk) >= log_tau`` and not broken, or where the row has no bulk; the group reads its bulk when one of its
+    heads is dense; with ``PROMOTE`` every head of such a group is dense."""
+    g_ok = tl.arange(0, BLOCK_G) < G
+    finite = (tl.abs(log_local) < float("inf")) & (tl.abs(log_bulk) < float("inf")) & (bad == 0)
+    broken = has_bulk & (finite == 0) & g_ok
+    ratio_ok = (log_local - logaddexp(log_local, log_bulk)) >= log_tau
+    decided = tl.where(has_bulk, ratio_ok & (broken == 0), 1) != 0
+    dense = (decided == 0) & g_ok  # [BLOCK_G]
+    read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
+    local = decided
+    if PROMOTE:
+        local = decided & (read == 0)
+        dense = (local == 0) & g_ok
+    return decided, local, broken, dense, read
+
+
+@triton.jit
 def qada_fused_split_kernel(
     Q, K, V, MEAN, COV, START, END, SINKS, GH_X, GH_LOGW,
     ACC, M, L, COUNTS, DECIDED, LOCAL, READ, BROKEN,
@@ -127,45 +191,17 @@ def qada_fused_split_kernel(
         log_local = logaddexp(log_local, sink)
 
     # --- eqs. 5-7: the lognormal estimate of log A_bulk from the KV head's moments ---------------------------
-    mean = tl.load(MEAN + row64 * stride_mb + kv64 * stride_mh + offs_d * stride_md, mask=d_ok, other=0.0)
-    mu = tl.sum(qf * mean.to(tl.float32)[None, :], axis=1) * scale  # [BLOCK_G]
-    q_cov = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)  # q^T cov, BLOCK_K rows of cov at a time
-    cov_base = COV + row64 * stride_cb + kv64 * stride_ch
-    for k0 in tl.static_range(0, BLOCK_D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < D
-        q_k = tl.load(q_rows + offs_k[None, :] * stride_qd, mask=g_ok[:, None] & k_ok[None, :], other=0.0)
-        cov_k = tl.load(cov_base + offs_k[:, None].to(tl.int64) * stride_ci + offs_d[None, :] * stride_cj,
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        q_cov += tl.dot(q_k.to(tl.float32), cov_k.to(tl.float32), input_precision="ieee")
-    var = tl.sum(q_cov * qf, axis=1) * scale * scale  # [BLOCK_G]
-    if SOFTCAP:  # log E[exp(c tanh(s / c))], s ~ N(mu, var): log sum_j w_j / sqrt(pi) exp(cap(mu + sqrt(2) sigma x_j))
-        offs_x = tl.arange(0, BLOCK_X)
-        x_ok = offs_x < n_nodes
-        x = tl.load(GH_X + offs_x, mask=x_ok, other=0.0).to(tl.float32)
-        log_w = tl.load(GH_LOGW + offs_x, mask=x_ok, other=0.0).to(tl.float32)
-        sigma = tl.sqrt(tl.maximum(var, 0.0))
-        terms = log_w[None, :] + cap(mu[:, None] + 1.4142135623730951 * sigma[:, None] * x[None, :], softcap)
-        terms = tl.where(x_ok[None, :], terms, float("-inf"))
-        peak = tl.max(terms, axis=1)  # finite unless mu or var is NaN (the terms are at most c + log w_j)
-        peak = tl.where(tl.abs(peak) < float("inf"), peak, 0.0)
-        log_mean_exp = peak + tl.log(tl.sum(tl.exp(terms - peak[:, None]), axis=1))
-    else:
-        log_mean_exp = mu + 0.5 * var
+    log_mean_exp = bulk_log_mean_exp(
+        qf, q_rows, stride_qd, MEAN + row64 * stride_mb + kv64 * stride_mh, stride_md,
+        COV + row64 * stride_cb + kv64 * stride_ch, stride_ci, stride_cj, GH_X, GH_LOGW, scale, softcap, n_nodes,
+        G, D, BLOCK_G, BLOCK_D, BLOCK_K, BLOCK_X, SOFTCAP,
+    )  # fmt: skip
     log_t = tl.log(tl.maximum(t_bulk, 1).to(tl.float32))
     log_bulk = tl.where(has_bulk, log_t + log_mean_exp, float("-inf"))
 
     # --- the threshold decision (fail-safe), then the group policy --------------------------------------------
-    finite = (tl.abs(log_local) < float("inf")) & (tl.abs(log_bulk) < float("inf")) & (bad == 0)
-    broken = has_bulk & (finite == 0) & g_ok
-    ratio_ok = (log_local - logaddexp(log_local, log_bulk)) >= log_tau
-    decided = tl.where(has_bulk, ratio_ok & (broken == 0), 1) != 0
-    dense = (decided == 0) & g_ok  # [BLOCK_G]
-    read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
-    local = decided
-    if PROMOTE:
-        local = decided & (read == 0)
-        dense = (local == 0) & g_ok
+    decided, local, broken, dense, read = threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G,
+                                                             BLOCK_G, PROMOTE)  # fmt: skip
     if split == 0:
         out = row64 * (H_KV * G) + heads.to(tl.int64)
         tl.store(DECIDED + out, decided.to(tl.uint8), mask=g_ok)

@@ -33,7 +33,7 @@ from qada.attention.base import register_executor
 from qada.attention.triton_decode import TritonExecutor, _next_pow2, check_triton_runtime, combine
 from qada.step import DecodeStep
 
-__all__ = ["FusedLaunch", "FusedTritonExecutor"]
+__all__ = ["FusedLaunch", "FusedTail", "FusedTritonExecutor"]
 
 _LOG2E = 1.4426950408889634
 
@@ -48,6 +48,10 @@ class FusedLaunch(NamedTuple):
         local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool, the bulks read.
         broken: ``[b, H]`` bool, the heads forced dense by a non-finite value (the fail-safe).
         counts: ``[pairs, S, 2]`` int32 per program: blocks loaded only for the bulk, blocks loaded in all.
+        log_ratio: with a ``qada_tail`` decision, ``[b, H]`` float32 ``log A_local - logaddexp(log A_local,
+            log Â_bulk)`` (what is compared with ``log tau``), else ``None``.
+        n_exact: with a ``qada_tail`` decision, ``[b, H]`` int32 ``|E|``, the bulk tokens scored exactly, else
+            ``None``.
     """
 
     output: torch.Tensor
@@ -57,6 +61,61 @@ class FusedLaunch(NamedTuple):
     read: torch.Tensor
     broken: torch.Tensor
     counts: torch.Tensor
+    log_ratio: torch.Tensor | None = None
+    n_exact: torch.Tensor | None = None
+
+
+class FusedTail(NamedTuple):
+    """What the ``qada_tail`` decision reads besides the step: one layer's tail index
+    (:class:`~qada.criteria.tail_index.LayerTail`, updated in place) and the criterion's sizes.
+
+    Attributes:
+        heavy: ``[b, H_kv, k]`` int64 heavy slots; ``heavy_valid``: ``[b, H_kv, k]`` bool (same strides).
+        member: ``[b, H_kv, C']`` bool (``C' >= C``), the heavy slots.
+        kmin, kmax: ``[b, H_kv, n_pages, d]`` float32 page extrema (same strides); ``halves``: ``[b, H_kv, n_pages,
+            2d]`` float32 (:func:`~qada.functional.tail.page_halves`).
+        page_size: slots per page ``P``; pages: top pages per query head (``m``).
+    """
+
+    heavy: torch.Tensor
+    heavy_valid: torch.Tensor
+    member: torch.Tensor
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+    halves: torch.Tensor
+    page_size: int
+    pages: int
+
+    def kernel_inputs(self, b: int, H_kv: int, C: int, d: int) -> tuple[torch.Tensor, ...]:
+        """The six tensors as the kernel reads them (bool as uint8 views), after checking their shapes and
+        strides (no host read of a value)."""
+        k, n = self.heavy.shape[2], self.kmin.shape[2]
+        shapes = (("heavy", self.heavy, (b, H_kv, k)), ("heavy_valid", self.heavy_valid, (b, H_kv, k)),
+                  ("kmax", self.kmax, (b, H_kv, n, d)), ("halves", self.halves, (b, H_kv, n, 2 * d)))
+        for name, tensor, shape in shapes:
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"expected {name} of shape {list(shape)} but got {tuple(tensor.shape)}")
+        if self.member.shape[:2] != (b, H_kv) or self.member.shape[2] < C or n * self.page_size < C:
+            raise ValueError(f"expected a tail index of at least {C} slots but got member {tuple(self.member.shape)} "
+                             f"and {n} pages of {self.page_size}")
+        if self.heavy_valid.stride() != self.heavy.stride() or self.kmin.stride() != self.kmax.stride():
+            raise ValueError("expected heavy / heavy_valid and kmin / kmax of equal strides")
+        if self.kmin.dtype != torch.float32 or self.kmax.dtype != torch.float32 or self.halves.dtype != torch.float32:
+            raise ValueError("expected float32 page extrema and halves")
+        return (self.heavy, self.heavy_valid.view(torch.uint8), self.member.view(torch.uint8), self.kmin, self.kmax,
+                self.halves)
+
+    def kernel_strides(self) -> tuple[int, ...]:
+        return (*self.heavy.stride(), *self.member.stride(), *self.kmin.stride(), *self.halves.stride())
+
+    def kernel_constants(self) -> dict[str, int]:
+        return dict(BLOCK_H=max(16, min(64, _next_pow2(self.heavy.shape[2]))), BLOCK_P=_PAGE_TILE,
+                    PAGE=self.page_size, BLOCK_S=max(2, _next_pow2(self.page_size)), TOP=self.pages,
+                    BLOCK_M=max(2, _next_pow2(self.pages)))
+
+
+_PAGE_TILE = 32
+"""Pages bounded per tile by the ``qada_tail`` kernel (each tile merged into the running top pages)."""
 
 
 @functools.cache
@@ -85,8 +144,12 @@ class FusedTritonExecutor(TritonExecutor):
     fuses_decision = True
     """A run's layer step decides through :meth:`decide_and_attend` (:meth:`~qada.models.layer_step.LayerStep.fuse`)."""
 
-    def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact") -> FusedLaunch:
-        """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches.
+    def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact",
+                          tail: FusedTail | None = None) -> FusedLaunch:
+        """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches;
+        with ``tail``, the ``qada_tail`` decision (:mod:`qada.attention._fused_tail_kernel`), whose split launch
+        also makes the step's key join its page in ``tail``'s extrema (in place, as
+        :func:`~qada.criteria.tail_index.append_step_key` does).
 
         Reads ``step.query [b, H, d]``, ``keys, values [b, H_kv, C, d]``, ``start``, ``end``, the window, the scale,
         ``softcap``, ``sink_logits [H]`` and ``step.bulk_moments`` (mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``,
@@ -127,23 +190,33 @@ class FusedTritonExecutor(TritonExecutor):
         nodes, log_weights = _hermite(device) if softcap else (m, m)
         window = step.window
         log_tau = math.log(tau) if tau > 0 else float("-inf")
-        _triton_kernel.run(
-            _fused_kernel.qada_fused_split_kernel, (pairs, S),
-            query, key, value, mean, cov, query if start is None else start, query if end is None else end,
-            query if sinks is None else sinks, nodes, log_weights,
-            acc, m, l, counts, flags[0], flags[1], read, flags[2],
-            *query.stride(), *key.stride(), *value.stride(), *mean.stride(), *cov.stride(),
-            C, H_kv, window.t_sink, window.t_local, S,
-            float(step.scale), float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau,
-            nodes.shape[0] if softcap else 1,
-            G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D, BLOCK_K=16,
-            BLOCK_X=_next_pow2(nodes.shape[0]) if softcap else 16,
-            HAS_START=start is not None, HAS_END=end is not None, HAS_SINKS=sinks is not None,
-            PROMOTE=policy == "promote",
-            INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
-            DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
-            num_warps=self.num_warps, num_stages=self.num_stages,
-        )  # fmt: skip
+        common = dict(G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D, BLOCK_K=16,
+                      BLOCK_X=_next_pow2(nodes.shape[0]) if softcap else 16,
+                      HAS_START=start is not None, HAS_END=end is not None, HAS_SINKS=sinks is not None,
+                      PROMOTE=policy == "promote",
+                      INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
+                      DOT_FP32=dot_fp32, SOFTCAP=bool(softcap), num_warps=self.num_warps, num_stages=self.num_stages)
+        inputs = (query, key, value, mean, cov, query if start is None else start, query if end is None else end,
+                  query if sinks is None else sinks, nodes, log_weights)
+        outputs = (acc, m, l, counts, flags[0], flags[1], read, flags[2])
+        strides = (*query.stride(), *key.stride(), *value.stride(), *mean.stride(), *cov.stride())
+        sizes = (C, H_kv, window.t_sink, window.t_local, S, float(step.scale),
+                 float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau,
+                 nodes.shape[0] if softcap else 1)
+        log_ratio = n_exact = None
+        if tail is None:
+            _triton_kernel.run(_fused_kernel.qada_fused_split_kernel, (pairs, S), *inputs, *outputs, *strides,
+                               *sizes, **common)
+        else:
+            from qada.attention import _fused_tail_kernel
+
+            log_ratio = torch.empty(b, H, **f32)
+            n_exact = torch.empty(b, H, dtype=torch.int32, device=device)
+            _triton_kernel.run(_fused_tail_kernel.qada_tail_fused_split_kernel, (pairs, S), *inputs,
+                               *tail.kernel_inputs(b, H_kv, C, d), *outputs, log_ratio, n_exact, *strides,
+                               *tail.kernel_strides(), *sizes,
+                               tail.heavy.shape[2], tail.kmin.shape[2], **common, **tail.kernel_constants())
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks)
         flags = flags.view(torch.bool)
-        return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read.view(torch.bool), flags[2], counts)
+        return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read.view(torch.bool), flags[2], counts, log_ratio,
+                           n_exact)

@@ -1,7 +1,9 @@
 """The layer step whose decision is made in the attention kernel (the ``triton_fused`` executor).
 
 :func:`fused_layer_step` is :func:`~qada.models.layer_step.layer_step` for a run whose criterion is the plain ``qada``
-threshold rule (:class:`~qada.criteria.QAdACriterion`) and whose executor fuses the decision
+threshold rule (:class:`~qada.criteria.QAdACriterion`) or the tail-aware ``qada_tail`` one
+(:class:`~qada.criteria.TailCriterion`: its layer's tail index goes to the kernel, which also updates it) and whose
+executor fuses the decision
 (:class:`~qada.attention.FusedTritonExecutor`): the moment source's step (torch, as unfused), then the executor's
 two launches (decision + split-K attention, combine), then the statistics row from the decision the kernel wrote.
 It returns the same :class:`~qada.models.layer_step.LayerStepResult` (the window fields ``None``: nothing gathers
@@ -22,23 +24,50 @@ from qada.moments.base import MomentSource
 from qada.step import DecodeStep
 from qada.window import Window
 
-__all__ = ["check_fusable", "fused_layer_step"]
+__all__ = ["check_fusable", "fused_layer_step", "fused_tail"]
 
 
 def check_fusable(criterion: HeadCriterion, moments: MomentSource | None, executor: Any) -> None:
-    """Raise ``ValueError`` unless ``executor`` can make ``criterion``'s decision: the plain ``qada`` criterion
-    (not a subclass, which may change the estimate) with a moment source."""
+    """Raise ``ValueError`` unless ``executor`` can make ``criterion``'s decision with a moment source: the plain
+    ``qada`` criterion (not a subclass, which may change the estimate), or the tail-aware ``qada_tail``
+    (:class:`~qada.criteria.TailCriterion`, not a subclass) with one-level pages and window-only local heads
+    (``attend_exact``, ``super_page`` and ``scale_exact`` unset)."""
     from qada.criteria.qada import QAdACriterion
+    from qada.criteria.tail import TailCriterion
 
     name = getattr(executor, "registry_name", "") or type(executor).__name__
-    if type(criterion) is not QAdACriterion:
+    what = ("the plain 'qada' criterion, or of 'qada_tail' with one-level pages and window-only local heads "
+            "(attend_exact, super_page and scale_exact unset),")
+    if type(criterion) is TailCriterion:
+        unfused = [f"{field}={getattr(criterion, field)!r}" for field in ("attend_exact", "super_page", "scale_exact")
+                   if getattr(criterion, field)]
+        if unfused:
+            raise ValueError(
+                f"the {name!r} executor makes the decision of {what} in its kernel, but the run's 'qada_tail' "
+                f"criterion has {', '.join(unfused)}: use the 'triton' executor, which attends for any criterion"
+            )
+    elif type(criterion) is not QAdACriterion:
         raise ValueError(
-            f"the {name!r} executor makes the decision of the plain 'qada' criterion in its kernel, but the run's "
-            f"criterion is {criterion.registry_name or type(criterion).__name__!r}: use the 'triton' executor, "
-            "which attends for any criterion"
+            f"the {name!r} executor makes the decision of {what} in its kernel, but the run's criterion is "
+            f"{criterion.registry_name or type(criterion).__name__!r}: use the 'triton' executor, which attends "
+            "for any criterion"
         )
     if moments is None:
-        raise ValueError(f"the {name!r} executor needs the run's moment source (the 'qada' criterion reads moments)")
+        raise ValueError(f"the {name!r} executor needs the run's moment source (the "
+                         f"{criterion.registry_name!r} criterion reads moments)")
+
+
+def fused_tail(criterion: HeadCriterion, step: DecodeStep) -> Any:
+    """The :class:`~qada.attention.fused.FusedTail` of ``step`` (its layer's tail index, passed in by the run) for a
+    ``qada_tail`` criterion, else ``None``."""
+    from qada.attention.fused import FusedTail
+    from qada.criteria.tail import TailCriterion
+
+    if type(criterion) is not TailCriterion:
+        return None
+    state = criterion.state(step)
+    return FusedTail(state["heavy"], state["heavy_valid"], state["member"], state["kmin"], state["kmax"],
+                     state["halves"], criterion.page_size, criterion.pages)
 
 
 def fused_layer_step(
@@ -69,7 +98,7 @@ def fused_layer_step(
     bulk = moments.step(moment_state, keys, start, rows_end, window)
     step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk,
                       values=values, states=criterion_states, sink_logits=sink_logits, softcap=softcap)
-    launch = executor.decide_and_attend(step, criterion.tau, policy)
+    launch = executor.decide_and_attend(step, criterion.tau, policy, fused_tail(criterion, step))
     reads = kv_read(launch.read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))
     counts = step_counts(launch.local, launch.read, launch.broken.sum(), reads)
     return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,

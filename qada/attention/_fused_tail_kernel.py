@@ -1,0 +1,271 @@
+"""The split kernel of the ``triton_fused`` executor for the tail-aware ``qada_tail`` criterion: the step's key joins
+its page, the exact set ``E`` (heavy set and top pages), the decision and split-K decode in one launch. Imported
+lazily: importing it imports triton. Its splits are merged by the ``triton`` executor's combine kernel.
+
+What it computes is :class:`~qada.criteria.TailCriterion`'s decision with one-level pages and window-only local heads
+(``attend_exact=False``, ``super_page=0``, no ``scale_exact``), for one (row, KV head) and its ``G`` query heads:
+
+* the step's key (slot ``end - 1``, ``C - 1`` without ``END``) joins its page's extrema
+  (:func:`~qada.criteria.tail_index.append_step_key`): ``low = key`` on a page's first slot, else ``min(kmin, key)``
+  (``high`` alike) and the page's halves ``((low + high) / 2, (high - low) / 2)``; split 0 writes them back;
+* the heavy set: the KV head's heavy slots that are valid and inside the bulk, scored by every query head;
+* per query head the ``TOP`` pages overlapping the bulk with the highest bound ``scale [q, |q|]·halves``
+  (:func:`~qada.functional.tail.top_pages`; a NaN bound ranks first and marks its page invalid, as ``topk`` does),
+  chosen by repeated max-extraction over tiles of ``BLOCK_P`` pages, and their tokens inside the bulk that are not
+  heavy (``MEMBER``);
+* ``log A_E = logsumexp`` of those (soft-capped) scores, ``|E|`` their count, ``log Â_rest = log(T_bulk - |E|) +
+  log E[exp(s)]`` (``-inf`` when nothing is left) and ``log Â_bulk = logaddexp(log A_E, log Â_rest)``;
+* the threshold decision of :mod:`qada.attention._fused_kernel` with ``log A_local`` the window's mass (sink logit
+  included), then the group's split of the attention.
+
+Every split computes the decision (its block list depends on it) and the step key's page extrema; split 0 writes
+them back once it has decided. The update is idempotent (a split that reads the page after split 0 wrote it computes
+the same extrema), and every split bounds that page with the new extrema from its registers, never with the stored
+halves it may race with.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from qada.attention._fused_kernel import bulk_log_mean_exp, cap, logaddexp, threshold_decision, window_log_mass
+from qada.attention._triton_kernel import attend_blocks, block_list, row_range, store_split
+
+
+@triton.jit
+def add_scores(m, total, count, bad, s, valid):
+    """Fold scores ``s [BLOCK_G, n]`` (``valid [BLOCK_G, n]``) into a running ``logsumexp`` ``(m, total)`` per
+    head, their count and whether a valid one is NaN or ``+inf`` (the eager logsumexp is then not finite)."""
+    broken = (s != s) | (s == float("inf"))
+    bad += tl.max(tl.where(valid & broken, 1, 0), axis=1)
+    count += tl.sum(tl.where(valid, 1, 0), axis=1)
+    s = tl.where(valid & (broken == 0), s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    total = total * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+    return m_new, total, count, bad
+
+
+@triton.jit
+def merge_top(vals, ids, oks, rank, page_ids, page_ok, TOP: tl.constexpr, BLOCK_P: tl.constexpr,
+              BLOCK_M: tl.constexpr):  # fmt: skip
+    """The ``TOP`` best of a running list ``vals, ids, oks [BLOCK_G, BLOCK_M]`` (rank, page, valid; entries from
+    ``TOP`` on stay ``-inf``) and a tile ``rank, page_ok [BLOCK_G, BLOCK_P]`` of pages ``page_ids [BLOCK_P]``, by
+    ``TOP`` rounds of max-extraction (ties: the list first, then the lower tile position; a loop, not unrolled)."""
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_m = tl.arange(0, BLOCK_M)
+    new_vals = tl.full(vals.shape, float("-inf"), dtype=tl.float32)
+    new_ids = tl.zeros(ids.shape, dtype=tl.int32)
+    new_oks = tl.zeros(oks.shape, dtype=tl.int32)
+    for r in range(TOP):
+        t_best = tl.max(rank, axis=1)
+        l_best = tl.max(vals, axis=1)
+        take = t_best > l_best  # [BLOCK_G]
+        t_pos = tl.min(tl.where(rank == t_best[:, None], offs_p[None, :], BLOCK_P), axis=1)
+        l_pos = tl.min(tl.where(vals == l_best[:, None], offs_m[None, :], BLOCK_M), axis=1)
+        t_hit = (offs_p[None, :] == t_pos[:, None]) & take[:, None]
+        l_hit = (offs_m[None, :] == l_pos[:, None]) & (take == 0)[:, None]
+        best = tl.where(take, t_best, l_best)
+        page = tl.sum(tl.where(t_hit, page_ids[None, :], 0), axis=1) + tl.sum(tl.where(l_hit, ids, 0), axis=1)
+        ok = tl.maximum(tl.max(tl.where(t_hit, page_ok, 0), axis=1), tl.max(tl.where(l_hit, oks, 0), axis=1))
+        put = (offs_m == r)[None, :]
+        new_vals = tl.where(put, best[:, None], new_vals)
+        new_ids = tl.where(put, page[:, None], new_ids)
+        new_oks = tl.where(put, ok[:, None], new_oks)
+        rank = tl.where(t_hit, float("-inf"), rank)  # taken: never again, and never valid again
+        page_ok = tl.where(t_hit, 0, page_ok)
+        vals = tl.where(l_hit, float("-inf"), vals)
+        oks = tl.where(l_hit, 0, oks)
+    return new_vals, new_ids, new_oks
+
+
+@triton.jit
+def qada_tail_fused_split_kernel(
+    Q, K, V, MEAN, COV, START, END, SINKS, GH_X, GH_LOGW,
+    HEAVY, HEAVY_VALID, MEMBER, KMIN, KMAX, HALVES,
+    ACC, M, L, COUNTS, DECIDED, LOCAL, READ, BROKEN, LOG_RATIO, N_EXACT,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_mb, stride_mh, stride_md,
+    stride_cb, stride_ch, stride_ci, stride_cj,
+    stride_hb, stride_hh, stride_hk,
+    stride_ub, stride_uh, stride_ut,
+    stride_eb, stride_eh, stride_ep, stride_ed,
+    stride_fb, stride_fh, stride_fp, stride_fx,
+    C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau, n_nodes, n_heavy, n_pages,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_X: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """One program = one (row, KV head) and one split: the step's key joins its page, the group's ``qada_tail``
+    decision (module docstring), then its split of the attention.
+
+    Reads, besides what :func:`~qada.attention._fused_kernel.qada_fused_split_kernel` reads, the layer's tail index
+    (:class:`~qada.criteria.tail_index.LayerTail`): ``HEAVY [b, H_kv, k]`` int64 slots (``n_heavy = k``),
+    ``HEAVY_VALID [b, H_kv, k]`` uint8 (same strides as ``HEAVY``), ``MEMBER [b, H_kv, C']`` uint8 (``C' >= C``),
+    ``KMIN, KMAX [b, H_kv, n_pages, d]`` float32 (same strides) and ``HALVES [b, H_kv, n_pages, 2d]`` float32; pages
+    of ``PAGE`` slots, ``TOP`` pages per query head. Writes (split 0) the step key's page of ``KMIN, KMAX, HALVES``,
+    ``DECIDED, LOCAL, BROKEN [b, H]`` and ``READ [b, H_kv]`` (uint8), ``LOG_RATIO [b, H]`` float32 (``log A_local -
+    logaddexp(log A_local, log Â_bulk)``) and ``N_EXACT [b, H]`` int32 (``|E|``), and as every split ``ACC, M, L,
+    COUNTS``.
+    ``BLOCK_H``: heavy slots per tile; ``BLOCK_P``: pages per tile; ``BLOCK_S >= PAGE``, ``BLOCK_M >= TOP`` powers
+    of two.
+    """
+    pair = tl.program_id(0)
+    split = tl.program_id(1)
+    row = pair // H_KV
+    kv_head = pair % H_KV
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    heads = kv_head * G + offs_g
+    row64 = row.to(tl.int64)
+    kv64 = kv_head.to(tl.int64)
+    k_base = K + row64 * stride_kb + kv64 * stride_kh
+    q_rows = Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh
+
+    first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
+    has_bulk = t_bulk > 0
+
+    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    qf = q.to(tl.float32)
+
+    # --- log A_local: the window's exact mass (and the sink logit) ---------------------------------------------
+    log_local, bad = window_log_mass(qf, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
+                                     scale, softcap, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP)  # fmt: skip
+    if HAS_SINKS:
+        sink = tl.load(SINKS + heads, mask=g_ok, other=0.0).to(tl.float32)
+        log_local = logaddexp(log_local, sink)
+
+    # --- the step's key joins its page (append_step_key) ------------------------------------------------------
+    if HAS_END:
+        slot = tl.maximum(tl.load(END + row).to(tl.int32) - 1, 0)
+    else:
+        slot = tl.full([], 0, dtype=tl.int32) + C - 1
+    new_page = tl.minimum(slot // PAGE, n_pages - 1)
+    fresh = (slot % PAGE) == 0
+    key = tl.load(k_base + slot.to(tl.int64) * stride_kt + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float32)
+    extrema = row64 * stride_eb + kv64 * stride_eh + new_page.to(tl.int64) * stride_ep + offs_d * stride_ed
+    low = tl.where(fresh, key, tl.minimum(tl.load(KMIN + extrema, mask=d_ok, other=0.0), key))
+    high = tl.where(fresh, key, tl.maximum(tl.load(KMAX + extrema, mask=d_ok, other=0.0), key))
+    centre_new = (low + high) * 0.5
+    radius_new = (high - low) * 0.5
+    halves_base = HALVES + row64 * stride_fb + kv64 * stride_fh  # (split 0 writes them back after the decision)
+
+    # --- the exact set E: the heavy set ----------------------------------------------------------------------
+    m_e = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    total_e = tl.zeros([BLOCK_G], dtype=tl.float32)
+    n_exact = tl.zeros([BLOCK_G], dtype=tl.int32)
+    bad_e = tl.zeros([BLOCK_G], dtype=tl.int32)
+    heavy_base = row64 * stride_hb + kv64 * stride_hh
+    for h0 in range(0, n_heavy, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < n_heavy
+        h_slot = tl.load(HEAVY + heavy_base + offs_h * stride_hk, mask=h_ok, other=0).to(tl.int32)
+        h_valid = tl.load(HEAVY_VALID + heavy_base + offs_h * stride_hk, mask=h_ok, other=0) != 0
+        h_valid = h_ok & h_valid & (h_slot >= bulk_lo) & (h_slot < bulk_hi)
+        k = tl.load(k_base + h_slot[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
+                    mask=h_valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        s = tl.dot(qf, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_H]
+        if SOFTCAP:
+            s = cap(s, softcap)
+        valid = g_ok[:, None] & h_valid[None, :]
+        m_e, total_e, n_exact, bad_e = add_scores(m_e, total_e, n_exact, bad_e, s, valid)
+
+    # --- the exact set E: each query head's TOP pages by bound (top_pages), by tiles of BLOCK_P pages ----------
+    offs_m = tl.arange(0, BLOCK_M)
+    vals = tl.full([BLOCK_G, BLOCK_M], float("-inf"), dtype=tl.float32)
+    ids = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
+    oks = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
+    qa = tl.abs(qf)
+    p_lo = bulk_lo // PAGE  # the pages overlapping the bulk [bulk_lo, bulk_hi)
+    p_hi = tl.where(has_bulk, tl.cdiv(bulk_hi, PAGE), p_lo)
+    for p0 in range(p_lo, p_hi, BLOCK_P):
+        pages = p0 + tl.arange(0, BLOCK_P)
+        p_ok = pages < p_hi
+        at = halves_base + pages[:, None].to(tl.int64) * stride_fp + offs_d[None, :] * stride_fx
+        both = p_ok[:, None] & d_ok[None, :]
+        centre = tl.load(at, mask=both, other=0.0).to(tl.float32)
+        radius = tl.load(at + D * stride_fx, mask=both, other=0.0).to(tl.float32)
+        is_new = (pages == new_page)[:, None]  # the step key's page: its new halves, from registers
+        centre = tl.where(is_new, centre_new[None, :], centre)
+        radius = tl.where(is_new, radius_new[None, :], radius)
+        bound = (tl.dot(qf, tl.trans(centre), input_precision="ieee")
+                 + tl.dot(qa, tl.trans(radius), input_precision="ieee")) * scale  # [BLOCK_G, BLOCK_P]
+        rank = tl.where(p_ok[None, :], tl.where(bound != bound, float("inf"), bound), float("-inf"))
+        page_ok = tl.where(p_ok[None, :] & (tl.abs(bound) < float("inf")), 1, 0)
+        vals, ids, oks = merge_top(vals, ids, oks, rank, pages, page_ok, TOP, BLOCK_P, BLOCK_M)
+
+    # --- the top pages' tokens: in the bulk, not heavy (one query head and page at a time: [BLOCK_S, BLOCK_D]) --
+    offs_s = tl.arange(0, BLOCK_S)
+    member_base = MEMBER + row64 * stride_ub + kv64 * stride_uh
+    for g in range(G):
+        is_g = offs_g == g
+        q_g = tl.sum(tl.where(is_g[:, None], qf, 0.0), axis=0)  # [BLOCK_D]
+        for r in range(TOP):
+            pick = is_g[:, None] & (offs_m == r)[None, :]
+            page = tl.sum(tl.where(pick, ids, 0))
+            ok = tl.max(tl.where(pick, oks, 0)) != 0
+            slots = page * PAGE + offs_s  # [BLOCK_S]
+            valid = (offs_s < PAGE) & (slots >= bulk_lo) & (slots < bulk_hi)
+            valid = tl.where(ok, valid, 0) != 0  # (tl.where: the interpreter turns tensor & scalar into int32)
+            heavy = tl.load(member_base + slots.to(tl.int64) * stride_ut, mask=valid, other=0)
+            valid = valid & (heavy == 0)
+            k = tl.load(k_base + slots[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
+                        mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            s = tl.sum(k * q_g[None, :], axis=1) * scale  # [BLOCK_S]
+            if SOFTCAP:
+                s = cap(s, softcap)
+            rows = is_g[:, None] & valid[None, :]  # [BLOCK_G, BLOCK_S]: head g's row only
+            s_rows = tl.where(rows, s[None, :], float("-inf"))
+            m_e, total_e, n_exact, bad_e = add_scores(m_e, total_e, n_exact, bad_e, s_rows, rows)
+    log_exact = tl.where(total_e > 0, m_e + tl.log(total_e), float("-inf"))
+
+    # --- eqs. 5-7 on the rest of the bulk: log Â_bulk = logaddexp(log A_E, log(T_bulk - |E|) + log E[exp(s)]) ----
+    log_mean_exp = bulk_log_mean_exp(
+        qf, q_rows, stride_qd, MEAN + row64 * stride_mb + kv64 * stride_mh, stride_md,
+        COV + row64 * stride_cb + kv64 * stride_ch, stride_ci, stride_cj, GH_X, GH_LOGW, scale, softcap, n_nodes,
+        G, D, BLOCK_G, BLOCK_D, BLOCK_K, BLOCK_X, SOFTCAP,
+    )  # fmt: skip
+    rest = t_bulk - n_exact  # [BLOCK_G]
+    log_rest = tl.where(rest > 0, tl.log(tl.maximum(rest, 1).to(tl.float32)) + log_mean_exp, float("-inf"))
+    bad = bad | (bad_e > 0) | (log_rest != log_rest)  # a NaN estimate of the rest: the fail-safe
+    log_bulk = tl.where(has_bulk, logaddexp(log_exact, log_rest), float("-inf"))
+
+    # --- the threshold decision (fail-safe), then the group policy --------------------------------------------
+    decided, local, broken, dense, read = threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G,
+                                                             BLOCK_G, PROMOTE)  # fmt: skip
+    if split == 0:
+        out = row64 * (H_KV * G) + heads.to(tl.int64)
+        tl.store(DECIDED + out, decided.to(tl.uint8), mask=g_ok)
+        tl.store(LOCAL + out, local.to(tl.uint8), mask=g_ok)
+        tl.store(BROKEN + out, broken.to(tl.uint8), mask=g_ok)
+        tl.store(READ + row64 * H_KV + kv64, read.to(tl.uint8))
+        tl.store(LOG_RATIO + out, log_local - logaddexp(log_local, log_bulk), mask=g_ok)
+        tl.store(N_EXACT + out, n_exact, mask=g_ok)
+        tl.store(KMIN + extrema, low, mask=d_ok)  # the step key's page, as append_step_key leaves it
+        tl.store(KMAX + extrema, high, mask=d_ok)
+        new_at = halves_base + new_page.to(tl.int64) * stride_fp
+        tl.store(new_at + offs_d * stride_fx, centre_new, mask=d_ok)
+        tl.store(new_at + (D + offs_d) * stride_fx, radius_new, mask=d_ok)
+
+    # --- the attention over this split's share of the virtual block list ---------------------------------------
+    a_lo, n_a, b_lo, n_virtual = block_list(first, last, bulk_lo, bulk_hi, read | (has_bulk == 0), BLOCK_N)
+    per_split = tl.cdiv(n_virtual, num_splits)
+    v_begin = split * per_split
+    v_end = tl.minimum(v_begin + per_split, n_virtual)
+    if DOT_FP32:
+        q = qf
+    m_i, l_i, acc, n_bulk = attend_blocks(
+        q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
+        first, last, bulk_lo, bulk_hi, has_bulk, read, dense, a_lo, n_a, b_lo, v_begin, v_end, qk_scale, softcap,
+        D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32, SOFTCAP,
+    )  # fmt: skip
+    store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bulk, tl.maximum(v_end - v_begin, 0),
+                G, D, BLOCK_G, BLOCK_D)  # fmt: skip

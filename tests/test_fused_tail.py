@@ -1,0 +1,393 @@
+"""The ``triton_fused`` executor with the tail-aware ``qada_tail`` criterion: the decision (window, heavy set, top
+pages, eq. 7 on the rest) and the step key's page update in the split kernel, against the eager criterion, the
+unfused ``triton`` executor and an unfused run. On CPU the kernels run in Triton's interpreter (small shapes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+if not torch.cuda.is_available():  # must happen before triton is imported anywhere
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from tiny_models import tiny_model  # noqa: E402
+from transformers import DynamicCache, StaticCache  # noqa: E402
+
+from qada.attention import EXECUTORS, FusedTritonExecutor, apply_group_policy  # noqa: E402
+from qada.attention.base import GroupDecision  # noqa: E402
+from qada.attention.fused import FusedTail  # noqa: E402
+from qada.criteria import TailCriterion  # noqa: E402
+from qada.functional import local_ratio  # noqa: E402
+from qada.models import attach  # noqa: E402
+from qada.models.layer_step import LayerStep  # noqa: E402
+from qada.step import DecodeStep  # noqa: E402
+from qada.window import Window  # noqa: E402
+from tests.test_attention_triton import DEVICE, TOLERANCE, hand_blocks  # noqa: E402
+from tests.test_fused_decision import fresh, make_run, make_step, tau_between  # noqa: E402
+
+STATE = ("heavy", "heavy_valid", "member", "kmin", "kmax", "halves")
+
+
+def prepared(step, seed, filled=None, **sizes):
+    """A ``qada_tail`` criterion whose layer 0 was prefilled on the step's first ``filled`` slots (default: all but
+    the last), with random observation queries, and a copy of that state: ``(criterion, state)``."""
+    criterion = TailCriterion(tau=0.5, **sizes)
+    g = torch.Generator().manual_seed(seed)
+    b, H, d = step.query.shape
+    C = step.length
+    filled = C - 1 if filled is None else filled
+    queries = torch.randn(b, H, criterion.observe, d, generator=g).to(DEVICE)
+    queries[:, :, -1] += 2.0 * step.query.float()  # (votes near the step's own query: a heavy set that matters)
+    criterion.observe_prefill(0, step.keys[:, :, :filled], queries.to(step.query.dtype), step.scale, step.start,
+                              step.window, capacity=C)
+    return criterion, copy_state(criterion.layer_state(0, C))
+
+
+def copy_state(state):
+    return {name: state[name].clone() for name in STATE}
+
+
+def with_state(step, state):
+    """``step`` afresh, reading ``state`` as the run passes it."""
+    step = fresh(step)
+    step.states = {"criterion": state}
+    return step
+
+
+def eager_tail(criterion, step, state, tau, policy="exact"):
+    """The eager ``qada_tail`` criterion and group policy on a copy of ``state``: ``(decided, local, read,
+    fail_safe, ratio, state after, step)``."""
+    state = copy_state(state)
+    step = with_state(step, state)
+    criterion.tau = tau
+    decided = criterion.decide(step)
+    local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
+    fail_safe = torch.zeros((), dtype=torch.long) if step.fail_safe is None else step.fail_safe
+    ratio = local_ratio(criterion.log_local(step), criterion.log_bulk(step))
+    return decided, local, read, fail_safe, ratio, state, step
+
+
+def fused_tail_launch(criterion, step, state, tau, policy="exact", block=16, splits=3):
+    """The fused launch on a copy of ``state``: ``(launch, state after)``."""
+    state = copy_state(state)
+    tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages)
+    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits)
+    return executor.decide_and_attend(fresh(step), tau, policy, tail), state
+
+
+def assert_same_state(got, expected):
+    for name in STATE:  # bit for bit (the pages beyond the filled slots hold NaN halves in both)
+        torch.testing.assert_close(got[name], expected[name], atol=0, rtol=0, equal_nan=True, msg=name)
+
+
+def check_tail(criterion, step, state, tau, policy="exact", block=16, splits=3):
+    """The fused launch against the eager criterion (decisions, fail-safe, state after the step), the unfused
+    ``triton`` executor on the fused decision (output, block counts) and :func:`hand_blocks`."""
+    decided, local, read, fail_safe, ratio, state_after, eager_step = eager_tail(criterion, step, state, tau,
+                                                                                 policy)
+    got, got_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits)
+    near = (ratio - tau).abs() <= 1e-4 * tau  # rounding may decide these either way (none with tau_between)
+    assert torch.equal(got.decided | near, decided | near) and torch.equal(got.decided & ~near, decided & ~near)
+    if not near.any():
+        assert torch.equal(got.decided, decided) and torch.equal(got.local, local) and torch.equal(got.read, read)
+    assert int(got.broken.sum()) == int(fail_safe)
+    assert_same_state(got_state, state_after)
+    scores, valid = criterion.exact_set(eager_step)  # (the state after the step: E as the eager step chose it)
+    assert torch.equal(got.n_exact.long(), valid.sum(-1))
+    ok = ~got.broken & eager_step.has_bulk[:, None]
+    torch.testing.assert_close(got.log_ratio.exp()[ok], ratio[ok], atol=2e-6, rtol=1e-4)
+    unfused = EXECUTORS.build("triton", group_policy=policy, block_size=block, num_splits=splits)
+    expected = unfused.launch(fresh(step), GroupDecision(got.local, got.read))
+    atol, rtol = TOLERANCE[step.query.dtype]
+    assert got.output.shape == (*step.query.shape[:2], 1, step.head_dim) and got.output.dtype == step.query.dtype
+    torch.testing.assert_close(got.output.float(), expected.output.float(), atol=atol, rtol=rtol)
+    starts = None if step.start is None else step.start.tolist()
+    ends = None if step.end is None else step.end.tolist()
+    loaded, bulk_only = hand_blocks(step.length, block, starts, ends, got.local.cpu(), step.num_kv_heads, step.window)
+    assert got.bulk_blocks.item() == bulk_only and got.counts[..., 1].sum().item() == loaded
+    assert torch.equal(got.counts, expected.counts)
+    return got, (decided, local, read, fail_safe, ratio), got_state
+
+
+def tail_tau(criterion, step, state, G, policy="exact"):
+    """A threshold far from every eager ratio that leaves some groups local and some dense."""
+    *_, ratio, _, eager_step = eager_tail(criterion, step, state, 0.5, policy)
+    return tau_between(ratio, eager_step.has_bulk, G)
+
+
+CASES = [  # (b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits, sizes)
+    (2, 4, 2, 600, 16, None, None, torch.float32, None, False, "exact", 16, 3, {}),  # the defaults: 32 heavy, 8 pages
+    (2, 6, 2, 520, 32, [0, 60], [500, 513], torch.float32, None, False, "promote", 32, 4,
+     dict(heavy=8, observe=4, pages=4)),  # row 1: its step key starts a page
+    (2, 4, 2, 400, 32, [10, 0], [385, 40], torch.bfloat16, None, False, "exact", 32, 2,
+     dict(heavy=16, observe=8, page_size=8, pages=3)),  # row 1: no bulk; 45 pages: two tiles
+    (2, 4, 2, 320, 16, [0, 7], None, torch.float32, 4.0, True, "exact", 16, 3, dict(heavy=8, observe=4, pages=2)),
+    (2, 6, 2, 360, 32, None, [360, 333], torch.bfloat16, None, True, "exact", 32, 3, dict(heavy=0, pages=5)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"C{c[3]}-d{c[4]}-{str(c[7])[6:]}-cap{c[8]}-{c[10]}-{c[13]}")
+def test_fused_tail_decision_state_and_output_equal_eager(case):
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits, sizes = case
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C, softcap=softcap, sinks=sinks)
+    criterion, state = prepared(step, C, **sizes)
+    tau = tail_tau(criterion, step, state, H // H_kv, policy)
+    got, (decided, local, read, _, ratio), _ = check_tail(criterion, step, state, tau, policy, block, splits)
+    with_bulk = fresh(step).has_bulk
+    assert (~read[with_bulk]).any() and read[with_bulk].any()  # not vacuous: some groups skip, some read
+    plain = local_ratio(fresh(step).log_local, fresh(step).log_bulk_estimate)
+    assert not torch.allclose(ratio[with_bulk], plain[with_bulk])  # the exact set changed the estimate
+
+
+def test_the_exact_set_changes_decisions_against_qada():
+    """A planted needle in the bulk: ``qada`` (eq. 7 alone) calls the head local, the tail-aware estimate finds
+    the needle's page and makes it dense, fused as eagerly."""
+    step = make_step(1, 4, 2, 400, 16, None, None, torch.float32, seed=11)
+    keys, q = step.keys.clone(), step.query[0, 0]
+    target = fresh(step).log_local[0, 0] + 12.0  # head 0's needle, deep in the bulk, e^12 times the window's mass
+    keys[0, 0, 200] = target / (step.scale * q.norm()) * q / q.norm()
+    step = DecodeStep(step.query, keys, step.scale, step.window, moments=step.moments, values=step.values)
+    criterion, state = prepared(step, 5, heavy=0, pages=2)
+    eager_decided, *_ = eager_tail(criterion, step, state, 0.3)
+    got, _ = fused_tail_launch(criterion, step, state, 0.3)
+    plain = local_ratio(fresh(step).log_local, fresh(step).log_bulk_estimate)
+    assert plain[0, 0] >= 0.3 and not eager_decided[0, 0] and not got.decided[0, 0]
+    assert torch.equal(got.decided, eager_decided)
+
+
+def test_consecutive_steps_keep_the_state_equal():
+    """Four steps on one buffer with a short recent window (6 slots: the step key's page of 16 overlaps the bulk),
+    each step's key a needle for the first head of its group: its page must rank with its new extrema. The rows'
+    ends advance, row 0's across a page boundary, row 1's in a page empty at the prefill. After each step the fused
+    kernel's decisions, ``|E|``, ratios and tail index equal the eager criterion's."""
+    window = Window(8, 2)
+    step = make_step(2, 4, 2, 300, 16, [0, 5], [254, 270], torch.float32, seed=9, window=window)
+    criterion, state = prepared(step, 9, filled=250, heavy=8, observe=4, pages=2)
+    first = state
+    keys = step.keys.clone()
+    for advance in range(4):  # row 0's keys land at slots 253 .. 256 (a fresh page), row 1's at 269 .. 272
+        end = step.end + advance
+        for r in range(2):
+            keys[r, :, end[r] - 1] = 2.5 * step.query[r, ::2]
+        now = DecodeStep(step.query, keys, step.scale, window, start=step.start, end=end, moments=step.moments,
+                         values=step.values)
+        tau = tail_tau(criterion, now, state, 2)
+        _, _, state = check_tail(criterion, now, state, tau)
+    assert not torch.equal(state["kmin"], first["kmin"])
+
+
+def test_local_groups_never_read_their_bulk():
+    """NaN in the keys and values of the pure-bulk blocks of the groups decided local, outside their exact set,
+    never reaches the output; the decision and the output are unchanged."""
+    step = make_step(2, 4, 2, 256, 16, None, None, torch.float32, seed=4)
+    criterion, state = prepared(step, 4, heavy=8, observe=4, pages=2)
+    tau = tail_tau(criterion, step, state, 2)
+    clean, _ = fused_tail_launch(criterion, step, state, tau, splits=2)
+    assert (~clean.read).any() and clean.read.any()
+    *_, eager_step = eager_tail(criterion, step, state, tau)
+    _, valid, slots = criterion.exact_set_slots(eager_step)
+    keys, values = step.keys.clone(), step.values.clone()
+    for r, g in (~clean.read).nonzero().tolist():
+        poison = torch.zeros(step.length, dtype=torch.bool)
+        poison[32:224] = True  # blocks 2 .. 13 of 16 slots hold bulk tokens only (bulk = [4, 228))
+        exact = slots[r, 2 * g : 2 * g + 2][valid[r, 2 * g : 2 * g + 2]]
+        poison[exact] = False  # (the decision reads E's keys)
+        values[r, g, poison] = float("nan")
+        keys[r, g, poison] = float("nan")
+    poisoned = DecodeStep(step.query, keys, step.scale, step.window, moments=step.moments, values=values)
+    got, _ = fused_tail_launch(criterion, poisoned, state, tau, splits=2)
+    assert torch.equal(got.local, clean.local) and torch.isfinite(got.output).all()
+    torch.testing.assert_close(got.output, clean.output, atol=0, rtol=0)
+
+
+def test_fail_safe_forces_non_finite_estimates_dense():
+    """A NaN in one KV head's moments: its heads are forced dense and counted, as the eager criterion does."""
+    step = make_step(2, 4, 2, 200, 16, None, None, torch.float32, seed=2)
+    mean, cov = (t.clone() for t in step.moments)
+    mean[0, 1, 3] = float("nan")
+    broken = DecodeStep(step.query, step.keys, step.scale, step.window, moments=type(step.moments)(mean, cov),
+                        values=step.values)
+    criterion, state = prepared(broken, 2, heavy=4, observe=4, pages=1)
+    got, (_, _, _, fail_safe, _), _ = check_tail(criterion, broken, state, 0.01)
+    assert int(fail_safe) == 2 and got.broken[0, 2:].all() and (~got.decided[0, 2:]).all()
+
+
+def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch):
+    """The step's state update, decision and attention: two launches (grid from the shapes), no host read, only
+    allocations and views."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qada.attention import _triton_kernel
+
+    step = make_step(2, 4, 2, 150, 16, [0, 9], [150, 130], torch.float32, seed=6)
+    criterion, state = prepared(step, 6, heavy=4, observe=4, pages=2)
+    tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages)
+    executor = FusedTritonExecutor(block_size=16, num_splits=3)
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.paused = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.paused:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    record, launches, run = Record(), [], _triton_kernel.run
+
+    def counted(kernel, grid, *args, **kwargs):
+        launches.append((kernel.fn.__name__, grid))
+        record.paused = True  # the interpreter's own host copies are not the executor's work
+        try:
+            run(kernel, grid, *args, **kwargs)
+        finally:
+            record.paused = False
+
+    monkeypatch.setattr(_triton_kernel, "run", counted)
+    with monkeypatch.context() as patched:
+        for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "__float__"):
+            patched.setattr(torch.Tensor, name, lambda *a, _n=name, **kw: pytest.fail(f"host sync: Tensor.{_n}"))
+        with record:
+            executor.decide_and_attend(step, 0.3, "exact", tail)
+    assert launches == [("qada_tail_fused_split_kernel", (4, 3)), ("qada_decode_combine_kernel", (2 * 4 + 1,))]
+    views = {"aten.view.dtype", "aten.select.int", "aten.detach.default"}  # metadata only: no kernel
+    assert set(record.ops) <= {"aten.empty.memory_format"} | views, record.ops
+
+
+# --- in a model: the fused run decodes as the unfused one --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    from qada.moments.reference import collect_reference_keys
+
+    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7))
+    return collect_reference_keys(model, ids, chunk_size=16)
+
+
+SMALL = {"name": "qada_tail", "tau": 0.3, "heavy": 4, "observe": 4, "page_size": 4, "pages": 2}
+
+
+def greedy_states(model, run, cache_kind, steps=5):
+    """Greedy decoding of two rows (row 1 left-padded), qada attached from the prefill (the criterion sees the
+    prompt's queries): ``(tokens [2, steps], summary, the tail index of every layer after every decode step)``."""
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache = (StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 3) if cache_kind == "static"
+             else DynamicCache(config=model.config))  # fmt: skip
+    states, fused = [], []
+    original = LayerStep.__call__
+
+    def spy(self, buffered, *args):
+        result = original(self, buffered, *args)
+        fused.append(result.output is not None)
+        states.append({name: tensor.clone() for name, tensor in args[8]["criterion"].items()})
+        return result
+
+    attach(model, run)
+    run.reset_stats()
+    LayerStep.__call__ = spy
+    try:
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        tokens = []
+        for _ in range(steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        return torch.cat(tokens, 1), run.summary(), states, fused
+    finally:
+        LayerStep.__call__ = original
+        run.remove()
+
+
+@pytest.mark.parametrize(("criterion", "source", "cache"), [(SMALL, "stored", "static"), (SMALL, "current", "dynamic"),
+                                                             ({"name": "qada_tail", "tau": 0.3}, "stored", "static")],
+                         ids=["small-stored-static", "small-current-dynamic", "defaults-stored-static"])
+def test_model_fused_tail_run_equals_triton_run(model, reference, criterion, source, cache):
+    unfused = greedy_states(model, make_run(source, {"name": "triton", "block_size": 16}, reference, criterion), cache)
+    fused = greedy_states(model, make_run(source, {"name": "triton_fused", "block_size": 16}, reference, criterion),
+                          cache)
+    assert fused[3] and all(fused[3]) and not any(unfused[3])  # every decode step decided in the kernel
+    assert torch.equal(fused[0], unfused[0])
+    for key in ("sparsity", "kv_sparsity", "kv_read"):
+        assert fused[1][key] == pytest.approx(unfused[1][key], abs=1e-12), key
+    assert fused[1]["fail_safe"] == unfused[1]["fail_safe"] and fused[1]["decode_steps"] == unfused[1]["decode_steps"]
+    assert len(fused[2]) == len(unfused[2])
+    for got, expected in zip(fused[2], unfused[2], strict=True):  # the tail index after every layer step
+        assert got.keys() == expected.keys()
+        for name in got:
+            torch.testing.assert_close(got[name], expected[name], atol=0, rtol=0, equal_nan=True, msg=name)
+    if criterion is SMALL:
+        assert 0.0 < fused[1]["kv_sparsity"] < 1.0  # not vacuous: some groups skip their bulk, some read it
+
+
+@pytest.mark.parametrize("criterion", [
+    {"name": "qada_tail", "tau": 0.3, "attend_exact": True},
+    {"name": "qada_tail", "tau": 0.3, "super_page": 4},
+    {"name": "qada_tail", "tau": 0.3, "scale_exact": 4096},
+    {"name": "qada_tail_budget", "sparsity": 0.5},
+    {"name": "quest", "pages": 2},
+], ids=["attend_exact", "super_page", "scale_exact", "budget", "quest"])
+def test_model_unfused_configurations_are_errors(reference, criterion):
+    """Said when the run is built, before any work."""
+    with pytest.raises(ValueError, match="plain 'qada' criterion, or of 'qada_tail'.*use the 'triton' executor"):
+        make_run("stored", "triton_fused", reference, criterion=criterion)
+
+
+# --- the kernel compiles for the GPU (no GPU needed) -----------------------------------------------------------
+
+COMPILE = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from qada.attention import _fused_tail_kernel as K
+
+    kernel = K.qada_tail_fused_split_kernel
+    for dtype, rows, features in (("bf16", True, True), ("fp32", False, False)):
+        pointers = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, MEAN="*fp32", COV="*fp32",
+                        START="*i64" if rows else "*" + dtype, END="*i64" if rows else "*" + dtype,
+                        SINKS="*fp32" if features else "*" + dtype, GH_X="*fp32", GH_LOGW="*fp32",
+                        HEAVY="*i64", HEAVY_VALID="*u8", MEMBER="*u8", KMIN="*fp32", KMAX="*fp32", HALVES="*fp32",
+                        ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", DECIDED="*u8", LOCAL="*u8", READ="*u8",
+                        BROKEN="*u8", LOG_RATIO="*fp32", N_EXACT="*i32")
+        constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, BLOCK_K=16, BLOCK_X=64, BLOCK_H=32,
+                         BLOCK_P=32, PAGE=16, BLOCK_S=16, TOP=8, BLOCK_M=8, HAS_START=rows, HAS_END=rows,
+                         HAS_SINKS=features, PROMOTE=features, INPUT_PRECISION="ieee" if dtype == "fp32" else None,
+                         DOT_FP32=False, SOFTCAP=features)
+        floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
+        names = kernel.arg_names
+        signature = {n: pointers.get(n, "constexpr" if n in constants else floats.get(n, "i32")) for n in names}
+        source = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constants.items()})
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    print("compiled")
+    """
+)
+
+
+def test_fused_tail_kernel_compiles_for_the_gpu():
+    """The ``qada_tail`` split kernel compiles (TTIR .. cubin) for sm_90 without a GPU, at the benchmarks' sizes
+    (32 heavy tokens, 8 pages of 16): with bfloat16 inputs, rows, a soft cap, sink logits and ``promote``, and with
+    float32 inputs and none of them."""
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no nvidia backend")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -15,9 +15,15 @@ The statistics row (sparsity, kv_sparsity, kv_read, fail-safe) follows in a few 
 a tensor value, grid from the shapes only. The decision equals the eager criterion's up to float32 rounding (a head
 whose ratio lies within rounding of ``tau`` may go either way).
 
-Anything else (another criterion, no moment source) is an error when the run is built: use ``triton``. Called
-as a plain executor (with a decision given, e.g. :func:`~qada.attention.decode_attention`), it is the ``triton``
-executor.
+On a run whose criterion is the tail-aware ``qada_tail`` (one-level pages, window-only local heads) the split
+launch is :mod:`qada.attention._fused_tail_kernel`'s instead (:class:`FusedTail` carries the layer's tail index):
+each program also makes the step's key join its page (split 0 writes the page back), scores the heavy set and each
+query head's top pages by bound, and decides on ``logaddexp(log A_E, log(T_bulk - |E|) + mu_s + sigma_s^2 / 2)``;
+still two launches per layer.
+
+Anything else (another criterion, ``qada_tail`` with ``attend_exact``, ``super_page`` or ``scale_exact``, no moment
+source) is an error when the run is built: use ``triton``. Called as a plain executor (with a decision given, e.g.
+:func:`~qada.attention.decode_attention`), it is the ``triton`` executor.
 """
 
 from __future__ import annotations
@@ -136,9 +142,11 @@ class FusedTritonExecutor(TritonExecutor):
     one combine launch per layer and step for the whole decision and attention (module docstring).
 
     In a run it applies when the criterion is the plain ``qada`` one (:class:`~qada.criteria.QAdACriterion`, any
-    ``tau``) with a moment source (``stored``, ``current``, ...); any other criterion is an error at the run's first
-    step (``triton`` decodes for every criterion). Its decisions, statistics and output are those of ``qada`` with
-    the ``triton`` executor, up to float32 rounding. Arguments as for :class:`~qada.attention.TritonExecutor`.
+    ``tau``) or ``qada_tail`` (:class:`~qada.criteria.TailCriterion` without ``attend_exact``, ``super_page``,
+    ``scale_exact``) with a moment source (``stored``, ``current``, ...); any other criterion is an error when the
+    run is built (``triton`` decodes for every criterion). Its decisions, statistics and output are those of the
+    criterion with the ``triton`` executor, up to float32 rounding (and ``qada_tail``'s tail index after each step
+    too). Arguments as for :class:`~qada.attention.TritonExecutor`.
     """
 
     fuses_decision = True

@@ -219,6 +219,7 @@ def test_issue33_gpu_goals_from_measured_rows():
         _row("qada fused compiled", 7680, 1, "smollm2", 50.0, speedup_vs_dense_compiled=0.5),
         _row("qada compiled", 7680, 1, "smollm2", 80.0, speedup_vs_dense_compiled=0.8),
         _row("qada_tail compiled", 7680, 1, "smollm2", 76.0, speedup_vs_dense_compiled=0.76),
+        _row("qada_tail fused compiled", 7680, 1, "smollm2", 47.0, speedup_vs_dense_compiled=0.47),
         _row("qada_tail_budget compiled", 131072, 1, "llama3-8b-random", 42.0, speedup_vs_dense_compiled=4.2),
         _row("qada dense compiled", 131072, 1, "llama3-8b-random", 30.0, speedup_vs_dense_compiled=3.0),
     ]  # fmt: skip
@@ -237,9 +238,11 @@ def test_issue33_gpu_goals_from_measured_rows():
 
     assert goal("sparsity on SmolLM2")["status"] == "met"
     assert goal("sparsity on SmolLM2")["measured"] == pytest.approx(0.01)
-    assert goal("B=32|triton_fused")["status"] == "met" and goal("B=1:|triton_fused")["status"] == "miss"
-    assert goal("B=1:|qada_tail tau 0.3 / qada")["measured"] == pytest.approx(0.95)
-    assert goal("B=32|qada_tail tau 0.3 / qada")["status"] == "not measured"  # no rows at B = 32
+    assert goal("B=32|triton_fused) / compiled dense")["status"] == "met"
+    assert goal("B=1:|triton_fused) / compiled dense")["status"] == "miss"
+    assert goal("B=1:|qada_tail tau 0.3 / qada|compiled layer step")["measured"] == pytest.approx(0.95)
+    assert goal("B=32|qada_tail tau 0.3 / qada|compiled layer step")["status"] == "not measured"  # no rows at B = 32
+    assert goal("B=1:|qada_tail tau 0.3 / qada|in the kernel")["measured"] == pytest.approx(0.94)
     assert goal("qada_tail_budget 0.85 / qada's own")["measured"] == pytest.approx(1.4)
     assert goal("qada_tail_budget 0.85 / qada's own")["status"] == "miss"
     assert goal("qada_tail_budget 0.85 / transformers")["status"] == "met"
@@ -264,14 +267,16 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     rows = {(r["model"], r["B"], r["config"]): r for r in data["end_to_end"]}
     eager = EAGER - {"static rho_kv=0.5"}
     twins = {f"{name} eager" for name in {"qada"} | TAIL}  # compile=False: the same layer step, eagerly
-    fused = {"qada fused"}  # the triton executor's suite: the decision in the split kernel too
+    fused = {"qada fused", "qada_tail fused"}  # the triton executor's suite: the decisions in the split kernel too
     graphed = {f"{name} compiled" for name in ("dense", "qada dense", "qada", "qada fused")}  # CUDA graphs on a GPU
-    assert {("smollm2", 2, c) for c in eager | fused | graphed | twins | {f"{t} compiled" for t in TAIL}} == {
-        k for k in rows if k[0] == "smollm2"}
-    random_rows = eager | fused | graphed | {"dense dynamic cache", "qada_tail_budget compiled",
-                                             "static rho_kv=0.875 compiled"}
+    assert {("smollm2", 2, c) for c in eager | fused | graphed | twins | {f"{t} compiled" for t in TAIL}
+            | {"qada_tail fused compiled"}} == {k for k in rows if k[0] == "smollm2"}
+    random_rows = eager | fused | graphed | {"dense dynamic cache", "qada_tail fused compiled",
+                                             "qada_tail_budget compiled", "static rho_kv=0.875 compiled"}
     assert {("tiny-random", 1, c) for c in random_rows} == {k for k in rows if k[0] == "tiny-random"}
-    assert rows[("smollm2", 2, "qada fused")]["sparsity"] == pytest.approx(rows[("smollm2", 2, "qada")]["sparsity"])
+    for name in ("qada", "qada_tail"):  # the same decisions in the kernel
+        fused_sparsity = rows[("smollm2", 2, f"{name} fused")]["sparsity"]
+        assert fused_sparsity == pytest.approx(rows[("smollm2", 2, name)]["sparsity"])
     stored = rows[("smollm2", 2, "qada")]["run"]["moments"]  # the CPU suites' source, its reference named
     assert stored["name"] == "stored" and stored["prompt"] == "random_words"
     assert stored["file"].endswith(".safetensors") and len(stored["fingerprint"]) == 16

@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="moment source: stored, bucketed, current, a mapping or a file; used if the criterion "
                              "needs moments (default: the --config file's, else stored)")
     parser.add_argument("--executor", default=None,
-                        help="attention executor: sdpa, reference, flex, triton, triton_fused (plain qada only), a "
+                        help="attention executor: sdpa, reference, flex, triton, triton_fused (qada, qada_tail), a "
                              "mapping or a file (default: the --config file's, else sdpa)")
     parser.add_argument("--t-local", type=positive_int, default=None,
                         help="local window size (default: the --config file's, else 128)")

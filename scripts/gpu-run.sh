@@ -4,7 +4,10 @@
 #   bash scripts/gpu-run.sh env tests attention      # no model needed (the first call, with .gpu/a)
 #   bash scripts/gpu-run.sh smollm2                  # the embedded model (after .gpu/b: "model ready")
 #   bash scripts/gpu-run.sh llama                    # Llama-3-8B shapes, random weights
-# Stages: env, tests, attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones), smollm2-b1, smollm2-b32, llama, llama-32k, llama-128k.
+#   bash scripts/gpu-run.sh fused parity                # issue 33: the fused kernels on CUDA, CPU-vs-CUDA decisions
+# Stages: env, tests, fused (the triton_fused tests, on CUDA), parity (every layer's decisions on the CPU and on CUDA,
+# needs the model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the
+# compiled ones), smollm2-b1, smollm2-b32, llama, llama-32k, llama-128k.
 # Each stage's limit (seconds) can be changed with LIMIT_<stage>=..., e.g. LIMIT_smollm2=300.
 set -u
 out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
@@ -25,6 +28,8 @@ for s in "$@"; do
     env) stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())'" ;;
     tests) stage tests 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_attention_triton.py \
              tests/test_attention_triton_buffer.py tests/test_buffer_decode.py ;;
+    fused) stage fused 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decision.py tests/test_fused_tail.py ;;
+    parity) stage parity 400 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;
     attention) stage attention 300 "$py" benchmarks/run.py --gpu --out "$out" --only attention,overhead ;;
     smollm2) stage smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 ;;
     smollm2-b1) stage smollm2-b1 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 --batches 1 ;;

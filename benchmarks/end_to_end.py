@@ -391,10 +391,18 @@ def run_end_to_end(
 
 
 def _no_silent_fallback():
-    """Past dynamo's recompile limit a compiled forward would silently run eagerly: make it an error instead."""
-    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
-        return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
-    return contextlib.nullcontext()
+    """Past dynamo's recompile limit a compiled forward would silently run eagerly: make it an error instead. Every
+    compiled configuration of a case compiles the one ``model.forward`` for its own run (each a guard set of its own,
+    all kept: the configurations alternate), so the limit is raised to :data:`COMPILED_CONFIGS_LIMIT` first."""
+    patches = {"fail_on_recompile_limit_hit": True, "recompile_limit": COMPILED_CONFIGS_LIMIT,
+               "cache_size_limit": COMPILED_CONFIGS_LIMIT}
+    known = {k: v for k, v in patches.items() if hasattr(torch._dynamo.config, k)}
+    return torch._dynamo.config.patch(**known) if known else contextlib.nullcontext()
+
+
+COMPILED_CONFIGS_LIMIT = 32
+"""Compiled ``model.forward`` variants one case may hold (dynamo's default limit, 8, is fewer than the GPU suite's
+compiled rows)."""
 
 
 def _agreement(runs: list[dict], reference: dict) -> tuple[float, int, int]:

@@ -148,7 +148,7 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``qada dense`` (the
     wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor; with the
     ``triton`` executor also ``qada fused`` and ``qada_tail fused``: the same decisions made in the split kernel,
-    ``triton_fused``), the
+    ``triton_fused``, and their ``once`` twins with ``decide_once``: a decision launch, then the split), the
     tail-aware rows of :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded
     prompt queries), ``static rho_kv=...`` (whole KV groups forced local): every qada row on the run's default path
     (its layer step compiled on the static cache); with ``workload.eager`` also ``<name> eager`` for ``qada`` and
@@ -171,9 +171,12 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
                 model, tokenizer), count_events=not suffix)
     if suite.e2e_executor == "triton":  # the decision inside the split kernel (triton_fused): qada and qada_tail
         for name in [n for n in ("qada", "qada_tail") if n in criteria]:
-            configs[f"{name} fused"] = DecodeConfig(kind, lambda criterion=criteria[name]: prepare_run(
-                build_run(criterion=criterion, moments=moments, executor="triton_fused"), model, tokenizer),
-                count_events=True)
+            for suffix, once in (("", False), (" once", True)):  # the decision in every split, or launched once
+                executor = {"name": "triton_fused", "decide_once": once}
+                configs[f"{name} fused{suffix}"] = DecodeConfig(
+                    kind, lambda criterion=criteria[name], executor=executor: prepare_run(
+                        build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer),
+                    count_events=True)
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
         configs[f"static rho_kv={rho}"] = DecodeConfig(kind, lambda mask=mask: static_run(mask, suite.e2e_executor))

@@ -267,16 +267,18 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     rows = {(r["model"], r["B"], r["config"]): r for r in data["end_to_end"]}
     eager = EAGER - {"static rho_kv=0.5"}
     twins = {f"{name} eager" for name in {"qada"} | TAIL}  # compile=False: the same layer step, eagerly
-    fused = {"qada fused", "qada_tail fused"}  # the triton executor's suite: the decisions in the split kernel too
+    fused = {f"{name} fused{once}" for name in ("qada", "qada_tail") for once in ("", " once")}  # triton suites
     graphed = {f"{name} compiled" for name in ("dense", "qada dense", "qada", "qada fused")}  # CUDA graphs on a GPU
     assert {("smollm2", 2, c) for c in eager | fused | graphed | twins | {f"{t} compiled" for t in TAIL}
-            | {"qada_tail fused compiled"}} == {k for k in rows if k[0] == "smollm2"}
+            | {"qada_tail fused compiled", "qada fused once compiled", "qada_tail fused once compiled"}} == {
+        k for k in rows if k[0] == "smollm2"}
     random_rows = eager | fused | graphed | {"dense dynamic cache", "qada_tail fused compiled",
                                              "qada_tail_budget compiled", "static rho_kv=0.875 compiled"}
     assert {("tiny-random", 1, c) for c in random_rows} == {k for k in rows if k[0] == "tiny-random"}
     for name in ("qada", "qada_tail"):  # the same decisions in the kernel
-        fused_sparsity = rows[("smollm2", 2, f"{name} fused")]["sparsity"]
-        assert fused_sparsity == pytest.approx(rows[("smollm2", 2, name)]["sparsity"])
+        for fused_name in (f"{name} fused", f"{name} fused once"):
+            fused_sparsity = rows[("smollm2", 2, fused_name)]["sparsity"]
+            assert fused_sparsity == pytest.approx(rows[("smollm2", 2, name)]["sparsity"])
     stored = rows[("smollm2", 2, "qada")]["run"]["moments"]  # the CPU suites' source, its reference named
     assert stored["name"] == "stored" and stored["prompt"] == "random_words"
     assert stored["file"].endswith(".safetensors") and len(stored["fingerprint"]) == 16

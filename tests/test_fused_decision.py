@@ -100,11 +100,11 @@ def tau_between(ratio, has_bulk, G):
     return min(gaps)[1]
 
 
-def check_fused(step, tau, policy="exact", block=16, splits=3):
+def check_fused(step, tau, policy="exact", block=16, splits=3, decide_once=False):
     """The fused launch against the eager criterion (decisions, fail-safe), the unfused ``triton`` executor on the
     eager decision (output) and the block counts of :func:`hand_blocks` (local groups skip their bulk blocks)."""
     decided, local, read, fail_safe, ratio = eager(step, tau, policy)
-    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits)
+    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=decide_once)
     got = executor.decide_and_attend(fresh(step), tau, policy)
     near = (ratio - tau).abs() <= 1e-4 * tau  # rounding may decide these either way (none with tau_between)
     assert torch.equal(got.decided | near, decided | near) and torch.equal(got.decided & ~near, decided & ~near)
@@ -146,6 +146,22 @@ def test_fused_decision_and_output_equal_eager(case):
     with_bulk = fresh(step).has_bulk
     assert (~read[with_bulk]).any() and read[with_bulk].any()  # not vacuous: some groups skip, some read
     assert (~decided).any()
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["promote", "softcap-sinks"])
+def test_decide_once_decides_and_attends_alike(case):
+    """``decide_once``: a decision launch, then the ``triton`` split and combine on its mask: the eager decisions, the
+    unfused output and block counts, and the one-launch version's output."""
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits = case
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C, softcap=softcap, sinks=sinks)
+    _, _, _, _, ratio = eager(step, 0.5, policy)
+    tau = tau_between(ratio, fresh(step).has_bulk, H // H_kv)
+    once, _ = check_fused(step, tau, policy, block, splits, decide_once=True)
+    one = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits).decide_and_attend(
+        fresh(step), tau, policy)
+    for name in ("decided", "local", "read", "broken", "counts"):
+        assert torch.equal(getattr(once, name), getattr(one, name)), name
+    torch.testing.assert_close(once.output, one.output, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("tau", [0.0, 1.0])
@@ -196,14 +212,16 @@ def test_fail_safe_forces_non_finite_estimates_dense():
     assert got.broken[0, 2:].all() and got.broken[1, :2].all() and int(got.broken.sum()) == 4
 
 
-def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch):
-    """The step's decision and attention: two launches (grid from the shapes), no host read, only allocations."""
+@pytest.mark.parametrize("decide_once", [False, True])
+def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch, decide_once):
+    """The step's decision and attention: two launches (grid from the shapes; with ``decide_once`` a decision launch
+    first, then the ``triton`` executor's two), no host read, only allocations."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from qada.attention import _triton_kernel
 
     step = make_step(2, 4, 2, 150, 16, [0, 9], [150, 130], torch.float32, seed=6)
-    executor = FusedTritonExecutor(block_size=16, num_splits=3)
+    executor = FusedTritonExecutor(block_size=16, num_splits=3, decide_once=decide_once)
 
     class Record(TorchDispatchMode):
         def __init__(self):
@@ -231,7 +249,9 @@ def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch):
             patched.setattr(torch.Tensor, name, lambda *a, _n=name, **kw: pytest.fail(f"host sync: Tensor.{_n}"))
         with record:
             executor.decide_and_attend(step, 0.3)
-    assert launches == [("qada_fused_split_kernel", (4, 3)), ("qada_decode_combine_kernel", (2 * 4 + 1,))]
+    attend = [("qada_decode_split_kernel", (4, 3))] if decide_once else []
+    assert launches == [("qada_fused_split_kernel", (4, 1 if decide_once else 3)), *attend,
+                        ("qada_decode_combine_kernel", (2 * 4 + 1,))]
     views = {"aten.view.dtype", "aten.select.int", "aten.detach.default"}  # metadata only: no kernel
     assert set(record.ops) <= {"aten.empty.memory_format"} | views, record.ops
 
@@ -310,12 +330,14 @@ def fused_steps(counter):
         LayerStep.__call__ = original
 
 
-@pytest.mark.parametrize(("source", "cache"), [("stored", "static"), ("current", "dynamic")])
-def test_model_fused_run_equals_triton_run(model, reference, source, cache):
+@pytest.mark.parametrize(("source", "cache", "decide_once"),
+                         [("stored", "static", False), ("current", "dynamic", False), ("stored", "static", True)])
+def test_model_fused_run_equals_triton_run(model, reference, source, cache, decide_once):
     unfused = greedy(model, make_run(source, {"name": "triton", "block_size": 16}, reference), cache)
     calls: list = []
     with fused_steps(calls):
-        fused = greedy(model, make_run(source, {"name": "triton_fused", "block_size": 16}, reference), cache)
+        executor = {"name": "triton_fused", "block_size": 16, "decide_once": decide_once}
+        fused = greedy(model, make_run(source, executor, reference), cache)
     assert calls and all(calls)  # every decode step decided in the kernel
     assert torch.equal(fused[0], unfused[0])
     for key in ("sparsity", "kv_sparsity", "kv_read"):

@@ -75,11 +75,11 @@ def eager_tail(criterion, step, state, tau, policy="exact"):
     return decided, local, read, fail_safe, ratio, state, step
 
 
-def fused_tail_launch(criterion, step, state, tau, policy="exact", block=16, splits=3):
+def fused_tail_launch(criterion, step, state, tau, policy="exact", block=16, splits=3, decide_once=False):
     """The fused launch on a copy of ``state``: ``(launch, state after)``."""
     state = copy_state(state)
     tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages)
-    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits)
+    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=decide_once)
     return executor.decide_and_attend(fresh(step), tau, policy, tail), state
 
 
@@ -88,12 +88,12 @@ def assert_same_state(got, expected):
         torch.testing.assert_close(got[name], expected[name], atol=0, rtol=0, equal_nan=True, msg=name)
 
 
-def check_tail(criterion, step, state, tau, policy="exact", block=16, splits=3):
+def check_tail(criterion, step, state, tau, policy="exact", block=16, splits=3, decide_once=False):
     """The fused launch against the eager criterion (decisions, fail-safe, state after the step), the unfused
     ``triton`` executor on the fused decision (output, block counts) and :func:`hand_blocks`."""
     decided, local, read, fail_safe, ratio, state_after, eager_step = eager_tail(criterion, step, state, tau,
                                                                                  policy)
-    got, got_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits)
+    got, got_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once)
     near = (ratio - tau).abs() <= 1e-4 * tau  # rounding may decide these either way (none with tau_between)
     assert torch.equal(got.decided | near, decided | near) and torch.equal(got.decided & ~near, decided & ~near)
     if not near.any():
@@ -145,6 +145,22 @@ def test_fused_tail_decision_state_and_output_equal_eager(case):
     assert (~read[with_bulk]).any() and read[with_bulk].any()  # not vacuous: some groups skip, some read
     plain = local_ratio(fresh(step).log_local, fresh(step).log_bulk_estimate)
     assert not torch.allclose(ratio[with_bulk], plain[with_bulk])  # the exact set changed the estimate
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=["promote", "bf16-two-tiles"])
+def test_decide_once_decides_updates_and_attends_alike(case):
+    """``decide_once`` (a decision launch, then the ``triton`` split and combine): the eager decisions and state
+    after the step, the unfused output and counts, and the one-launch version's output."""
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits, sizes = case
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C, softcap=softcap, sinks=sinks)
+    criterion, state = prepared(step, C, **sizes)
+    tau = tail_tau(criterion, step, state, H // H_kv, policy)
+    once, _, once_state = check_tail(criterion, step, state, tau, policy, block, splits, decide_once=True)
+    one, one_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits)
+    for name in ("decided", "local", "read", "broken", "counts", "n_exact", "log_ratio"):
+        assert torch.equal(getattr(once, name), getattr(one, name)), name
+    torch.testing.assert_close(once.output, one.output, atol=0, rtol=0)
+    assert_same_state(once_state, one_state)
 
 
 def test_the_exact_set_changes_decisions_against_qada():
@@ -220,9 +236,10 @@ def test_fail_safe_forces_non_finite_estimates_dense():
     assert int(fail_safe) == 2 and got.broken[0, 2:].all() and (~got.decided[0, 2:]).all()
 
 
-def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch):
-    """The step's state update, decision and attention: two launches (grid from the shapes), no host read, only
-    allocations and views."""
+@pytest.mark.parametrize("decide_once", [False, True])
+def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch, decide_once):
+    """The step's state update, decision and attention: two launches (grid from the shapes; with ``decide_once`` a
+    decision launch first, then the ``triton`` executor's two), no host read, only allocations and views."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from qada.attention import _triton_kernel
@@ -230,7 +247,7 @@ def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch):
     step = make_step(2, 4, 2, 150, 16, [0, 9], [150, 130], torch.float32, seed=6)
     criterion, state = prepared(step, 6, heavy=4, observe=4, pages=2)
     tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages)
-    executor = FusedTritonExecutor(block_size=16, num_splits=3)
+    executor = FusedTritonExecutor(block_size=16, num_splits=3, decide_once=decide_once)
 
     class Record(TorchDispatchMode):
         def __init__(self):
@@ -258,7 +275,9 @@ def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch):
             patched.setattr(torch.Tensor, name, lambda *a, _n=name, **kw: pytest.fail(f"host sync: Tensor.{_n}"))
         with record:
             executor.decide_and_attend(step, 0.3, "exact", tail)
-    assert launches == [("qada_tail_fused_split_kernel", (4, 3)), ("qada_decode_combine_kernel", (2 * 4 + 1,))]
+    attend = [("qada_decode_split_kernel", (4, 3))] if decide_once else []
+    assert launches == [("qada_tail_fused_split_kernel", (4, 1 if decide_once else 3)), *attend,
+                        ("qada_decode_combine_kernel", (2 * 4 + 1,))]
     views = {"aten.view.dtype", "aten.select.int", "aten.detach.default"}  # metadata only: no kernel
     assert set(record.ops) <= {"aten.empty.memory_format"} | views, record.ops
 

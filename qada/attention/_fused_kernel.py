@@ -141,6 +141,7 @@ def qada_fused_split_kernel(
     BLOCK_X: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+    ATTEND: tl.constexpr = True,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the group's QAdA decision, then its split of the attention.
 
@@ -209,17 +210,18 @@ def qada_fused_split_kernel(
         tl.store(BROKEN + out, broken.to(tl.uint8), mask=g_ok)
         tl.store(READ + row64 * H_KV + kv64, read.to(tl.uint8))
 
-    # --- the attention over this split's share of the virtual block list ---------------------------------------
-    a_lo, n_a, b_lo, n_virtual = block_list(first, last, bulk_lo, bulk_hi, read | (has_bulk == 0), BLOCK_N)
-    per_split = tl.cdiv(n_virtual, num_splits)
-    v_begin = split * per_split
-    v_end = tl.minimum(v_begin + per_split, n_virtual)
-    if DOT_FP32:
-        q = qf
-    m_i, l_i, acc, n_bulk = attend_blocks(
-        q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
-        first, last, bulk_lo, bulk_hi, has_bulk, read, dense, a_lo, n_a, b_lo, v_begin, v_end, qk_scale, softcap,
-        D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32, SOFTCAP,
-    )  # fmt: skip
-    store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bulk, tl.maximum(v_end - v_begin, 0),
-                G, D, BLOCK_G, BLOCK_D)  # fmt: skip
+    # --- the attention over this split's share of the virtual block list (not in a decision-only launch) -------
+    if ATTEND:
+        a_lo, n_a, b_lo, n_virtual = block_list(first, last, bulk_lo, bulk_hi, read | (has_bulk == 0), BLOCK_N)
+        per_split = tl.cdiv(n_virtual, num_splits)
+        v_begin = split * per_split
+        v_end = tl.minimum(v_begin + per_split, n_virtual)
+        if DOT_FP32:
+            q = qf
+        m_i, l_i, acc, n_bulk = attend_blocks(
+            q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
+            first, last, bulk_lo, bulk_hi, has_bulk, read, dense, a_lo, n_a, b_lo, v_begin, v_end, qk_scale, softcap,
+            D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32, SOFTCAP,
+        )  # fmt: skip
+        store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bulk,
+                    tl.maximum(v_end - v_begin, 0), G, D, BLOCK_G, BLOCK_D)  # fmt: skip

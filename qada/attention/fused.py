@@ -21,6 +21,10 @@ each program also makes the step's key join its page (split 0 writes the page ba
 query head's top pages by bound, and decides on ``logaddexp(log A_E, log(T_bulk - |E|) + mu_s + sigma_s^2 / 2)``;
 still two launches per layer.
 
+With ``decide_once=True`` the decision (either kind) is a launch of its own, one program per (row, KV head), and
+the ``triton`` executor's split and combine launches then read its ``local`` mask: three launches, the decision
+made once per group instead of once per split (what a GPU measurement should choose between).
+
 Anything else (another criterion, ``qada_tail`` with ``attend_exact``, ``super_page`` or ``scale_exact``, no moment
 source) is an error when the run is built: use ``triton``. Called as a plain executor (with a decision given, e.g.
 :func:`~qada.attention.decode_attention`), it is the ``triton`` executor.
@@ -35,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from qada.attention.base import register_executor
+from qada.attention.base import GroupDecision, register_executor
 from qada.attention.triton_decode import TritonExecutor, _next_pow2, check_triton_runtime, combine
 from qada.step import DecodeStep
 
@@ -152,6 +156,12 @@ class FusedTritonExecutor(TritonExecutor):
     fuses_decision = True
     """A run's layer step decides through :meth:`decide_and_attend` (:meth:`~qada.models.layer_step.LayerStep.fuse`)."""
 
+    decide_once: bool = False
+    """``False``: the decision in the split launch (two launches; every split recomputes it, since it fixes the
+    split's blocks). ``True``: a decision launch of one program per (row, KV head), then the ``triton`` executor's
+    split and combine launches reading its ``local`` mask (three launches; the decision, the exact set and the page
+    bounds computed once instead of once per split). The same decisions and output either way."""
+
     def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact",
                           tail: FusedTail | None = None) -> FusedLaunch:
         """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches;
@@ -184,7 +194,7 @@ class FusedTritonExecutor(TritonExecutor):
         dot_fp32 = _triton_kernel.INTERPRETED and query.dtype == torch.bfloat16
         BLOCK_G, BLOCK_D = max(16, _next_pow2(G)), max(16, _next_pow2(d))
         pairs = b * H_kv
-        S = self.splits(query.device, pairs, C)
+        S = 1 if self.decide_once else self.splits(query.device, pairs, C)  # a decision launch: one per group
         device = query.device
         f32 = dict(dtype=torch.float32, device=device)
         acc = torch.empty(pairs, S, G, d, **f32)
@@ -212,19 +222,26 @@ class FusedTritonExecutor(TritonExecutor):
                  float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau,
                  nodes.shape[0] if softcap else 1)
         log_ratio = n_exact = None
+        grid = (pairs, S)
+        if self.decide_once:  # the decision alone, one program per (row, KV head): nothing attended or written
+            common["ATTEND"] = False
         if tail is None:
-            _triton_kernel.run(_fused_kernel.qada_fused_split_kernel, (pairs, S), *inputs, *outputs, *strides,
+            _triton_kernel.run(_fused_kernel.qada_fused_split_kernel, grid, *inputs, *outputs, *strides,
                                *sizes, **common)
         else:
             from qada.attention import _fused_tail_kernel
 
             log_ratio = torch.empty(b, H, **f32)
             n_exact = torch.empty(b, H, dtype=torch.int32, device=device)
-            _triton_kernel.run(_fused_tail_kernel.qada_tail_fused_split_kernel, (pairs, S), *inputs,
+            _triton_kernel.run(_fused_tail_kernel.qada_tail_fused_split_kernel, grid, *inputs,
                                *tail.kernel_inputs(b, H_kv, C, d), *outputs, log_ratio, n_exact, *strides,
                                *tail.kernel_strides(), *sizes,
                                tail.heavy.shape[2], tail.kmin.shape[2], **common, **tail.kernel_constants())
-        output, bulk_blocks = combine(query, acc, m, l, counts, sinks)
         flags = flags.view(torch.bool)
+        if self.decide_once:  # the triton executor's two launches on the decision just made
+            done = self.launch(step, GroupDecision(flags[1], read.view(torch.bool)))
+            return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read.view(torch.bool), flags[2],
+                               done.counts, log_ratio, n_exact)
+        output, bulk_blocks = combine(query, acc, m, l, counts, sinks)
         return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read.view(torch.bool), flags[2], counts, log_ratio,
                            n_exact)

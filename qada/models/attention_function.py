@@ -89,4 +89,3 @@ def decode_step(run: QAdARun, layer: int, query: torch.Tensor, key: torch.Tensor
                          features.softcap)
     return run.decode(layer, query, key, value, scaling, attention_mask, position_ids, features.sink_logits,
                       features.softcap)
-

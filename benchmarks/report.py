@@ -186,8 +186,9 @@ def on_gpu(results: dict[str, Any]) -> bool:
 
 def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmeasured) -> None:
     """Issue 33's goals: the CPU's decisions on CUDA, the decision in the kernel, dense at bandwidth."""
-    r, cpu = next((r for r in e2e if r["config"] == "qada" and r["T"] == 7680 and r.get("model") == "smollm2"),
-                  None), _cpu_suite_row("qada", 7680)
+    r = next((r for r in e2e if r["config"] == "qada" and r["T"] == 7680 and r.get("model") == "smollm2"
+              and r.get("B", 1) == 1), None)  # the CPU suite's row: B = 1, the same prompt
+    cpu = _cpu_suite_row("qada", 7680)
     goal("GPU: QAdA tau 0.6 sparsity on SmolLM2 at 7.68k, |GPU - the CPU suite's| (benchmarks/results/quick-cpu.json)",
          r and cpu and abs(r["sparsity"] - cpu["sparsity"]), 0.02, higher_is_better=False, unmeasured=unmeasured,
          detail=r and cpu and f"GPU {r['sparsity']:.3f} / kv {r['kv_sparsity']:.3f}, CPU {cpu['sparsity']:.3f} / kv "

@@ -29,8 +29,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qada.attention._fused_kernel import bulk_log_mean_exp, cap, logaddexp, threshold_decision, window_log_mass
-from qada.attention._triton_kernel import attend_blocks, block_list, row_range, store_split
+from qada.attention._fused_kernel import (
+    bulk_log_mean_exp,
+    cap,
+    logaddexp,
+    store_decision,
+    threshold_decision,
+    window_log_local,
+)
+from qada.attention._triton_kernel import attend_split, row_range
 
 
 @triton.jit
@@ -138,11 +145,9 @@ def qada_tail_fused_split_kernel(
     qf = q.to(tl.float32)
 
     # --- log A_local: the window's exact mass (and the sink logit) ---------------------------------------------
-    log_local, bad = window_log_mass(qf, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
-                                     scale, softcap, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP)  # fmt: skip
-    if HAS_SINKS:
-        sink = tl.load(SINKS + heads, mask=g_ok, other=0.0).to(tl.float32)
-        log_local = logaddexp(log_local, sink)
+    log_local, bad = window_log_local(qf, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
+                                      scale, softcap, SINKS, heads, g_ok, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP,
+                                      HAS_SINKS)  # fmt: skip
 
     # --- the step's key joins its page (append_step_key) ------------------------------------------------------
     if HAS_END:
@@ -243,11 +248,8 @@ def qada_tail_fused_split_kernel(
     decided, local, broken, dense, read = threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G,
                                                              BLOCK_G, PROMOTE)  # fmt: skip
     if split == 0:
-        out = row64 * (H_KV * G) + heads.to(tl.int64)
-        tl.store(DECIDED + out, decided.to(tl.uint8), mask=g_ok)
-        tl.store(LOCAL + out, local.to(tl.uint8), mask=g_ok)
-        tl.store(BROKEN + out, broken.to(tl.uint8), mask=g_ok)
-        tl.store(READ + row64 * H_KV + kv64, read.to(tl.uint8))
+        out = store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
+                             read)  # fmt: skip
         tl.store(LOG_RATIO + out, log_local - logaddexp(log_local, log_bulk), mask=g_ok)
         tl.store(N_EXACT + out, n_exact, mask=g_ok)
         tl.store(KMIN + extrema, low, mask=d_ok)  # the step key's page, as append_step_key leaves it
@@ -258,16 +260,9 @@ def qada_tail_fused_split_kernel(
 
     # --- the attention over this split's share of the virtual block list (not in a decision-only launch) -------
     if ATTEND:
-        a_lo, n_a, b_lo, n_virtual = block_list(first, last, bulk_lo, bulk_hi, read | (has_bulk == 0), BLOCK_N)
-        per_split = tl.cdiv(n_virtual, num_splits)
-        v_begin = split * per_split
-        v_end = tl.minimum(v_begin + per_split, n_virtual)
         if DOT_FP32:
             q = qf
-        m_i, l_i, acc, n_bulk = attend_blocks(
-            q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
-            first, last, bulk_lo, bulk_hi, has_bulk, read, dense, a_lo, n_a, b_lo, v_begin, v_end, qk_scale, softcap,
-            D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32, SOFTCAP,
-        )  # fmt: skip
-        store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bulk,
-                    tl.maximum(v_end - v_begin, 0), G, D, BLOCK_G, BLOCK_D)  # fmt: skip
+        attend_split(q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
+                     first, last, bulk_lo, bulk_hi, has_bulk, read, dense, ACC, M, L, COUNTS, pair, split, num_splits,
+                     qk_scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32,
+                     SOFTCAP)  # fmt: skip

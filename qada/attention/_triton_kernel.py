@@ -153,6 +153,29 @@ def store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bul
 
 
 @triton.jit
+def attend_split(
+    q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, first, last, bulk_lo, bulk_hi, has_bulk, read,
+    dense, ACC, M, L, COUNTS, pair, split, num_splits, qk_scale, softcap,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """One program's split of a (row, KV head)'s attention: its share of the virtual block list (every block when
+    ``read`` or without a bulk, else the window's), :func:`attend_blocks` over it with the queries ``q [BLOCK_G,
+    BLOCK_D]`` (already in the dot's dtype) and the dense heads ``dense``, and :func:`store_split`."""
+    a_lo, n_a, b_lo, n_virtual = block_list(first, last, bulk_lo, bulk_hi, read | (has_bulk == 0), BLOCK_N)
+    per_split = tl.cdiv(n_virtual, num_splits)
+    v_begin = split * per_split
+    v_end = tl.minimum(v_begin + per_split, n_virtual)
+    m_i, l_i, acc, n_bulk = attend_blocks(
+        q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+        first, last, bulk_lo, bulk_hi, has_bulk, read, dense, a_lo, n_a, b_lo, v_begin, v_end, qk_scale, softcap,
+        D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32, SOFTCAP,
+    )  # fmt: skip
+    store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bulk, tl.maximum(v_end - v_begin, 0),
+                G, D, BLOCK_G, BLOCK_D)  # fmt: skip
+
+
+@triton.jit
 def qada_decode_split_kernel(
     Q, K, V, LOCAL, START, END, ACC, M, L, COUNTS,
     stride_qb, stride_qh, stride_qd,
@@ -196,23 +219,14 @@ def qada_decode_split_kernel(
     dense = (is_local == 0) & g_ok  # [BLOCK_G]
     read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
 
-    a_lo, n_a, b_lo, n_virtual = block_list(first, last, bulk_lo, bulk_hi, read | (has_bulk == 0), BLOCK_N)
-    per_split = tl.cdiv(n_virtual, num_splits)
-    v_begin = split * per_split
-    v_end = tl.minimum(v_begin + per_split, n_virtual)
-
     q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     if DOT_FP32:
         q = q.to(tl.float32)
-    m_i, l_i, acc, n_bulk = attend_blocks(
-        q, K + row64 * stride_kb + kv64 * stride_kh, V + row64 * stride_vb + kv64 * stride_vh,
-        stride_kt, stride_kd, stride_vt, stride_vd,
-        first, last, bulk_lo, bulk_hi, has_bulk, read, dense, a_lo, n_a, b_lo, v_begin, v_end, qk_scale, softcap,
-        D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32, SOFTCAP,
-    )  # fmt: skip
-    store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bulk, tl.maximum(v_end - v_begin, 0),
-                G, D, BLOCK_G, BLOCK_D)  # fmt: skip
+    attend_split(q, K + row64 * stride_kb + kv64 * stride_kh, V + row64 * stride_vb + kv64 * stride_vh,
+                 stride_kt, stride_kd, stride_vt, stride_vd, first, last, bulk_lo, bulk_hi, has_bulk, read, dense,
+                 ACC, M, L, COUNTS, pair, split, num_splits, qk_scale, softcap,
+                 G, D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32, SOFTCAP)  # fmt: skip
 
 
 @triton.jit

@@ -17,9 +17,7 @@ from typing import Any
 
 import torch
 
-from qada.attention.group_policy import kv_read
 from qada.criteria.base import HeadCriterion
-from qada.models.statistics import step_counts
 from qada.moments.base import MomentSource
 from qada.step import DecodeStep
 from qada.window import Window
@@ -92,15 +90,12 @@ def fused_layer_step(
     """:func:`~qada.models.layer_step.layer_step` (same arguments) with the decision and the attention made by
     ``executor.decide_and_attend`` at ``criterion.tau``: ``query [b, H, 1, d]``, ``keys, values [b, H_kv, C, d]``.
     Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the attention."""
-    from qada.models.layer_step import LayerStepResult
+    from qada.models.layer_step import LayerStepResult, begin_step, statistics_row
 
-    rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
-    bulk = moments.step(moment_state, keys, start, rows_end, window)
-    step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk,
-                      values=values, states=criterion_states, sink_logits=sink_logits, softcap=softcap)
+    step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
+                            sink_logits, softcap, moments, window)
     launch = executor.decide_and_attend(step, criterion.tau, policy, fused_tail(criterion, step))
-    reads = kv_read(launch.read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))
-    counts = step_counts(launch.local, launch.read, launch.broken.sum(), reads)
+    counts = statistics_row(step, launch.local, launch.read, launch.broken.sum(), criterion)
     return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,
                            step.t_bulk, None, bulk, step.query, step.start, step.end,
                            output=launch.output, bulk_blocks=launch.bulk_blocks)

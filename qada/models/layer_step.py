@@ -119,16 +119,11 @@ def layer_step(
         sink_logits: ``[H]`` the model's learned sink logits, ``softcap``: its logit soft-cap (``None``: none).
         criterion, moments, window, policy: the run's components and the executor's group policy.
     """
-    bulk = None
-    if moments is not None:
-        rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
-        bulk = moments.step(moment_state, keys, start, rows_end, window)
-    step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk,
-                      values=values, states=criterion_states, sink_logits=sink_logits, softcap=softcap)
+    step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
+                            sink_logits, softcap, moments, window)
     decided = criterion(step)
     local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
-    reads = kv_read(read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))
-    counts = step_counts(local, read, step.fail_safe, reads)
+    counts = statistics_row(step, local, read, step.fail_safe, criterion)
     extra = step.extra_set
     extra_output = log_extra = log_local = None
     if extra is not None:  # local heads attend over window ∪ E: E's part now, merged after the executor
@@ -137,6 +132,31 @@ def layer_step(
     return LayerStepResult(decided, local, read, counts[None], counts[3], step.window_keys, step.window_values,
                            step.window_valid, step.t_bulk, step.real, bulk, step.query, step.start, step.end,
                            extra_output, log_extra, log_local)
+
+
+def begin_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor | None,
+               end: torch.Tensor | None, scale: float, layer: torch.Tensor,
+               moment_state: dict[str, torch.Tensor] | None, criterion_states: dict[str, dict[str, torch.Tensor]],
+               sink_logits: torch.Tensor | None, softcap: float | None, moments: MomentSource | None,
+               window: Window) -> tuple[DecodeStep, BulkMoments | None]:
+    """The moment source's step (rows ending at ``end``, or at ``C``) and the :class:`~qada.step.DecodeStep` of
+    :func:`layer_step`'s arguments: ``(step, bulk moments or None)``."""
+    bulk = None
+    if moments is not None:
+        rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
+        bulk = moments.step(moment_state, keys, start, rows_end, window)
+    step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk,
+                      values=values, states=criterion_states, sink_logits=sink_logits, softcap=softcap)
+    return step, bulk
+
+
+def statistics_row(step: DecodeStep, local: torch.Tensor, read: torch.Tensor, fail_safe: torch.Tensor | None,
+                   criterion: HeadCriterion) -> torch.Tensor:
+    """The step's ``[5]`` statistics (:func:`~qada.models.statistics.step_counts`), ``kv_read`` counting the bulks
+    ``read [b, H_kv]`` reads and the criterion's :meth:`~qada.criteria.HeadCriterion.extra_reads`."""
+    window = step.window
+    reads = kv_read(read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))
+    return step_counts(local, read, fail_safe, reads)
 
 
 def resolve_compile(compile: Any) -> Any:

@@ -240,41 +240,16 @@ def test_fail_safe_forces_non_finite_estimates_dense():
 def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch, decide_once):
     """The step's state update, decision and attention: two launches (grid from the shapes; with ``decide_once`` a
     decision launch first, then the ``triton`` executor's two), no host read, only allocations and views."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from qada.attention import _triton_kernel
+    from tests.triton_launches import LaunchRecorder, refusing_host_reads
 
     step = make_step(2, 4, 2, 150, 16, [0, 9], [150, 130], torch.float32, seed=6)
     criterion, state = prepared(step, 6, heavy=4, observe=4, pages=2)
     tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages)
     executor = FusedTritonExecutor(block_size=16, num_splits=3, decide_once=decide_once)
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops, self.paused = [], False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not self.paused:
-                self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    record, launches, run = Record(), [], _triton_kernel.run
-
-    def counted(kernel, grid, *args, **kwargs):
-        launches.append((kernel.fn.__name__, grid))
-        record.paused = True  # the interpreter's own host copies are not the executor's work
-        try:
-            run(kernel, grid, *args, **kwargs)
-        finally:
-            record.paused = False
-
-    monkeypatch.setattr(_triton_kernel, "run", counted)
-    with monkeypatch.context() as patched:
-        for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "__float__"):
-            patched.setattr(torch.Tensor, name, lambda *a, _n=name, **kw: pytest.fail(f"host sync: Tensor.{_n}"))
-        with record:
-            executor.decide_and_attend(step, 0.3, "exact", tail)
+    record = LaunchRecorder(monkeypatch)
+    launches = record.launches
+    with refusing_host_reads(monkeypatch), record:
+        executor.decide_and_attend(step, 0.3, "exact", tail)
     attend = [("qada_decode_split_kernel", (4, 3))] if decide_once else []
     assert launches == [("qada_tail_fused_split_kernel", (4, 1 if decide_once else 3)), *attend,
                         ("qada_decode_combine_kernel", (2 * 4 + 1,))]

@@ -1,0 +1,51 @@
+"""Test helpers for the Triton executors' launch discipline: which kernels a call launches (and on which grid),
+which torch operations it runs besides them, and that it never reads a device value on the host."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "__float__")
+
+
+class LaunchRecorder(TorchDispatchMode):
+    """Inside ``with recorder:``, ``ops`` collects the names of the torch operations run outside Triton launches;
+    from construction on, ``launches`` collects ``(kernel name, grid)`` of every launch through
+    ``qada.attention._triton_kernel.run`` (patched with ``monkeypatch``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from qada.attention import _triton_kernel
+
+        super().__init__()
+        self.ops: list[str] = []
+        self.launches: list[tuple[str, tuple]] = []
+        self.paused = False
+        run = _triton_kernel.run
+
+        def counted(kernel, grid, *args, **kwargs):
+            self.launches.append((kernel.fn.__name__, grid))
+            self.paused = True  # the interpreter's own host copies are not the executor's work
+            try:
+                run(kernel, grid, *args, **kwargs)
+            finally:
+                self.paused = False
+
+        monkeypatch.setattr(_triton_kernel, "run", counted)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def refusing_host_reads(monkeypatch: pytest.MonkeyPatch):
+    """Within it, a host read of a tensor value (``item``, ``bool(t)``, ...) fails the test."""
+    with monkeypatch.context() as patched:
+        for name in HOST_READS:
+            patched.setattr(torch.Tensor, name, lambda *a, _n=name, **kw: pytest.fail(f"host sync: Tensor.{_n}"))
+        yield

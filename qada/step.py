@@ -336,17 +336,19 @@ class DecodeStep:
 
     # --- bookkeeping -------------------------------------------------------------------------------------
     def share(self, *, window_keys: torch.Tensor, window_valid: torch.Tensor, window_values: torch.Tensor,
-              t_bulk: torch.Tensor, real: torch.Tensor | None) -> None:
+              t_bulk: torch.Tensor | None, real: torch.Tensor | None) -> None:
         """Take the derived values the run's layer step computed for this very step
         (:class:`qada.models.layer_step.LayerStepResult`): ``window_keys``/``window_values`` ``[b, H_kv, W, d]``,
         ``window_valid [b, W]``, ``t_bulk [b]`` and ``real [b, T]`` (or ``None``), as this step would compute them;
-        the executor then does not compute them again. A ``None`` window (a step whose kernel read the window
-        itself, :mod:`qada.models.fused_step`) or ``real`` is not taken: the step computes it on demand."""
+        the executor then does not compute them again. A ``None`` window or ``t_bulk`` (a step whose kernels read the
+        rows' bounds themselves, :mod:`qada.models.fused_step`) or ``real`` is not taken: the step computes it on
+        demand."""
         if window_keys is not None:
             self.__dict__["_window_keys"] = (window_keys, window_valid)
         if window_values is not None:
             self.__dict__["window_values"] = window_values
-        self.__dict__["t_bulk"] = t_bulk
+        if t_bulk is not None:
+            self.__dict__["t_bulk"] = t_bulk
         if real is not None:
             self.__dict__["real"] = real
 

@@ -27,7 +27,7 @@ from qada.attention.base import GroupDecision  # noqa: E402
 from qada.criteria import QAdACriterion  # noqa: E402
 from qada.functional import local_ratio  # noqa: E402
 from qada.models import attach, build_run  # noqa: E402
-from qada.models.layer_step import LayerStep  # noqa: E402
+from qada.models.layer_step import LayerStep, statistics_row  # noqa: E402
 from qada.moments import StoredMoments  # noqa: E402
 from qada.moments.reference import collect_reference_keys  # noqa: E402
 from qada.step import BulkMoments, DecodeStep  # noqa: E402
@@ -111,6 +111,8 @@ def check_fused(step, tau, policy="exact", block=16, splits=3, decide_once=False
     if not near.any():
         assert torch.equal(got.decided, decided) and torch.equal(got.local, local) and torch.equal(got.read, read)
     assert int(got.broken.sum()) == int(fail_safe)
+    expected_row = statistics_row(fresh(step), got.local, got.read, got.broken.sum(), QAdACriterion(tau))
+    assert torch.equal(got.row, expected_row), (got.row, expected_row)  # the combine's statistics: exact
     unfused = EXECUTORS.build("triton", group_policy=policy, block_size=block, num_splits=splits)
     expected = unfused.launch(fresh(step), GroupDecision(got.local, got.read))
     atol, rtol = TOLERANCE[step.query.dtype]
@@ -319,6 +321,41 @@ def test_model_fused_run_equals_triton_run(model, reference, source, cache, deci
         assert fused[1][key] == pytest.approx(unfused[1][key], abs=1e-12), key
     assert fused[1]["fail_safe"] == unfused[1]["fail_safe"] and fused[1]["decode_steps"] == unfused[1]["decode_steps"]
     assert 0.0 < fused[1]["kv_sparsity"] < 1.0  # not vacuous: some groups skip their bulk, some read it
+
+
+@pytest.mark.parametrize(("source", "criterion", "decide_once"),
+                         [("stored", "qada", False), ("current", "qada", False), ("stored", "qada_tail", False),
+                          ("current", "qada_tail", True)])
+def test_model_layer_step_is_three_launches_and_nothing_else(monkeypatch, model, reference, source, criterion,
+                                                              decide_once):
+    """A decode step of a layer with ``triton_fused``: the moment step, the fused split and the combine (with
+    ``decide_once`` the decision and the ``triton`` split apart: four), no other torch operation than allocations and
+    views (the statistics row comes from the combine), no host read; what a CUDA graph replays per layer."""
+    from tests.triton_launches import LaunchRecorder, refusing_host_reads
+
+    record = LaunchRecorder(monkeypatch)
+    steps: list = []
+    original = LayerStep.__call__
+
+    def recorded(self, buffered, *args):
+        ops, launches = len(record.ops), len(record.launches)
+        with refusing_host_reads(monkeypatch), record:
+            result = original(self, buffered, *args)
+        steps.append((record.ops[ops:], [name for name, _ in record.launches[launches:]]))
+        return result
+
+    monkeypatch.setattr(LayerStep, "__call__", recorded)
+    executor = {"name": "triton_fused", "block_size": 16, "decide_once": decide_once}
+    greedy(model, make_run(source, executor, reference, criterion={"name": criterion, "tau": 0.3}), "static", steps=2)
+    moment = "stored_moment_step_kernel" if source == "stored" else "current_moment_step_kernel"
+    split = "qada_tail_fused_split_kernel" if criterion == "qada_tail" else "qada_fused_split_kernel"
+    expected = [moment, split, *(["qada_decode_split_kernel"] if decide_once else []), "qada_decode_combine_kernel"]
+    assert len(steps) == 2 * model.config.num_hidden_layers
+    views = {"aten.view.dtype", "aten.select.int", "aten.detach.default", "aten.unsqueeze.default",
+             "aten.view.default", "aten.slice.Tensor", "aten.expand.default", "aten.alias.default"}  # no kernel
+    for ops, launches in steps:
+        assert launches == expected
+        assert set(ops) <= {"aten.empty.memory_format"} | views, sorted(set(ops))
 
 
 def test_model_other_criterion_is_an_error(model, reference):

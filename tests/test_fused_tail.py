@@ -27,7 +27,7 @@ from qada.attention.fused import FusedTail  # noqa: E402
 from qada.criteria import TailCriterion  # noqa: E402
 from qada.functional import local_ratio  # noqa: E402
 from qada.models import attach  # noqa: E402
-from qada.models.layer_step import LayerStep  # noqa: E402
+from qada.models.layer_step import LayerStep, statistics_row  # noqa: E402
 from qada.step import DecodeStep  # noqa: E402
 from qada.window import Window  # noqa: E402
 from tests.test_attention_triton import DEVICE, TOLERANCE, hand_blocks  # noqa: E402
@@ -78,7 +78,8 @@ def eager_tail(criterion, step, state, tau, policy="exact"):
 def fused_tail_launch(criterion, step, state, tau, policy="exact", block=16, splits=3, decide_once=False):
     """The fused launch on a copy of ``state``: ``(launch, state after)``."""
     state = copy_state(state)
-    tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages)
+    tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages,
+                     None if criterion.heavy else 0)  # (no heavy set: a placeholder slot, not read)
     executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=decide_once)
     return executor.decide_and_attend(fresh(step), tau, policy, tail), state
 
@@ -99,6 +100,8 @@ def check_tail(criterion, step, state, tau, policy="exact", block=16, splits=3, 
     if not near.any():
         assert torch.equal(got.decided, decided) and torch.equal(got.local, local) and torch.equal(got.read, read)
     assert int(got.broken.sum()) == int(fail_safe)
+    expected_row = statistics_row(eager_step, got.local, got.read, got.broken.sum(), criterion)
+    assert torch.equal(got.row, expected_row), (got.row, expected_row)  # kv_read with the tail's reads: exact
     assert_same_state(got_state, state_after)
     scores, valid = criterion.exact_set(eager_step)  # (the state after the step: E as the eager step chose it)
     assert torch.equal(got.n_exact.long(), valid.sum(-1))

@@ -230,17 +230,77 @@ def qada_decode_split_kernel(
 
 
 @triton.jit
+def statistics_row(
+    LOCAL, READ, BROKEN, START, END, ROW, n_heads, H, C, t_local, page_size, heavy, pages,
+    G: tl.constexpr, BLOCK_C: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
+    TAIL_READS: tl.constexpr,
+):  # fmt: skip
+    """The step's statistics row ``ROW [5]`` float64 (:func:`~qada.models.statistics.step_counts`): the fraction of
+    the ``n_heads = b H`` query heads ``LOCAL`` (``[b, H]`` uint8), of the ``b H_kv`` bulks not ``READ``, 1, the
+    heads ``BROKEN`` (forced dense) and ``kv_read`` (:func:`~qada.attention.group_policy.kv_read`): per (row, KV
+    head) ``2 T`` vectors when its bulk is read, else ``2 min(T, T_local)``, ``T = T_bulk + T_local``, plus with
+    ``TAIL_READS`` the tail-aware criterion's reads (:func:`~qada.criteria.tail.exact_set_reads`, one level,
+    window-only: ``heavy + G min(n_p, pages) P + 2 n_p``, ``n_p = ceil(filled / P)``, ``filled`` the row's end),
+    over ``2 T`` per (row, KV head). Sums of integers in float64: exact, as the torch row's."""
+    offs = tl.arange(0, BLOCK_C)
+    H_kv = H // G
+    n_pairs = n_heads // G
+    n_local = tl.zeros([BLOCK_C], dtype=tl.int64)
+    n_broken = tl.zeros([BLOCK_C], dtype=tl.int64)
+    for c0 in range(0, n_heads, BLOCK_C):
+        idx = c0 + offs
+        ok = idx < n_heads
+        n_local += tl.load(LOCAL + idx, mask=ok, other=0).to(tl.int64)
+        n_broken += tl.load(BROKEN + idx, mask=ok, other=0).to(tl.int64)
+    reads = tl.zeros([BLOCK_C], dtype=tl.float64)
+    dense = tl.zeros([BLOCK_C], dtype=tl.float64)
+    n_read = tl.zeros([BLOCK_C], dtype=tl.int64)
+    for r0 in range(0, n_pairs // H_kv, BLOCK_C):
+        rows = r0 + offs
+        ok = rows < n_pairs // H_kv
+        if HAS_START:
+            first = tl.load(START + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            first = tl.zeros([BLOCK_C], dtype=tl.int64)
+        if HAS_END:
+            last = tl.load(END + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            last = tl.zeros([BLOCK_C], dtype=tl.int64) + C
+        T = (tl.maximum(last - first - t_local, 0) + t_local).to(tl.float64)
+        row_read = tl.zeros([BLOCK_C], dtype=tl.int64)
+        for h in range(0, H_kv):
+            row_read += tl.load(READ + rows.to(tl.int64) * H_kv + h, mask=ok, other=0).to(tl.int64)
+        extra = tl.zeros([BLOCK_C], dtype=tl.float64)
+        if TAIL_READS:
+            n_pages = ((last + page_size - 1) // page_size).to(tl.float64)
+            extra = heavy + G * tl.minimum(n_pages, pages) * page_size + 2 * n_pages
+        row_reads = (row_read.to(tl.float64) * (2 * T) + (H_kv - row_read).to(tl.float64) * (2 * tl.minimum(T, t_local))
+                     + H_kv * extra)  # fmt: skip
+        reads += tl.where(ok, row_reads, 0.0)
+        dense += tl.where(ok, 2 * T * H_kv, 0.0)
+        n_read += row_read
+    tl.store(ROW + 0, tl.sum(n_local, axis=0).to(tl.float64) / n_heads)
+    tl.store(ROW + 1, (n_pairs - tl.sum(n_read, axis=0)).to(tl.float64) / n_pairs)
+    tl.store(ROW + 2, tl.full([], 1.0, dtype=tl.float64))
+    tl.store(ROW + 3, tl.sum(n_broken, axis=0).to(tl.float64))
+    tl.store(ROW + 4, tl.sum(reads, axis=0) / tl.maximum(tl.sum(dense, axis=0), 1.0))
+
+
+@triton.jit
 def qada_decode_combine_kernel(
     ACC, M, L, COUNTS, OUT, BULK_BLOCKS, SINKS,
+    LOCAL, READ, BROKEN, START, END, ROW,
     stride_ob, stride_oh, stride_od,
-    H, num_splits, num_counts,
+    H, num_splits, num_counts, C, t_local, page_size, heavy, pages,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, STATS: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
+    TAIL_READS: tl.constexpr,
 ):  # fmt: skip
     """Programs ``0 .. b*H-1``: one (row, query head) each, merge its splits by log-sum-exp into ``OUT [b, H, 1,
     d]`` (the query dtype; a split with ``m = -inf`` weighs 0 and a head with nothing attended gets 0). Program
-    ``b*H``: sum the bulk-only block counts ``COUNTS[:, 0]`` into the 0-d int64 ``BULK_BLOCKS``."""
+    ``b*H``: sum the bulk-only block counts ``COUNTS[:, 0]`` into the 0-d int64 ``BULK_BLOCKS``; with ``STATS``,
+    also the step's statistics row (:func:`statistics_row`)."""
     pid = tl.program_id(0)
     n_heads = tl.num_programs(0) - 1
     if pid == n_heads:
@@ -251,6 +311,9 @@ def qada_decode_combine_kernel(
             idx = c0 + offs_count
             n_blocks += tl.load(COUNTS + idx.to(tl.int64) * 2, mask=idx < num_counts, other=0).to(tl.int64)
         tl.store(BULK_BLOCKS, tl.sum(n_blocks, axis=0))
+        if STATS:
+            statistics_row(LOCAL, READ, BROKEN, START, END, ROW, n_heads, H, C, t_local, page_size, heavy, pages,
+                           G, BLOCK_C, HAS_START, HAS_END, TAIL_READS)
     else:
         row = pid // H
         head = pid % H
@@ -285,3 +348,4 @@ def qada_decode_combine_kernel(
         result = numerator / tl.where(total > 0, total, 1.0)
         tl.store(OUT + row.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + offs_d * stride_od,
                  result.to(OUT.dtype.element_ty), mask=d_ok)  # fmt: skip
+

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from qada.attention.base import GroupDecision, register_executor
-from qada.attention.triton_decode import TritonExecutor, _next_pow2, check_triton_runtime, combine
+from qada.attention.triton_decode import StepStatistics, TritonExecutor, _next_pow2, check_triton_runtime, combine
 from qada.step import DecodeStep
 
 __all__ = ["FusedLaunch", "FusedTail", "FusedTritonExecutor"]
@@ -62,6 +62,8 @@ class FusedLaunch(NamedTuple):
             log Â_bulk)`` (what is compared with ``log tau``), else ``None``.
         n_exact: with a ``qada_tail`` decision, ``[b, H]`` int32 ``|E|``, the bulk tokens scored exactly, else
             ``None``.
+        row: ``[5]`` float64, the step's statistics row (:func:`~qada.models.layer_step.statistics_row`: sparsity,
+            kv_sparsity, 1, heads forced dense, kv_read), written by the combine launch.
     """
 
     output: torch.Tensor
@@ -73,6 +75,7 @@ class FusedLaunch(NamedTuple):
     counts: torch.Tensor
     log_ratio: torch.Tensor | None = None
     n_exact: torch.Tensor | None = None
+    row: torch.Tensor | None = None
 
 
 class FusedTail(NamedTuple):
@@ -85,6 +88,8 @@ class FusedTail(NamedTuple):
         kmin, kmax: ``[b, H_kv, n_pages, d]`` float32 page extrema (same strides); ``halves``: ``[b, H_kv, n_pages,
             2d]`` float32 (:func:`~qada.functional.tail.page_halves`).
         page_size: slots per page ``P``; pages: top pages per query head (``m``).
+        heavy_reads: the heavy tokens per KV head the step's ``kv_read`` counts (``None``: ``heavy``'s ``k``; a
+            criterion without a heavy set keeps a placeholder slot and counts 0).
     """
 
     heavy: torch.Tensor
@@ -95,6 +100,7 @@ class FusedTail(NamedTuple):
     halves: torch.Tensor
     page_size: int
     pages: int
+    heavy_reads: int | None = None
 
     def kernel_inputs(self, b: int, H_kv: int, C: int, d: int) -> tuple[torch.Tensor, ...]:
         """The six tensors as the kernel reads them (bool as uint8 views), after checking their shapes and
@@ -237,11 +243,14 @@ class FusedTritonExecutor(TritonExecutor):
                                *tail.kernel_inputs(b, H_kv, C, d), *outputs, log_ratio, n_exact, *strides,
                                *tail.kernel_strides(), *sizes,
                                tail.heavy.shape[2], tail.kmin.shape[2], **common, **tail.kernel_constants())
-        flags = flags.view(torch.bool)
+        flags, read = flags.view(torch.bool), read.view(torch.bool)
+        tail_reads = None if tail is None else (tail.page_size, tail.heavy.shape[2] if tail.heavy_reads is None
+                                                else tail.heavy_reads, tail.pages)
+        row = torch.empty(5, dtype=torch.float64, device=device)
+        statistics = StepStatistics(flags[1], read, flags[2], start, end, C, window.t_local, row, tail_reads)
         if self.decide_once:  # the triton executor's two launches on the decision just made
-            done = self.launch(step, GroupDecision(flags[1], read.view(torch.bool)))
-            return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read.view(torch.bool), flags[2],
-                               done.counts, log_ratio, n_exact)
-        output, bulk_blocks = combine(query, acc, m, l, counts, sinks)
-        return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read.view(torch.bool), flags[2], counts, log_ratio,
-                           n_exact)
+            done = self.launch(step, GroupDecision(flags[1], read), statistics)
+            return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts,
+                               log_ratio, n_exact, row)
+        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics)
+        return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read, flags[2], counts, log_ratio, n_exact, row)

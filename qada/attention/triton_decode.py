@@ -26,7 +26,7 @@ import torch
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
 from qada.step import DecodeStep
 
-__all__ = ["TritonExecutor", "TritonLaunch", "check_triton_runtime"]
+__all__ = ["StepStatistics", "TritonExecutor", "TritonLaunch", "check_triton_runtime"]
 
 _LOG2E = 1.4426950408889634  # the kernel works in base 2: exp(x) = exp2(x * log2(e))
 
@@ -103,9 +103,11 @@ class TritonExecutor(AttentionExecutor):
         launch = self.launch(step, decision)
         return launch.output, launch.bulk_blocks
 
-    def launch(self, step: DecodeStep, decision: GroupDecision) -> TritonLaunch:
+    def launch(self, step: DecodeStep, decision: GroupDecision,
+               statistics: StepStatistics | None = None) -> TritonLaunch:
         """Run both kernels on ``step`` (reads ``query``, ``keys``, ``values``, ``start``, ``end``, the window and
-        ``decision.local``) and return every buffer they wrote (:class:`TritonLaunch`)."""
+        ``decision.local``) and return every buffer they wrote (:class:`TritonLaunch`); with ``statistics``, the
+        combine launch writes the step's statistics row too (:func:`combine`)."""
         query, key, value = step.query, step.keys, step.values  # [b, H, d], [b, H_kv, C, d] twice
         check_triton_runtime(query.device)
         if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -147,15 +149,41 @@ class TritonExecutor(AttentionExecutor):
             DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
             num_warps=self.num_warps, num_stages=self.num_stages,
         )  # fmt: skip
-        output, bulk_blocks = combine(query, acc, m, l, counts, sinks)
+        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics)
         return TritonLaunch(output, bulk_blocks, acc, m, l, counts)
 
 
+class StepStatistics(NamedTuple):
+    """What the combine launch reads to write a layer step's statistics row as well (:func:`combine`'s
+    ``statistics``): the row of :func:`~qada.models.layer_step.statistics_row`, computed on the device in the
+    launch's last program instead of a dozen torch operations.
+
+    Attributes:
+        local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool; ``broken``: ``[b, H]`` bool,
+            the heads forced dense (all contiguous).
+        start, end: the rows' bounds ``[b]`` (``None``: 0, and the cache's ``length``).
+        length: the cache's slots ``C``; ``t_local``: the window's size.
+        row: ``[5]`` float64, written: sparsity, kv_sparsity, 1, heads forced dense, kv_read.
+        tail_reads: ``(P, heavy, pages)`` of a ``qada_tail`` criterion (one level, window-only), whose reads
+            :func:`~qada.criteria.tail.exact_set_reads` counts in kv_read; ``None``: no extra reads.
+    """
+
+    local: torch.Tensor
+    read: torch.Tensor
+    broken: torch.Tensor
+    start: torch.Tensor | None
+    end: torch.Tensor | None
+    length: int
+    t_local: int
+    row: torch.Tensor
+    tail_reads: tuple[int, int, int] | None = None
+
+
 def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, counts: torch.Tensor,
-            sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            sinks: torch.Tensor | None, statistics: StepStatistics | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The combine launch: the splits ``acc [pairs, S, G, d]``, ``m, l [pairs, S, G]``, ``counts [pairs, S, 2]``
     of a split kernel for ``query [b, H, d]`` (and the sink logits ``[H]`` or ``None``) merged into ``(output [b,
-    H, 1, d]`` in the query dtype, ``bulk_blocks`` 0-d int64)."""
+    H, 1, d]`` in the query dtype, ``bulk_blocks`` 0-d int64); with ``statistics``, its ``row`` written too."""
     from qada.attention import _triton_kernel
 
     b, H, d = query.shape
@@ -163,13 +191,23 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
     output = torch.empty(b, H, 1, d, dtype=query.dtype, device=query.device)
     bulk_blocks = torch.empty((), dtype=torch.int64, device=query.device)
     BLOCK_S = _next_pow2(S)
+    stats = statistics if statistics is not None else StepStatistics(m, m, m, None, None, 0, 0, m)
+    if statistics is not None:
+        for name, tensor, shape in (("local", stats.local, (b, H)), ("read", stats.read, (b, H // G)),
+                                    ("broken", stats.broken, (b, H)), ("row", stats.row, (5,))):
+            if tuple(tensor.shape) != shape or not tensor.is_contiguous():
+                raise ValueError(f"expected a contiguous {name} of shape {list(shape)} but got {tuple(tensor.shape)}")
+    flags = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in (stats.local, stats.read, stats.broken)]
+    page_size, heavy, pages = stats.tail_reads or (1, 0, 0)
     _triton_kernel.run(
         _triton_kernel.qada_decode_combine_kernel, (b * H + 1,),
         acc, m, l, counts, output, bulk_blocks, m if sinks is None else sinks.contiguous(),
+        *flags, m if stats.start is None else stats.start, m if stats.end is None else stats.end, stats.row,
         output.stride(0), output.stride(1), output.stride(3),
-        H, S, pairs * S,
+        H, S, pairs * S, stats.length, stats.t_local, page_size, heavy, pages,
         G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=max(16, _next_pow2(d)), BLOCK_C=256,
-        HAS_SINKS=sinks is not None,
+        HAS_SINKS=sinks is not None, STATS=statistics is not None, HAS_START=stats.start is not None,
+        HAS_END=stats.end is not None, TAIL_READS=stats.tail_reads is not None,
     )  # fmt: skip
     return output, bulk_blocks
 

@@ -150,11 +150,17 @@ class TailEstimate:
             filled = torch.full((step.batch_size,), step.length, dtype=torch.float64, device=step.device)
         else:
             filled = step.end.to(torch.float64)
-        heavy, pages, super_pages = self.sizes(step.length)
-        if self.heavy and self._index.layers:  # the size chosen at the prefill (a growing cache's C moves on)
-            heavy = self.state(step)["heavy"].shape[2]
+        heavy, pages, super_pages = self.read_sizes(step)
         return exact_set_reads(filled, step.group_size, self.page_size, heavy, pages, self.attend_exact,
                                self.super_page, super_pages)
+
+    def read_sizes(self, step: DecodeStep) -> tuple[int, int, int]:
+        """``(heavy, pages, super_pages)`` of ``step``'s exact set as :meth:`extra_reads` counts them: :meth:`sizes`
+        of the cache, the heavy set's size as chosen at the prefill (a growing cache's ``C`` moves on)."""
+        heavy, pages, super_pages = self.sizes(step.length)
+        if self.heavy and self._index.layers:
+            heavy = self.state(step)["heavy"].shape[2]
+        return heavy, pages, super_pages
 
     def tail_log_bulk(self, step: DecodeStep) -> torch.Tensor:
         """``[b, H]`` the tail-aware ``log Â_bulk``; first the step's key joins its page (in place)."""

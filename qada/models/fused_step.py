@@ -4,8 +4,9 @@
 threshold rule (:class:`~qada.criteria.QAdACriterion`) or the tail-aware ``qada_tail`` one
 (:class:`~qada.criteria.TailCriterion`: its layer's tail index goes to the kernel, which also updates it) and whose
 executor fuses the decision
-(:class:`~qada.attention.FusedTritonExecutor`): the moment source's step (torch, as unfused), then the executor's
-two launches (decision + split-K attention, combine), then the statistics row from the decision the kernel wrote.
+(:class:`~qada.attention.FusedTritonExecutor`): three launches and no other device work, whatever the decision:
+the moment source's step (:mod:`qada.attention.moment_step`; a source without a kernel steps in torch), the
+decision with the split-K attention, and the combine, whose last program also writes the step's statistics row.
 It returns the same :class:`~qada.models.layer_step.LayerStepResult` (the window fields ``None``: nothing gathers
 the window; a step computes it on demand) with the attention's ``output`` and ``bulk_blocks``, which the run takes
 instead of calling the executor.
@@ -13,16 +14,17 @@ instead of calling the executor.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from qada.criteria.base import HeadCriterion
 from qada.moments.base import MomentSource
-from qada.step import DecodeStep
+from qada.step import BulkMoments, DecodeStep
 from qada.window import Window
 
-__all__ = ["check_fusable", "fused_layer_step", "fused_tail"]
+__all__ = ["check_fusable", "fused_layer_step", "fused_moment_step", "fused_tail"]
 
 
 def check_fusable(criterion: HeadCriterion, moments: MomentSource | None, executor: Any) -> None:
@@ -65,7 +67,7 @@ def fused_tail(criterion: HeadCriterion, step: DecodeStep) -> Any:
         return None
     state = criterion.state(step)
     return FusedTail(state["heavy"], state["heavy_valid"], state["member"], state["kmin"], state["kmax"],
-                     state["halves"], criterion.page_size, criterion.pages)
+                     state["halves"], criterion.page_size, criterion.pages, criterion.read_sizes(step)[0])
 
 
 def fused_layer_step(
@@ -87,15 +89,36 @@ def fused_layer_step(
     policy: str,
     executor: Any,
 ) -> Any:
-    """:func:`~qada.models.layer_step.layer_step` (same arguments) with the decision and the attention made by
-    ``executor.decide_and_attend`` at ``criterion.tau``: ``query [b, H, 1, d]``, ``keys, values [b, H_kv, C, d]``.
-    Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the attention."""
-    from qada.models.layer_step import LayerStepResult, begin_step, statistics_row
+    """:func:`~qada.models.layer_step.layer_step` (same arguments) with the moment step, the decision, the attention
+    and the statistics row made by the executor's launches (:func:`~qada.attention.moment_step.moment_step_launch`,
+    then ``executor.decide_and_attend`` at ``criterion.tau``): ``query [b, H, 1, d]``, ``keys, values [b, H_kv, C,
+    d]``. Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the
+    attention. A moment source without a kernel steps in torch (:meth:`~qada.moments.MomentSource.step`)."""
+    from qada.models.layer_step import LayerStepResult, begin_step
 
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
-                            sink_logits, softcap, moments, window)
+                            sink_logits, softcap, moments, window, functools.partial(fused_moment_step, moments))
     launch = executor.decide_and_attend(step, criterion.tau, policy, fused_tail(criterion, step))
-    counts = statistics_row(step, launch.local, launch.read, launch.broken.sum(), criterion)
+    counts = launch.row
     return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,
-                           step.t_bulk, None, bulk, step.query, step.start, step.end,
+                           None, None, bulk, step.query, step.start, step.end,
                            output=launch.output, bulk_blocks=launch.bulk_blocks)
+
+
+def fused_moment_step(moments: MomentSource, state: dict[str, torch.Tensor], keys: torch.Tensor,
+                 start: torch.Tensor | None, end: torch.Tensor, window: Window) -> BulkMoments:
+    """The moment source's step in one launch where it has a kernel (:mod:`qada.attention.moment_step`: the plain
+    ``current`` source stepping every key, none when frozen; the plain ``stored`` one), else its own (torch) step:
+    a subclass (which may change the step), ``bucketed``, ``current`` with ``update_every > 1``, a user's."""
+    from qada.attention.moment_step import current_step_launch, stored_step_launch
+    from qada.moments.current import CurrentMoments
+    from qada.moments.stored import StoredMoments
+
+    if type(moments) is CurrentMoments and "m2" in state:
+        if moments.freeze:
+            return BulkMoments(state["out_mean"], state["out_cov"])
+        return current_step_launch(state, keys, start, end, window.t_local, window.t_recent)
+    if type(moments) is StoredMoments and "s2" in state:
+        return stored_step_launch(state, start, end, t_local=window.t_local, offset=moments.offset,
+                                  first=moments.first(window), min_bulk_keys=moments.min_bulk_keys)
+    return moments.step(state, keys, start, end, window)

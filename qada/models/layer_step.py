@@ -55,7 +55,8 @@ class LayerStepResult(NamedTuple):
         counts: ``[1, 5]`` float64, the step's row of :class:`~qada.models.statistics.DecodeStatistics`.
         fail_safe: 0-d, the heads the criterion forced dense (non-finite values).
         window_keys, window_values: ``[b, H_kv, W, d]``; ``window_valid``: ``[b, W]`` bool.
-        t_bulk: ``[b]`` bulk sizes; ``real``: ``[b, C]`` bool, the slots holding a row's tokens (``None``: all).
+        t_bulk: ``[b]`` bulk sizes (``None`` from a fused step: computed on demand); ``real``: ``[b, C]`` bool, the
+            slots holding a row's tokens (``None``: all).
         moments: the step's bulk moments (``None`` without a moment source).
         query, start, end: the step's ``[b, H, d]`` query and its rows' bounds as the step checked them.
         extra_output, log_extra, log_local: where the criterion asked local heads to attend over an extra set too
@@ -75,7 +76,7 @@ class LayerStepResult(NamedTuple):
     window_keys: torch.Tensor
     window_values: torch.Tensor
     window_valid: torch.Tensor
-    t_bulk: torch.Tensor
+    t_bulk: torch.Tensor | None
     real: torch.Tensor | None
     moments: BulkMoments | None
     query: torch.Tensor
@@ -138,13 +139,14 @@ def begin_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
                end: torch.Tensor | None, scale: float, layer: torch.Tensor,
                moment_state: dict[str, torch.Tensor] | None, criterion_states: dict[str, dict[str, torch.Tensor]],
                sink_logits: torch.Tensor | None, softcap: float | None, moments: MomentSource | None,
-               window: Window) -> tuple[DecodeStep, BulkMoments | None]:
-    """The moment source's step (rows ending at ``end``, or at ``C``) and the :class:`~qada.step.DecodeStep` of
+               window: Window, step_moments: Any = None) -> tuple[DecodeStep, BulkMoments | None]:
+    """The moment source's step (rows ending at ``end``, or at ``C``; ``step_moments``, with the arguments of
+    :meth:`~qada.moments.MomentSource.step`, instead of it where given) and the :class:`~qada.step.DecodeStep` of
     :func:`layer_step`'s arguments: ``(step, bulk moments or None)``."""
     bulk = None
     if moments is not None:
         rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
-        bulk = moments.step(moment_state, keys, start, rows_end, window)
+        bulk = (step_moments or moments.step)(moment_state, keys, start, rows_end, window)
     step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk,
                       values=values, states=criterion_states, sink_logits=sink_logits, softcap=softcap)
     return step, bulk

@@ -358,6 +358,29 @@ def test_model_layer_step_is_three_launches_and_nothing_else(monkeypatch, model,
         assert set(ops) <= {"aten.empty.memory_format"} | views, sorted(set(ops))
 
 
+def test_dispatch_count_benchmark_counts_the_fused_step(model, reference):
+    """``benchmarks/dispatch_count.py``'s counter on the tiny model: the fused run launches three kernels per layer and
+    dispatches about as many operations as the unwrapped model; the unfused ``triton`` run dozens more per layer."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.dispatch_count import count_step
+
+    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(5))
+    layers = model.config.num_hidden_layers
+    dense = count_step(model, None, ids, extra=4)
+    fused = count_step(model, make_run("stored", {"name": "triton_fused", "block_size": 16}, reference), ids, 4)
+    unfused = count_step(model, make_run("stored", {"name": "triton", "block_size": 16}, reference), ids, 4)
+    assert dense["launches"] == 0 and fused["launches"] == 3 * layers and unfused["launches"] == 2 * layers
+    assert fused["by_launch"] == {"stored_moment_step_kernel": layers, "qada_fused_split_kernel": layers,
+                                  "qada_decode_combine_kernel": layers}
+    assert abs(fused["device_ops"] - dense["device_ops"]) <= 6 * layers
+    assert unfused["device_ops"] - dense["device_ops"] > 30 * layers
+
+
 def test_model_other_criterion_is_an_error(model, reference):
     """Said when the run is built, before any work."""
     with pytest.raises(ValueError, match="plain 'qada' criterion.*use the 'triton' executor"):

@@ -1,29 +1,31 @@
 """The ``triton_fused`` executor: the QAdA decision (paper eqs. 5-7) made inside the ``triton`` split kernel.
 
 On a run whose criterion is the plain ``qada`` threshold rule with a moment source, the run's layer step hands the
-decision to this executor (:meth:`FusedTritonExecutor.decide_and_attend`): after the moment step (torch, as in the
-unfused step) a layer's decode step is two launches, whatever the decision:
+decision to this executor (:meth:`FusedTritonExecutor.decide_and_attend`): after the moment step (one launch for
+the built-in sources, :mod:`qada.attention.moment_step`) a layer's decode step is two launches, whatever the
+decision:
 
 1. the fused split kernel (:mod:`qada.attention._fused_kernel`), one program per (row, KV head, split): it reads the
    ``G`` queries, the row's window keys and its KV head's bulk moments, computes ``log A_local`` (the window's exact
    mass, sink logit included), ``log Â_bulk = log T_bulk + mu_s + sigma_s^2 / 2`` (eq. 7; Gauss-Hermite under a
    soft cap), the fail-safe threshold decision at ``tau`` and the group policy, then its split of the attention,
    skipping the bulk blocks of a group whose heads are all local; split 0 stores the decision;
-2. the ``triton`` executor's combine kernel (log-sum-exp merge of the splits, sink logits, bulk block count).
+2. the ``triton`` executor's combine kernel (log-sum-exp merge of the splits, sink logits, bulk block count),
+   whose last program also writes the step's statistics row (sparsity, kv_sparsity, fail-safe, kv_read:
+   :class:`~qada.attention.triton_decode.StepStatistics`).
 
-The statistics row (sparsity, kv_sparsity, kv_read, fail-safe) follows in a few torch operations. No host read of
-a tensor value, grid from the shapes only. The decision equals the eager criterion's up to float32 rounding (a head
-whose ratio lies within rounding of ``tau`` may go either way).
+No other device work, no host read of a tensor value, grid from the shapes only. The decision equals the eager
+criterion's up to float32 rounding (a head whose ratio lies within rounding of ``tau`` may go either way).
 
 On a run whose criterion is the tail-aware ``qada_tail`` (one-level pages, window-only local heads) the split
 launch is :mod:`qada.attention._fused_tail_kernel`'s instead (:class:`FusedTail` carries the layer's tail index):
 each program also makes the step's key join its page (split 0 writes the page back), scores the heavy set and each
 query head's top pages by bound, and decides on ``logaddexp(log A_E, log(T_bulk - |E|) + mu_s + sigma_s^2 / 2)``;
-still two launches per layer.
+still two launches per layer after the moment step.
 
 With ``decide_once=True`` the decision (either kind) is a launch of its own, one program per (row, KV head), and
-the ``triton`` executor's split and combine launches then read its ``local`` mask: three launches, the decision
-made once per group instead of once per split (what a GPU measurement should choose between).
+the ``triton`` executor's split and combine launches then read its ``local`` mask: three launches after the moment
+step, the decision made once per group instead of once per split (what a GPU measurement should choose between).
 
 Anything else (another criterion, ``qada_tail`` with ``attend_exact``, ``super_page`` or ``scale_exact``, no moment
 source) is an error when the run is built: use ``triton``. Called as a plain executor (with a decision given, e.g.

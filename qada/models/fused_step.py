@@ -90,7 +90,7 @@ def fused_layer_step(
     executor: Any,
 ) -> Any:
     """:func:`~qada.models.layer_step.layer_step` (same arguments) with the moment step, the decision, the attention
-    and the statistics row made by the executor's launches (:func:`~qada.attention.moment_step.moment_step_launch`,
+    and the statistics row made by the executor's launches (:func:`fused_moment_step`,
     then ``executor.decide_and_attend`` at ``criterion.tau``): ``query [b, H, 1, d]``, ``keys, values [b, H_kv, C,
     d]``. Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the
     attention. A moment source without a kernel steps in torch (:meth:`~qada.moments.MomentSource.step`)."""
@@ -106,7 +106,7 @@ def fused_layer_step(
 
 
 def fused_moment_step(moments: MomentSource, state: dict[str, torch.Tensor], keys: torch.Tensor,
-                 start: torch.Tensor | None, end: torch.Tensor, window: Window) -> BulkMoments:
+                      start: torch.Tensor | None, end: torch.Tensor, window: Window) -> BulkMoments:
     """The moment source's step in one launch where it has a kernel (:mod:`qada.attention.moment_step`: the plain
     ``current`` source stepping every key, none when frozen; the plain ``stored`` one), else its own (torch) step:
     a subclass (which may change the step), ``bucketed``, ``current`` with ``update_every > 1``, a user's."""

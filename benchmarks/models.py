@@ -147,8 +147,9 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     ``dense`` (the unwrapped model, the reference), the unwrapped model on the other cache kind (what a user who
     changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``qada dense`` (the
     wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor; with the
-    ``triton`` executor also ``qada fused`` and ``qada_tail fused``: the same decisions made in the split kernel,
-    ``triton_fused``, and their ``once`` twins with ``decide_once``: a decision launch, then the split), the
+    ``triton`` executor also ``qada fused``, ``qada_tail fused`` and ``qada_tail_budget fused``: the same decisions
+    made in the kernels, ``triton_fused``, and the first two's ``once`` twins with ``decide_once``: a decision
+    launch, then the split), the
     tail-aware rows of :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded
     prompt queries), ``static rho_kv=...`` (whole KV groups forced local): every qada row on the run's default path
     (its layer step compiled on the static cache); with ``workload.eager`` also ``<name> eager`` for ``qada`` and
@@ -169,9 +170,10 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
             configs[name + suffix] = DecodeConfig(kind, lambda criterion=criterion, compile=compile: prepare_run(
                 build_run(criterion=criterion, moments=moments, executor=suite.e2e_executor, compile=compile),
                 model, tokenizer), count_events=not suffix)
-    if suite.e2e_executor == "triton":  # the decision inside the split kernel (triton_fused): qada and qada_tail
-        for name in [n for n in ("qada", "qada_tail") if n in criteria]:
-            for suffix, once in (("", False), (" once", True)):  # the decision in every split, or launched once
+    if suite.e2e_executor == "triton":  # the decision inside the kernels (triton_fused): qada and the tail rows
+        for name in [n for n in ("qada", "qada_tail", "qada_tail_budget") if n in criteria]:
+            variants = (("", False),) if name == "qada_tail_budget" else (("", False), (" once", True))
+            for suffix, once in variants:  # the decision in every split, or launched once (a budget always is)
                 executor = {"name": "triton_fused", "decide_once": once}
                 configs[f"{name} fused{suffix}"] = DecodeConfig(
                     kind, lambda criterion=criteria[name], executor=executor: prepare_run(

@@ -28,7 +28,8 @@ for s in "$@"; do
     env) stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())'" ;;
     tests) stage tests 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_attention_triton.py \
              tests/test_attention_triton_buffer.py tests/test_buffer_decode.py ;;
-    fused) stage fused 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decision.py tests/test_fused_tail.py ;;
+    fused) stage fused 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decision.py tests/test_fused_tail.py \
+        tests/test_fused_budget.py tests/test_moment_step_kernel.py ;;
     parity) stage parity 400 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;
     attention) stage attention 300 "$py" benchmarks/run.py --gpu --out "$out" --only attention,overhead ;;
     smollm2) stage smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 ;;

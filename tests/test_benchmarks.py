@@ -221,6 +221,7 @@ def test_issue33_gpu_goals_from_measured_rows():
         _row("qada_tail compiled", 7680, 1, "smollm2", 76.0, speedup_vs_dense_compiled=0.76),
         _row("qada_tail fused compiled", 7680, 1, "smollm2", 47.0, speedup_vs_dense_compiled=0.47),
         _row("qada_tail_budget compiled", 131072, 1, "llama3-8b-random", 42.0, speedup_vs_dense_compiled=4.2),
+        _row("qada_tail_budget fused compiled", 131072, 1, "llama3-8b-random", 40.0, speedup_vs_dense_compiled=4.0),
         _row("qada dense compiled", 131072, 1, "llama3-8b-random", 30.0, speedup_vs_dense_compiled=3.0),
     ]  # fmt: skip
     attention = [{"shape": "llama3-8b-layer", "T": 32768, "executor": "triton", "local_groups": 0, "rho_kv": 0.0,
@@ -243,7 +244,8 @@ def test_issue33_gpu_goals_from_measured_rows():
     assert goal("B=1:|qada_tail tau 0.3 / qada|compiled layer step")["measured"] == pytest.approx(0.95)
     assert goal("B=32|qada_tail tau 0.3 / qada|compiled layer step")["status"] == "not measured"  # no rows at B = 32
     assert goal("B=1:|qada_tail tau 0.3 / qada|in the kernel")["measured"] == pytest.approx(0.94)
-    assert goal("qada_tail_budget 0.85 / qada's own")["measured"] == pytest.approx(1.4)
+    assert goal("qada_tail_budget 0.85 / qada's own")["measured"] == pytest.approx(1.4)  # the faster of the two
+    assert "qada_tail_budget compiled," in goal("qada_tail_budget 0.85 / qada's own")["detail"]
     assert goal("qada_tail_budget 0.85 / qada's own")["status"] == "miss"
     assert goal("qada_tail_budget 0.85 / transformers")["status"] == "met"
     bandwidth = goal("every group dense, graph-captured")
@@ -268,15 +270,17 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     eager = EAGER - {"static rho_kv=0.5"}
     twins = {f"{name} eager" for name in {"qada"} | TAIL}  # compile=False: the same layer step, eagerly
     fused = {f"{name} fused{once}" for name in ("qada", "qada_tail") for once in ("", " once")}  # triton suites
+    fused |= {"qada_tail_budget fused"}  # (a budget's decision is always a launch of its own: no "once" twin)
     graphed = {f"{name} compiled" for name in ("dense", "qada dense", "qada", "qada fused")}  # CUDA graphs on a GPU
     assert {("smollm2", 2, c) for c in eager | fused | graphed | twins | {f"{t} compiled" for t in TAIL}
-            | {"qada_tail fused compiled", "qada fused once compiled", "qada_tail fused once compiled"}} == {
-        k for k in rows if k[0] == "smollm2"}
+            | {"qada_tail fused compiled", "qada fused once compiled", "qada_tail fused once compiled",
+               "qada_tail_budget fused compiled"}} == {k for k in rows if k[0] == "smollm2"}
     random_rows = eager | fused | graphed | {"dense dynamic cache", "qada_tail fused compiled",
-                                             "qada_tail_budget compiled", "static rho_kv=0.875 compiled"}
+                                             "qada_tail_budget compiled", "qada_tail_budget fused compiled",
+                                             "static rho_kv=0.875 compiled"}  # fmt: skip
     assert {("tiny-random", 1, c) for c in random_rows} == {k for k in rows if k[0] == "tiny-random"}
-    for name in ("qada", "qada_tail"):  # the same decisions in the kernel
-        for fused_name in (f"{name} fused", f"{name} fused once"):
+    for name in ("qada", "qada_tail", "qada_tail_budget"):  # the same decisions in the kernel
+        for fused_name in {f"{name} fused", f"{name} fused once"} & fused:
             fused_sparsity = rows[("smollm2", 2, fused_name)]["sparsity"]
             assert fused_sparsity == pytest.approx(rows[("smollm2", 2, name)]["sparsity"])
     stored = rows[("smollm2", 2, "qada")]["run"]["moments"]  # the CPU suites' source, its reference named

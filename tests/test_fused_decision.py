@@ -325,12 +325,15 @@ def test_model_fused_run_equals_triton_run(model, reference, source, cache, deci
 
 @pytest.mark.parametrize(("source", "criterion", "decide_once"),
                          [("stored", "qada", False), ("current", "qada", False), ("stored", "qada_tail", False),
-                          ("current", "qada_tail", True)])
+                          ("current", "qada_tail", True), ("stored", "qada_tail_budget", False),
+                          ("current", "qada_tail_budget_per_group", False)])
 def test_model_layer_step_is_three_launches_and_nothing_else(monkeypatch, model, reference, source, criterion,
                                                               decide_once):
     """A decode step of a layer with ``triton_fused``: the moment step, the fused split and the combine (with
-    ``decide_once`` the decision and the ``triton`` split apart: four), no other torch operation than allocations and
-    views (the statistics row comes from the combine), no host read; what a CUDA graph replays per layer."""
+    ``decide_once`` the decision and the ``triton`` split apart: four; a budget's scores, its ranking, then the
+    ``triton`` split and combine: five), no other torch operation than allocations and views (the statistics row
+    comes from the combine, a budget's count from the layer's state), no host read; what a CUDA graph replays per
+    layer."""
     from tests.triton_launches import LaunchRecorder, refusing_host_reads
 
     record = LaunchRecorder(monkeypatch)
@@ -346,10 +349,15 @@ def test_model_layer_step_is_three_launches_and_nothing_else(monkeypatch, model,
 
     monkeypatch.setattr(LayerStep, "__call__", recorded)
     executor = {"name": "triton_fused", "block_size": 16, "decide_once": decide_once}
-    greedy(model, make_run(source, executor, reference, criterion={"name": criterion, "tau": 0.3}), "static", steps=2)
+    config = {"name": criterion, "tau": 0.3}
+    if criterion.startswith("qada_tail_budget"):
+        config = {"name": "qada_tail_budget", "sparsity": 0.5, "per_group": criterion.endswith("per_group")}
+    greedy(model, make_run(source, executor, reference, criterion=config), "static", steps=2)
     moment = "stored_moment_step_kernel" if source == "stored" else "current_moment_step_kernel"
-    split = "qada_tail_fused_split_kernel" if criterion == "qada_tail" else "qada_fused_split_kernel"
-    expected = [moment, split, *(["qada_decode_split_kernel"] if decide_once else []), "qada_decode_combine_kernel"]
+    split = "qada_tail_fused_split_kernel" if criterion.startswith("qada_tail") else "qada_fused_split_kernel"
+    rank = ["qada_budget_decision_kernel"] if criterion.startswith("qada_tail_budget") else []
+    apart = ["qada_decode_split_kernel"] if decide_once or rank else []
+    expected = [moment, split, *rank, *apart, "qada_decode_combine_kernel"]
     assert len(steps) == 2 * model.config.num_hidden_layers
     views = {"aten.view.dtype", "aten.select.int", "aten.detach.default", "aten.unsqueeze.default",
              "aten.view.default", "aten.slice.Tensor", "aten.expand.default", "aten.alias.default"}  # no kernel

@@ -312,9 +312,16 @@ def greedy_states(model, run, cache_kind, steps=5):
         run.remove()
 
 
+BUDGET = {**SMALL, "name": "qada_tail_budget", "sparsity": 0.5}
+BUDGET.pop("tau")
+
+
 @pytest.mark.parametrize(("criterion", "source", "cache"), [(SMALL, "stored", "static"), (SMALL, "current", "dynamic"),
-                                                             ({"name": "qada_tail", "tau": 0.3}, "stored", "static")],
-                         ids=["small-stored-static", "small-current-dynamic", "defaults-stored-static"])
+                                                             ({"name": "qada_tail", "tau": 0.3}, "stored", "static"),
+                                                             (BUDGET, "stored", "static"),
+                                                             ({**BUDGET, "per_group": True}, "current", "dynamic")],
+                         ids=["small-stored-static", "small-current-dynamic", "defaults-stored-static",
+                              "budget-stored-static", "budget-per-group-current-dynamic"])
 def test_model_fused_tail_run_equals_triton_run(model, reference, criterion, source, cache):
     unfused = greedy_states(model, make_run(source, {"name": "triton", "block_size": 16}, reference, criterion), cache)
     fused = greedy_states(model, make_run(source, {"name": "triton_fused", "block_size": 16}, reference, criterion),
@@ -329,7 +336,7 @@ def test_model_fused_tail_run_equals_triton_run(model, reference, criterion, sou
         assert got.keys() == expected.keys()
         for name in got:
             torch.testing.assert_close(got[name], expected[name], atol=0, rtol=0, equal_nan=True, msg=name)
-    if criterion is SMALL:
+    if criterion is SMALL or criterion is BUDGET:
         assert 0.0 < fused[1]["kv_sparsity"] < 1.0  # not vacuous: some groups skip their bulk, some read it
 
 
@@ -337,9 +344,9 @@ def test_model_fused_tail_run_equals_triton_run(model, reference, criterion, sou
     {"name": "qada_tail", "tau": 0.3, "attend_exact": True},
     {"name": "qada_tail", "tau": 0.3, "super_page": 4},
     {"name": "qada_tail", "tau": 0.3, "scale_exact": 4096},
-    {"name": "qada_tail_budget", "sparsity": 0.5},
+    {"name": "qada_tail_budget", "sparsity": 0.5, "super_page": 4},
     {"name": "quest", "pages": 2},
-], ids=["attend_exact", "super_page", "scale_exact", "budget", "quest"])
+], ids=["attend_exact", "super_page", "scale_exact", "budget-super_page", "quest"])
 def test_model_unfused_configurations_are_errors(reference, criterion):
     """Said when the run is built, before any work."""
     with pytest.raises(ValueError, match="plain 'qada' criterion, or of 'qada_tail'.*use the 'triton' executor"):
@@ -366,7 +373,7 @@ COMPILE = textwrap.dedent(
         constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, BLOCK_K=16, BLOCK_X=64, BLOCK_H=32,
                          BLOCK_P=32, PAGE=16, BLOCK_S=16, TOP=8, BLOCK_M=8, HAS_START=rows, HAS_END=rows,
                          HAS_SINKS=features, PROMOTE=features, INPUT_PRECISION="ieee" if dtype == "fp32" else None,
-                         DOT_FP32=False, SOFTCAP=features)
+                         DOT_FP32=False, SOFTCAP=features, ATTEND=not features, SCORE=features)
         floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
         names = kernel.arg_names
         signature = {n: pointers.get(n, "constexpr" if n in constants else floats.get(n, "i32")) for n in names}
@@ -379,8 +386,8 @@ COMPILE = textwrap.dedent(
 
 def test_fused_tail_kernel_compiles_for_the_gpu():
     """The ``qada_tail`` split kernel compiles (TTIR .. cubin) for sm_90 without a GPU, at the benchmarks' sizes
-    (32 heavy tokens, 8 pages of 16): with bfloat16 inputs, rows, a soft cap, sink logits and ``promote``, and with
-    float32 inputs and none of them."""
+    (32 heavy tokens, 8 pages of 16): with bfloat16 inputs, rows, a soft cap, sink logits and ``promote`` in the
+    budget's score mode (no attention), and with float32 inputs and none of them, attending."""
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:

@@ -108,10 +108,12 @@ def qada_tail_fused_split_kernel(
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    ATTEND: tl.constexpr = True,
+    ATTEND: tl.constexpr = True, SCORE: tl.constexpr = False,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the step's key joins its page, the group's ``qada_tail``
-    decision (module docstring), then its split of the attention.
+    decision (module docstring), then its split of the attention. With ``SCORE`` (and neither ``ATTEND`` nor more
+    than one split): no decision, ``LOG_RATIO`` gets the budget's score ``log A_local - log Â_bulk`` (NaN where an
+    input is, for the fail-safe) for :mod:`qada.attention._fused_budget_kernel` to rank.
 
     Reads, besides what :func:`~qada.attention._fused_kernel.qada_fused_split_kernel` reads, the layer's tail index
     (:class:`~qada.criteria.tail_index.LayerTail`): ``HEAVY [b, H_kv, k]`` int64 slots (``n_heavy = k``),
@@ -244,14 +246,20 @@ def qada_tail_fused_split_kernel(
     bad = bad | (bad_e > 0) | (log_rest != log_rest)  # a NaN estimate of the rest: the fail-safe
     log_bulk = tl.where(has_bulk, logaddexp(log_exact, log_rest), float("-inf"))
 
-    # --- the threshold decision (fail-safe), then the group policy --------------------------------------------
-    decided, local, broken, dense, read = threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G,
-                                                             BLOCK_G, PROMOTE)  # fmt: skip
+    if SCORE:  # the budget's score: ranked across the row's heads by the next launch
+        if split == 0:
+            out = row64 * (H_KV * G) + heads.to(tl.int64)
+            tl.store(LOG_RATIO + out, tl.where(bad, float("nan"), log_local - log_bulk), mask=g_ok)
+            tl.store(N_EXACT + out, n_exact, mask=g_ok)
+    else:  # --- the threshold decision (fail-safe), then the group policy -----------------------------------------
+        decided, local, broken, dense, read = threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G,
+                                                                 BLOCK_G, PROMOTE)  # fmt: skip
+        if split == 0:
+            out = store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local,
+                                 broken, read)  # fmt: skip
+            tl.store(LOG_RATIO + out, log_local - logaddexp(log_local, log_bulk), mask=g_ok)
+            tl.store(N_EXACT + out, n_exact, mask=g_ok)
     if split == 0:
-        out = store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
-                             read)  # fmt: skip
-        tl.store(LOG_RATIO + out, log_local - logaddexp(log_local, log_bulk), mask=g_ok)
-        tl.store(N_EXACT + out, n_exact, mask=g_ok)
         tl.store(KMIN + extrema, low, mask=d_ok)  # the step key's page, as append_step_key leaves it
         tl.store(KMAX + extrema, high, mask=d_ok)
         new_at = halves_base + new_page.to(tl.int64) * stride_fp

@@ -45,7 +45,7 @@ from qada.attention.base import GroupDecision, register_executor
 from qada.attention.triton_decode import StepStatistics, TritonExecutor, _next_pow2, check_triton_runtime, combine
 from qada.step import DecodeStep
 
-__all__ = ["FusedLaunch", "FusedTail", "FusedTritonExecutor"]
+__all__ = ["FusedBudget", "FusedLaunch", "FusedTail", "FusedTritonExecutor"]
 
 _LOG2E = 1.4426950408889634
 
@@ -61,7 +61,8 @@ class FusedLaunch(NamedTuple):
         broken: ``[b, H]`` bool, the heads forced dense by a non-finite value (the fail-safe).
         counts: ``[pairs, S, 2]`` int32 per program: blocks loaded only for the bulk, blocks loaded in all.
         log_ratio: with a ``qada_tail`` decision, ``[b, H]`` float32 ``log A_local - logaddexp(log A_local,
-            log Â_bulk)`` (what is compared with ``log tau``), else ``None``.
+            log Â_bulk)`` (what is compared with ``log tau``); with a ``qada_tail_budget`` one the score ``log
+            A_local - log Â_bulk`` that is ranked (NaN where an input is); else ``None``.
         n_exact: with a ``qada_tail`` decision, ``[b, H]`` int32 ``|E|``, the bulk tokens scored exactly, else
             ``None``.
         row: ``[5]`` float64, the step's statistics row (:func:`~qada.models.layer_step.statistics_row`: sparsity,
@@ -136,6 +137,19 @@ _PAGE_TILE = 32
 """Pages bounded per tile by the ``qada_tail`` kernel (each tile merged into the running top pages)."""
 
 
+class FusedBudget(NamedTuple):
+    """The budget rule of ``qada_tail_budget`` (:class:`~qada.criteria.TailBudgetCriterion`) for one layer's step.
+
+    Attributes:
+        count: 0-d int64 on the device, how many heads (with ``per_group``: KV groups) of each row are local at this
+            layer (:meth:`~qada.criteria.BudgetedQAdACriterion.local_count`, ``group_count``).
+        per_group: rank KV groups by their heads' minimum score instead of heads.
+    """
+
+    count: torch.Tensor
+    per_group: bool = False
+
+
 @functools.cache
 def _hermite(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gauss-Hermite nodes and ``log(w_j / sqrt(pi))`` as float32 tensors on ``device``, made once per device
@@ -171,11 +185,14 @@ class FusedTritonExecutor(TritonExecutor):
     bounds computed once instead of once per split). The same decisions and output either way."""
 
     def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact",
-                          tail: FusedTail | None = None) -> FusedLaunch:
+                          tail: FusedTail | None = None, budget: FusedBudget | None = None) -> FusedLaunch:
         """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches;
         with ``tail``, the ``qada_tail`` decision (:mod:`qada.attention._fused_tail_kernel`), whose split launch
         also makes the step's key join its page in ``tail``'s extrema (in place, as
-        :func:`~qada.criteria.tail_index.append_step_key` does).
+        :func:`~qada.criteria.tail_index.append_step_key` does); with ``tail`` and ``budget``, the
+        ``qada_tail_budget`` decision (``tau`` unused) in four launches: the tail kernel writes each head's score
+        (one program per (row, KV head)), :mod:`qada.attention._fused_budget_kernel` ranks a row's heads (one
+        program per row), then the ``triton`` split and combine launches.
 
         Reads ``step.query [b, H, d]``, ``keys, values [b, H_kv, C, d]``, ``start``, ``end``, the window, the scale,
         ``softcap``, ``sink_logits [H]`` and ``step.bulk_moments`` (mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``,
@@ -202,7 +219,10 @@ class FusedTritonExecutor(TritonExecutor):
         dot_fp32 = _triton_kernel.INTERPRETED and query.dtype == torch.bfloat16
         BLOCK_G, BLOCK_D = max(16, _next_pow2(G)), max(16, _next_pow2(d))
         pairs = b * H_kv
-        S = 1 if self.decide_once else self.splits(query.device, pairs, C)  # a decision launch: one per group
+        if budget is not None and tail is None:
+            raise ValueError("a budget decision in the kernel ranks the tail-aware estimate: pass the tail index too")
+        apart = self.decide_once or budget is not None  # a decision launch of its own, then the triton launches
+        S = 1 if apart else self.splits(query.device, pairs, C)  # a decision launch: one per group
         device = query.device
         f32 = dict(dtype=torch.float32, device=device)
         acc = torch.empty(pairs, S, G, d, **f32)
@@ -231,8 +251,10 @@ class FusedTritonExecutor(TritonExecutor):
                  nodes.shape[0] if softcap else 1)
         log_ratio = n_exact = None
         grid = (pairs, S)
-        if self.decide_once:  # the decision alone, one program per (row, KV head): nothing attended or written
+        if apart:  # the decision alone, one program per (row, KV head): nothing attended or written
             common["ATTEND"] = False
+        if budget is not None:  # the tail kernel writes the heads' scores; the budget launch decides
+            common["SCORE"] = True
         if tail is None:
             _triton_kernel.run(_fused_kernel.qada_fused_split_kernel, grid, *inputs, *outputs, *strides,
                                *sizes, **common)
@@ -245,14 +267,37 @@ class FusedTritonExecutor(TritonExecutor):
                                *tail.kernel_inputs(b, H_kv, C, d), *outputs, log_ratio, n_exact, *strides,
                                *tail.kernel_strides(), *sizes,
                                tail.heavy.shape[2], tail.kmin.shape[2], **common, **tail.kernel_constants())
+        if budget is not None:
+            self._rank(step, log_ratio, budget, flags, read, policy)
         flags, read = flags.view(torch.bool), read.view(torch.bool)
         tail_reads = None if tail is None else (tail.page_size, tail.heavy.shape[2] if tail.heavy_reads is None
                                                 else tail.heavy_reads, tail.pages)
         row = torch.empty(5, dtype=torch.float64, device=device)
         statistics = StepStatistics(flags[1], read, flags[2], start, end, C, window.t_local, row, tail_reads)
-        if self.decide_once:  # the triton executor's two launches on the decision just made
+        if apart:  # the triton executor's two launches on the decision just made
             done = self.launch(step, GroupDecision(flags[1], read), statistics)
             return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts,
                                log_ratio, n_exact, row)
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics)
         return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read, flags[2], counts, log_ratio, n_exact, row)
+
+    def _rank(self, step: DecodeStep, score: torch.Tensor, budget: FusedBudget, flags: torch.Tensor,
+              read: torch.Tensor, policy: str) -> None:
+        """The budget launch: each row's best ``budget.count`` heads (groups) of ``score [b, H]`` local, the group
+        policy, into ``flags [3, b, H]`` (decided, local, broken) and ``read [b, H_kv]`` (uint8)."""
+        from qada.attention import _fused_budget_kernel, _triton_kernel
+
+        b, H = score.shape
+        H_kv = read.shape[1]
+        start, end = step.start, step.end
+        if budget.count.shape != () or budget.count.dtype != torch.long:
+            raise ValueError(f"expected the budget's count as a 0-d int64 tensor but got {budget.count.dtype} "
+                             f"{tuple(budget.count.shape)}")
+        _triton_kernel.run(
+            _fused_budget_kernel.qada_budget_decision_kernel, (b,),
+            score, score if start is None else start, score if end is None else end, budget.count,
+            flags[0], flags[1], flags[2], read, step.length, step.window.t_local,
+            H=H, G=H // H_kv, H_KV=H_kv, BLOCK_H=max(16, _next_pow2(H)), BLOCK_KV=max(16, _next_pow2(H_kv)),
+            PER_GROUP=budget.per_group, PROMOTE=policy == "promote", HAS_START=start is not None,
+            HAS_END=end is not None,
+        )  # fmt: skip

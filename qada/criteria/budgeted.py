@@ -85,14 +85,23 @@ class BudgetedQAdACriterion(BudgetCriterion):
             raise ValueError(f"expected the allocation {self.allocation!r} of shape [{num_layers}, {num_heads}] for "
                              f"this model but got {list(self._frequency.shape)}")
         super().check_model(num_layers, num_heads)
+        self._num_heads = num_heads
 
     def layer_state(self, layer: int, slots: int) -> dict[str, torch.Tensor]:
-        """Besides the base's ``ordinal``, with :attr:`allocation` the layer's local ``count`` of heads, or with
-        :attr:`per_group` its ``group_count_<G>`` of KV groups for every group size ``G`` dividing ``H`` (0-d each;
-        the step picks its own)."""
+        """Besides the base's ``ordinal``, the layer's local ``count`` of heads, or with :attr:`per_group` its
+        ``group_count_<G>`` of KV groups for every group size ``G`` dividing ``H`` (0-d each; the step picks its
+        own): the :attr:`allocation`'s, else :func:`~qada.criteria.budget.spread_count`'s, computed here on the host
+        once the model's ``H`` is known (:meth:`check_model`), so that a step reads them instead of computing them."""
         state = super().layer_state(layer, slots)
         if self._frequency is None:
-            return state
+            H = self.__dict__.get("_num_heads")
+            if H is None:
+                return state
+            ordinal = self.layer_ordinal(layer)
+            if not self.per_group:
+                return {**state, "count": torch.tensor(spread_count(self.sparsity * H, ordinal))}
+            return {**state, **{f"group_count_{g}": torch.tensor(spread_count(self.sparsity * (H // g), ordinal))
+                                for g in range(1, H + 1) if H % g == 0}}
         L, H = self._frequency.shape
         if not 0 <= layer < L:
             raise ValueError(f"allocation of {L} layers does not fit layer {layer}")

@@ -1,12 +1,13 @@
 """The layer step whose decision is made in the attention kernel (the ``triton_fused`` executor).
 
 :func:`fused_layer_step` is :func:`~qada.models.layer_step.layer_step` for a run whose criterion is the plain ``qada``
-threshold rule (:class:`~qada.criteria.QAdACriterion`) or the tail-aware ``qada_tail`` one
-(:class:`~qada.criteria.TailCriterion`: its layer's tail index goes to the kernel, which also updates it) and whose
-executor fuses the decision
-(:class:`~qada.attention.FusedTritonExecutor`): three launches and no other device work, whatever the decision:
-the moment source's step (:mod:`qada.attention.moment_step`; a source without a kernel steps in torch), the
-decision with the split-K attention, and the combine, whose last program also writes the step's statistics row.
+threshold rule (:class:`~qada.criteria.QAdACriterion`), the tail-aware ``qada_tail`` one
+(:class:`~qada.criteria.TailCriterion`: its layer's tail index goes to the kernel, which also updates it) or the
+tail-aware budget ``qada_tail_budget`` (:class:`~qada.criteria.TailBudgetCriterion`) and whose executor fuses the
+decision (:class:`~qada.attention.FusedTritonExecutor`): three launches and no other device work, whatever the
+decision: the moment source's step (:mod:`qada.attention.moment_step`; a source without a kernel steps in torch),
+the decision with the split-K attention, and the combine, whose last program also writes the step's statistics
+row; five for the budget (its scores, then the ranking of each row's heads, then the ``triton`` split).
 It returns the same :class:`~qada.models.layer_step.LayerStepResult` (the window fields ``None``: nothing gathers
 the window; a step computes it on demand) with the attention's ``output`` and ``bulk_blocks``, which the run takes
 instead of calling the executor.
@@ -24,27 +25,29 @@ from qada.moments.base import MomentSource
 from qada.step import BulkMoments, DecodeStep
 from qada.window import Window
 
-__all__ = ["check_fusable", "fused_layer_step", "fused_moment_step", "fused_tail"]
+__all__ = ["check_fusable", "fused_budget", "fused_layer_step", "fused_moment_step", "fused_tail"]
 
 
 def check_fusable(criterion: HeadCriterion, moments: MomentSource | None, executor: Any) -> None:
     """Raise ``ValueError`` unless ``executor`` can make ``criterion``'s decision with a moment source: the plain
     ``qada`` criterion (not a subclass, which may change the estimate), or the tail-aware ``qada_tail``
-    (:class:`~qada.criteria.TailCriterion`, not a subclass) with one-level pages and window-only local heads
-    (``attend_exact``, ``super_page`` and ``scale_exact`` unset)."""
+    (:class:`~qada.criteria.TailCriterion`) or ``qada_tail_budget`` (:class:`~qada.criteria.TailBudgetCriterion`),
+    not subclasses, with one-level pages and window-only local heads (``attend_exact``, ``super_page`` and
+    ``scale_exact`` unset)."""
     from qada.criteria.qada import QAdACriterion
-    from qada.criteria.tail import TailCriterion
+    from qada.criteria.tail import TailBudgetCriterion, TailCriterion
 
     name = getattr(executor, "registry_name", "") or type(executor).__name__
-    what = ("the plain 'qada' criterion, or of 'qada_tail' with one-level pages and window-only local heads "
-            "(attend_exact, super_page and scale_exact unset),")
-    if type(criterion) is TailCriterion:
+    what = ("the plain 'qada' criterion, or of 'qada_tail' or 'qada_tail_budget' with one-level pages and window-only "
+            "local heads (attend_exact, super_page and scale_exact unset),")
+    if type(criterion) in (TailCriterion, TailBudgetCriterion):
         unfused = [f"{field}={getattr(criterion, field)!r}" for field in ("attend_exact", "super_page", "scale_exact")
                    if getattr(criterion, field)]
         if unfused:
             raise ValueError(
-                f"the {name!r} executor makes the decision of {what} in its kernel, but the run's 'qada_tail' "
-                f"criterion has {', '.join(unfused)}: use the 'triton' executor, which attends for any criterion"
+                f"the {name!r} executor makes the decision of {what} in its kernel, but the run's "
+                f"{criterion.registry_name!r} criterion has {', '.join(unfused)}: use the 'triton' executor, which "
+                "attends for any criterion"
             )
     elif type(criterion) is not QAdACriterion:
         raise ValueError(
@@ -59,15 +62,29 @@ def check_fusable(criterion: HeadCriterion, moments: MomentSource | None, execut
 
 def fused_tail(criterion: HeadCriterion, step: DecodeStep) -> Any:
     """The :class:`~qada.attention.fused.FusedTail` of ``step`` (its layer's tail index, passed in by the run) for a
-    ``qada_tail`` criterion, else ``None``."""
+    ``qada_tail`` or ``qada_tail_budget`` criterion, else ``None``."""
     from qada.attention.fused import FusedTail
-    from qada.criteria.tail import TailCriterion
+    from qada.criteria.tail import TailEstimate
 
-    if type(criterion) is not TailCriterion:
+    if not isinstance(criterion, TailEstimate):
         return None
     state = criterion.state(step)
     return FusedTail(state["heavy"], state["heavy_valid"], state["member"], state["kmin"], state["kmax"],
                      state["halves"], criterion.page_size, criterion.pages, criterion.read_sizes(step)[0])
+
+
+def fused_budget(criterion: HeadCriterion, step: DecodeStep) -> Any:
+    """The :class:`~qada.attention.fused.FusedBudget` of ``step`` for a ``qada_tail_budget`` criterion (its layer's
+    count of local heads or groups, from the criterion's layer state: computed once per layer on the host, or, for
+    a criterion never bound to a model, on the device from the layer's ordinal), else ``None``."""
+    from qada.attention.fused import FusedBudget
+    from qada.criteria.tail import TailBudgetCriterion
+
+    if type(criterion) is not TailBudgetCriterion:
+        return None
+    if criterion.per_group:
+        return FusedBudget(criterion.group_count(step), True)
+    return FusedBudget(criterion.local_count(step), False)
 
 
 def fused_layer_step(
@@ -98,7 +115,9 @@ def fused_layer_step(
 
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
                             sink_logits, softcap, moments, window, functools.partial(fused_moment_step, moments))
-    launch = executor.decide_and_attend(step, criterion.tau, policy, fused_tail(criterion, step))
+    budget = fused_budget(criterion, step)
+    tau = 0.0 if budget is not None else criterion.tau  # (a budget ranks: no threshold)
+    launch = executor.decide_and_attend(step, tau, policy, fused_tail(criterion, step), budget)
     counts = launch.row
     return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,
                            None, None, bulk, step.query, step.start, step.end,

@@ -1,0 +1,187 @@
+"""The ``triton_fused`` executor with ``qada_tail_budget``: the tail kernel's scores, the budget launch's ranking
+(per head and per KV group, ties to the lower index, non-finite scores never local) and the ``triton`` launches
+after it, against the eager criterion, the unfused ``triton`` executor and an unfused run. On CPU the kernels run in
+Triton's interpreter (small shapes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+if not torch.cuda.is_available():  # must happen before triton is imported anywhere
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from qada.attention import EXECUTORS, FusedTritonExecutor, apply_group_policy  # noqa: E402
+from qada.attention.base import GroupDecision  # noqa: E402
+from qada.attention.fused import FusedBudget, FusedTail  # noqa: E402
+from qada.criteria import TailBudgetCriterion  # noqa: E402
+from qada.models.layer_step import statistics_row  # noqa: E402
+from tests.test_attention_triton import DEVICE, TOLERANCE  # noqa: E402
+from tests.test_fused_decision import fresh, make_step  # noqa: E402
+from tests.test_fused_tail import STATE, assert_same_state  # noqa: E402
+
+
+def prepared(step, seed, sparsity, per_group, **sizes):
+    """A ``qada_tail_budget`` criterion bound to a one-layer model of the step's heads, its layer 0 prefilled on all
+    slots but the last: ``(criterion, state)`` (the tail index and the layer's count)."""
+    criterion = TailBudgetCriterion(sparsity=sparsity, per_group=per_group, **sizes)
+    b, H, d = step.query.shape
+    criterion.check_model(1, H)
+    g = torch.Generator().manual_seed(seed)
+    queries = torch.randn(b, H, criterion.observe, d, generator=g).to(DEVICE)
+    queries[:, :, -1] += 2.0 * step.query.float()
+    C = step.length
+    criterion.observe_prefill(0, step.keys[:, :, : C - 1], queries.to(step.query.dtype), step.scale, step.start,
+                              step.window, capacity=C)
+    return criterion, {name: t.clone() for name, t in criterion.layer_state(0, C).items()}
+
+
+def with_state(step, state):
+    step = fresh(step)
+    step.states = {"criterion": state}
+    return step
+
+
+def eager(criterion, step, state, policy):
+    state = {name: t.clone() for name, t in state.items()}
+    step = with_state(step, state)
+    decided = criterion.decide(step)
+    local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
+    fail_safe = torch.zeros((), dtype=torch.long) if step.fail_safe is None else step.fail_safe
+    return decided, local, read, fail_safe, criterion.score(step), state, step
+
+
+def fused(criterion, step, state, policy, block=16, splits=3):
+    state = {name: t.clone() for name, t in state.items()}
+    G = step.num_heads // step.num_kv_heads
+    count = state["count"] if not criterion.per_group else state[f"group_count_{G}"]
+    tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages,
+                     None if criterion.heavy else 0)
+    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits)
+    launch = executor.decide_and_attend(fresh(step), 0.0, policy, tail,
+                                        FusedBudget(count.to(DEVICE), criterion.per_group))
+    return launch, state
+
+
+CASES = [  # (b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, sparsity, per_group, sizes)
+    (2, 8, 2, 600, 16, None, None, torch.float32, None, False, "exact", 0.5, False, {}),
+    (2, 8, 2, 520, 32, [0, 60], [500, 513], torch.float32, None, False, "promote", 0.6, False,
+     dict(heavy=8, observe=4, pages=4)),
+    (2, 12, 4, 400, 32, [10, 0], [385, 40], torch.bfloat16, None, False, "exact", 0.5, True,
+     dict(heavy=16, observe=8, page_size=8, pages=3)),  # row 1: no bulk
+    (3, 8, 4, 320, 16, [0, 7, 3], None, torch.float32, 4.0, True, "exact", 0.75, True,
+     dict(heavy=8, observe=4, pages=2)),
+    (2, 6, 2, 360, 32, None, [360, 333], torch.bfloat16, None, True, "promote", 0.34, False, dict(heavy=0, pages=5)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"C{c[3]}-H{c[1]}-{str(c[7])[6:]}-{c[10]}-s{c[11]}-g{c[12]}")
+def test_fused_budget_equals_eager(case):
+    """Decisions, fail-safe, the tail index after the step, the statistics row, and the output of the ``triton``
+    executor on the same decision; every row with a bulk keeps exactly its count local."""
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, sparsity, per_group, sizes = case
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C + H, softcap=softcap, sinks=sinks)
+    criterion, state = prepared(step, C, sparsity, per_group, **sizes)
+    decided, local, read, fail_safe, score, state_after, eager_step = eager(criterion, step, state, policy)
+    got, got_state = fused(criterion, step, state, policy)
+    finite = torch.isfinite(score)
+    torch.testing.assert_close(got.log_ratio[finite], score[finite].float(), atol=2e-5, rtol=1e-4)
+    assert torch.equal(torch.isfinite(got.log_ratio), finite)
+    assert torch.equal(got.decided, decided) and torch.equal(got.local, local) and torch.equal(got.read, read)
+    assert int(got.broken.sum()) == int(fail_safe)
+    assert_same_state({name: got_state[name] for name in STATE}, {name: state_after[name] for name in STATE})
+    assert torch.equal(got.row, statistics_row(eager_step, got.local, got.read, got.broken.sum(), criterion))
+    unfused = EXECUTORS.build("triton", group_policy=policy, block_size=16, num_splits=3)
+    expected = unfused.launch(fresh(step), GroupDecision(got.local, got.read))
+    atol, rtol = TOLERANCE[step.query.dtype]
+    torch.testing.assert_close(got.output.float(), expected.output.float(), atol=atol, rtol=rtol)
+    has_bulk = eager_step.has_bulk
+    G = H // H_kv
+    count = int(state["count"] if not per_group else state[f"group_count_{G}"])
+    kept = decided.view(b, H_kv, G).all(-1).sum(-1) if per_group else decided.sum(-1)
+    assert (kept[has_bulk] == count).all() and 0 < count < (H_kv if per_group else H)  # not vacuous
+    assert decided[~has_bulk].all()
+
+
+def test_ties_go_to_the_lower_head_and_non_finite_heads_are_dense():
+    """Equal scores (the same query in every head) keep the lowest heads local; a NaN key in a window makes its
+    group's heads non-finite: never local, counted, and the budget goes to the other heads."""
+    step = make_step(1, 8, 2, 300, 16, None, None, torch.float32, seed=11)
+    query = step.query.clone()
+    query[:, :] = query[:, :1]  # every head asks the same: equal scores within a KV group
+    keys = step.keys.clone()
+    keys[0, 1, -3] = float("nan")  # KV head 1's window: its 4 query heads are not finite
+    step = fresh(step)
+    from qada.step import DecodeStep
+
+    step = DecodeStep(query, keys, step.scale, step.window, moments=step.moments, values=step.values)
+    criterion, state = prepared(step, 5, 0.25, False, heavy=8, observe=4, pages=2)
+    decided, local, read, fail_safe, score, _, _ = eager(criterion, step, state, "exact")
+    got, _ = fused(criterion, step, state, "exact")
+    assert int(fail_safe) == 4 and int(got.broken.sum()) == 4 and got.broken[0, 4:].all()
+    assert torch.equal(got.decided, decided)
+    assert got.decided[0].tolist() == [True, True, False, False, False, False, False, False]
+
+
+def test_four_launches_and_no_host_reads(monkeypatch):
+    from tests.triton_launches import LaunchRecorder, refusing_host_reads
+
+    step = make_step(2, 8, 2, 200, 16, [0, 9], [200, 180], torch.float32, seed=6)
+    criterion, state = prepared(step, 3, 0.5, True, heavy=8, observe=4, pages=2)
+    record = LaunchRecorder(monkeypatch)
+    with refusing_host_reads(monkeypatch), record:
+        fused(criterion, step, state, "exact")
+    assert [name for name, _ in record.launches] == ["qada_tail_fused_split_kernel", "qada_budget_decision_kernel",
+                                                      "qada_decode_split_kernel", "qada_decode_combine_kernel"]
+    assert record.launches[0][1] == (4, 1) and record.launches[1][1] == (2,)
+    views = {"aten.view.dtype", "aten.select.int", "aten.detach.default", "aten.clone.default",
+             "aten._to_copy.default"}  # (the test's own state copies)
+    assert set(record.ops) <= {"aten.empty.memory_format"} | views, record.ops
+
+
+def test_a_budget_needs_the_tail_index():
+    step = make_step(1, 4, 2, 100, 16, None, None, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="tail index"):
+        FusedTritonExecutor().decide_and_attend(step, 0.0, "exact", None, FusedBudget(torch.tensor(1)))
+
+
+COMPILE = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from qada.attention import _fused_budget_kernel as K
+
+    kernel = K.qada_budget_decision_kernel
+    for rows, per_group in ((True, True), (False, False)):
+        pointers = dict(SCORE="*fp32", START="*i64" if rows else "*fp32", END="*i64" if rows else "*fp32",
+                        COUNT="*i64", DECIDED="*u8", LOCAL="*u8", BROKEN="*u8", READ="*u8")
+        constants = dict(H=32, G=4, H_KV=8, BLOCK_H=32, BLOCK_KV=16, PER_GROUP=per_group, PROMOTE=per_group,
+                         HAS_START=rows, HAS_END=rows)
+        names = kernel.arg_names
+        signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
+        source = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constants.items()})
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    print("compiled")
+    """
+)
+
+
+def test_budget_kernel_compiles_for_the_gpu():
+    """The budget launch compiles (TTIR .. cubin) for sm_90 without a GPU, at Llama-3-8B's heads (32 over 8 KV
+    heads), per head and per group."""
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no nvidia backend")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -348,4 +348,3 @@ def qada_decode_combine_kernel(
         result = numerator / tl.where(total > 0, total, 1.0)
         tl.store(OUT + row.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + offs_d * stride_od,
                  result.to(OUT.dtype.element_ty), mask=d_ok)  # fmt: skip
-

@@ -59,13 +59,14 @@ def eager(criterion, step, state, policy):
     return decided, local, read, fail_safe, criterion.score(step), state, step
 
 
-def fused(criterion, step, state, policy, block=16, splits=3):
+def fused(criterion, step, state, policy, block=16, splits=3, pages_per_program=256):
     state = {name: t.clone() for name, t in state.items()}
     G = step.num_heads // step.num_kv_heads
     count = state["count"] if not criterion.per_group else state[f"group_count_{G}"]
     tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages,
                      None if criterion.heavy else 0)
-    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits)
+    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits,
+                                   pages_per_program=pages_per_program)
     launch = executor.decide_and_attend(fresh(step), 0.0, policy, tail,
                                         FusedBudget(count.to(DEVICE), criterion.per_group))
     return launch, state
@@ -83,15 +84,17 @@ CASES = [  # (b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, spa
 ]
 
 
+@pytest.mark.parametrize("pages_per_program", [256, 7], ids=["one-program", "spread"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"C{c[3]}-H{c[1]}-{str(c[7])[6:]}-{c[10]}-s{c[11]}-g{c[12]}")
-def test_fused_budget_equals_eager(case):
+def test_fused_budget_equals_eager(case, pages_per_program):
     """Decisions, fail-safe, the tail index after the step, the statistics row, and the output of the ``triton``
-    executor on the same decision; every row with a bulk keeps exactly its count local."""
+    executor on the same decision; every row with a bulk keeps exactly its count local. ``spread``: the page bounds
+    over programs of 7 pages (a page-top launch first)."""
     b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, sparsity, per_group, sizes = case
     step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C + H, softcap=softcap, sinks=sinks)
     criterion, state = prepared(step, C, sparsity, per_group, **sizes)
     decided, local, read, fail_safe, score, state_after, eager_step = eager(criterion, step, state, policy)
-    got, got_state = fused(criterion, step, state, policy)
+    got, got_state = fused(criterion, step, state, policy, pages_per_program=pages_per_program)
     finite = torch.isfinite(score)
     torch.testing.assert_close(got.log_ratio[finite], score[finite].float(), atol=2e-5, rtol=1e-4)
     assert torch.equal(torch.isfinite(got.log_ratio), finite)

@@ -75,12 +75,14 @@ def eager_tail(criterion, step, state, tau, policy="exact"):
     return decided, local, read, fail_safe, ratio, state, step
 
 
-def fused_tail_launch(criterion, step, state, tau, policy="exact", block=16, splits=3, decide_once=False):
+def fused_tail_launch(criterion, step, state, tau, policy="exact", block=16, splits=3, decide_once=False,
+                      pages_per_program=256):
     """The fused launch on a copy of ``state``: ``(launch, state after)``."""
     state = copy_state(state)
     tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages,
                      None if criterion.heavy else 0)  # (no heavy set: a placeholder slot, not read)
-    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=decide_once)
+    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=decide_once,
+                                   pages_per_program=pages_per_program)
     return executor.decide_and_attend(fresh(step), tau, policy, tail), state
 
 
@@ -89,12 +91,14 @@ def assert_same_state(got, expected):
         torch.testing.assert_close(got[name], expected[name], atol=0, rtol=0, equal_nan=True, msg=name)
 
 
-def check_tail(criterion, step, state, tau, policy="exact", block=16, splits=3, decide_once=False):
+def check_tail(criterion, step, state, tau, policy="exact", block=16, splits=3, decide_once=False,
+               pages_per_program=256):
     """The fused launch against the eager criterion (decisions, fail-safe, state after the step), the unfused
     ``triton`` executor on the fused decision (output, block counts) and :func:`hand_blocks`."""
     decided, local, read, fail_safe, ratio, state_after, eager_step = eager_tail(criterion, step, state, tau,
                                                                                  policy)
-    got, got_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once)
+    got, got_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once,
+                                       pages_per_program)
     near = (ratio - tau).abs() <= 1e-4 * tau  # rounding may decide these either way (none with tau_between)
     assert torch.equal(got.decided | near, decided | near) and torch.equal(got.decided & ~near, decided & ~near)
     if not near.any():
@@ -164,6 +168,30 @@ def test_decide_once_decides_updates_and_attends_alike(case):
         assert torch.equal(getattr(once, name), getattr(one, name)), name
     torch.testing.assert_close(once.output, one.output, atol=0, rtol=0)
     assert_same_state(once_state, one_state)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=["defaults", "bf16-two-tiles", "no-heavy"])
+@pytest.mark.parametrize("pages_per_program", [5, 16])
+def test_page_bounds_spread_over_programs_decide_alike(monkeypatch, case, pages_per_program):
+    """With the decision a launch of its own and the pages spread over programs of ``pages_per_program`` pages (a
+    page-top launch first, its lists merged by the decision): the eager decisions, the state after the step, the
+    unfused output; and bit for bit what one program per (row, KV head) decides."""
+    from tests.triton_launches import LaunchRecorder
+
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits, sizes = case
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C, softcap=softcap, sinks=sinks)
+    criterion, state = prepared(step, C, **sizes)
+    tau = tail_tau(criterion, step, state, H // H_kv, policy)
+    record = LaunchRecorder(monkeypatch)
+    spread, _, spread_state = check_tail(criterion, step, state, tau, policy, block, splits, decide_once=True,
+                                         pages_per_program=pages_per_program)
+    stretches = -(-state["kmin"].shape[2] // pages_per_program)
+    assert stretches > 1 and record.launches[0] == ("qada_tail_page_top_kernel", (b * H_kv, stretches))
+    one, one_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once=True)
+    for name in ("decided", "local", "read", "broken", "counts", "n_exact", "log_ratio"):
+        assert torch.equal(getattr(spread, name), getattr(one, name)), name
+    torch.testing.assert_close(spread.output, one.output, atol=0, rtol=0)
+    assert_same_state(spread_state, one_state)
 
 
 def test_the_exact_set_changes_decisions_against_qada():
@@ -362,23 +390,26 @@ COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from qada.attention import _fused_tail_kernel as K
 
-    kernel = K.qada_tail_fused_split_kernel
     for dtype, rows, features in (("bf16", True, True), ("fp32", False, False)):
         pointers = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, MEAN="*fp32", COV="*fp32",
                         START="*i64" if rows else "*" + dtype, END="*i64" if rows else "*" + dtype,
                         SINKS="*fp32" if features else "*" + dtype, GH_X="*fp32", GH_LOGW="*fp32",
                         HEAVY="*i64", HEAVY_VALID="*u8", MEMBER="*u8", KMIN="*fp32", KMAX="*fp32", HALVES="*fp32",
                         ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", DECIDED="*u8", LOCAL="*u8", READ="*u8",
-                        BROKEN="*u8", LOG_RATIO="*fp32", N_EXACT="*i32")
+                        BROKEN="*u8", LOG_RATIO="*fp32", N_EXACT="*i32", CAND_VALS="*fp32", CAND_IDS="*i32",
+                        CAND_OKS="*i32")
         constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, BLOCK_K=16, BLOCK_X=64, BLOCK_H=32,
                          BLOCK_P=32, PAGE=16, BLOCK_S=16, TOP=8, BLOCK_M=8, HAS_START=rows, HAS_END=rows,
                          HAS_SINKS=features, PROMOTE=features, INPUT_PRECISION="ieee" if dtype == "fp32" else None,
-                         DOT_FP32=False, SOFTCAP=features, ATTEND=not features, SCORE=features)
+                         DOT_FP32=False, SOFTCAP=features, ATTEND=not features, SCORE=features,
+                         CANDIDATES=features)
         floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
-        names = kernel.arg_names
-        signature = {n: pointers.get(n, "constexpr" if n in constants else floats.get(n, "i32")) for n in names}
-        source = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constants.items()})
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+        for kernel in (K.qada_tail_fused_split_kernel, K.qada_tail_page_top_kernel):
+            names = kernel.arg_names
+            signature = {n: pointers.get(n, "constexpr" if n in constants else floats.get(n, "i32")) for n in names}
+            source = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constants.items()
+                                                              if n in names})
+            triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
     print("compiled")
     """
 )
@@ -387,7 +418,8 @@ COMPILE = textwrap.dedent(
 def test_fused_tail_kernel_compiles_for_the_gpu():
     """The ``qada_tail`` split kernel compiles (TTIR .. cubin) for sm_90 without a GPU, at the benchmarks' sizes
     (32 heavy tokens, 8 pages of 16): with bfloat16 inputs, rows, a soft cap, sink logits and ``promote`` in the
-    budget's score mode (no attention), and with float32 inputs and none of them, attending."""
+    budget's score mode (no attention) merging page lists, and with float32 inputs and none of them, attending;
+    and the page-top kernel alike."""
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:

@@ -22,6 +22,11 @@ Every split computes the decision (its block list depends on it) and the step ke
 them back once it has decided. The update is idempotent (a split that reads the page after split 0 wrote it computes
 the same extrema), and every split bounds that page with the new extrema from its registers, never with the stored
 halves it may race with.
+
+Where the decision is a launch of its own over a long row, :func:`qada_tail_page_top_kernel` first spreads the page
+bounds over programs of a stretch of pages each (their top pages per head, read-only), and the decision merges those
+lists in page order (``CANDIDATES``) instead of bounding every page itself. The budget rule (``qada_tail_budget``)
+uses the score mode (``SCORE``): the heads' ``log A_local - log Â_bulk``, ranked by the next launch.
 """
 
 from __future__ import annotations
@@ -58,8 +63,9 @@ def add_scores(m, total, count, bad, s, valid):
 def merge_top(vals, ids, oks, rank, page_ids, page_ok, TOP: tl.constexpr, BLOCK_P: tl.constexpr,
               BLOCK_M: tl.constexpr):  # fmt: skip
     """The ``TOP`` best of a running list ``vals, ids, oks [BLOCK_G, BLOCK_M]`` (rank, page, valid; entries from
-    ``TOP`` on stay ``-inf``) and a tile ``rank, page_ok [BLOCK_G, BLOCK_P]`` of pages ``page_ids [BLOCK_P]``, by
-    ``TOP`` rounds of max-extraction (ties: the list first, then the lower tile position; a loop, not unrolled)."""
+    ``TOP`` on stay ``-inf``) and a tile ``rank, page_ok [BLOCK_G, BLOCK_P]`` of pages ``page_ids`` (``[1, BLOCK_P]``
+    for all heads, or ``[BLOCK_G, BLOCK_P]``: another list), by ``TOP`` rounds of max-extraction (ties: the list
+    first, then the lower tile position; a loop, not unrolled)."""
     offs_p = tl.arange(0, BLOCK_P)
     offs_m = tl.arange(0, BLOCK_M)
     new_vals = tl.full(vals.shape, float("-inf"), dtype=tl.float32)
@@ -74,7 +80,7 @@ def merge_top(vals, ids, oks, rank, page_ids, page_ok, TOP: tl.constexpr, BLOCK_
         t_hit = (offs_p[None, :] == t_pos[:, None]) & take[:, None]
         l_hit = (offs_m[None, :] == l_pos[:, None]) & (take == 0)[:, None]
         best = tl.where(take, t_best, l_best)
-        page = tl.sum(tl.where(t_hit, page_ids[None, :], 0), axis=1) + tl.sum(tl.where(l_hit, ids, 0), axis=1)
+        page = tl.sum(tl.where(t_hit, page_ids, 0), axis=1) + tl.sum(tl.where(l_hit, ids, 0), axis=1)
         ok = tl.maximum(tl.max(tl.where(t_hit, page_ok, 0), axis=1), tl.max(tl.where(l_hit, oks, 0), axis=1))
         put = (offs_m == r)[None, :]
         new_vals = tl.where(put, best[:, None], new_vals)
@@ -88,9 +94,117 @@ def merge_top(vals, ids, oks, rank, page_ids, page_ok, TOP: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def step_key_page(KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_eb, stride_eh, stride_ep,
+                  stride_ed, C, n_pages, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                  HAS_END: tl.constexpr):  # fmt: skip
+    """The step's key joins its page (:func:`~qada.criteria.tail_index.append_step_key`), in registers: ``(page,
+    low, high, centre, radius, extrema offsets [BLOCK_D])`` (nothing is written)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    if HAS_END:
+        slot = tl.maximum(tl.load(END + row).to(tl.int32) - 1, 0)
+    else:
+        slot = tl.full([], 0, dtype=tl.int32) + C - 1
+    new_page = tl.minimum(slot // PAGE, n_pages - 1)
+    fresh = (slot % PAGE) == 0
+    key = tl.load(k_base + slot.to(tl.int64) * stride_kt + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float32)
+    extrema = row64 * stride_eb + kv64 * stride_eh + new_page.to(tl.int64) * stride_ep + offs_d * stride_ed
+    low = tl.where(fresh, key, tl.minimum(tl.load(KMIN + extrema, mask=d_ok, other=0.0), key))
+    high = tl.where(fresh, key, tl.maximum(tl.load(KMAX + extrema, mask=d_ok, other=0.0), key))
+    return new_page, low, high, (low + high) * 0.5, (high - low) * 0.5, extrema
+
+
+@triton.jit
+def page_top(qf, halves_base, stride_fp, stride_fx, p_begin, p_end, new_page, centre_new, radius_new, scale,
+             D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+             TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Each query head's ``TOP`` pages of ``[p_begin, p_end)`` by bound ``scale [q, |q|]·halves`` (the step key's
+    page with its new halves from registers): ``(vals, ids, oks [BLOCK_G, BLOCK_M])``, by tiles of ``BLOCK_P``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    vals = tl.full([BLOCK_G, BLOCK_M], float("-inf"), dtype=tl.float32)
+    ids = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
+    oks = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
+    qa = tl.abs(qf)
+    for p0 in range(p_begin, p_end, BLOCK_P):
+        pages = p0 + tl.arange(0, BLOCK_P)
+        p_ok = pages < p_end
+        at = halves_base + pages[:, None].to(tl.int64) * stride_fp + offs_d[None, :] * stride_fx
+        both = p_ok[:, None] & d_ok[None, :]
+        centre = tl.load(at, mask=both, other=0.0).to(tl.float32)
+        radius = tl.load(at + D * stride_fx, mask=both, other=0.0).to(tl.float32)
+        is_new = (pages == new_page)[:, None]  # the step key's page: its new halves, from registers
+        centre = tl.where(is_new, centre_new[None, :], centre)
+        radius = tl.where(is_new, radius_new[None, :], radius)
+        bound = (tl.dot(qf, tl.trans(centre), input_precision="ieee")
+                 + tl.dot(qa, tl.trans(radius), input_precision="ieee")) * scale  # [BLOCK_G, BLOCK_P]
+        rank = tl.where(p_ok[None, :], tl.where(bound != bound, float("inf"), bound), float("-inf"))
+        page_ok = tl.where(p_ok[None, :] & (tl.abs(bound) < float("inf")), 1, 0)
+        vals, ids, oks = merge_top(vals, ids, oks, rank, pages[None, :], page_ok, TOP, BLOCK_P, BLOCK_M)
+    return vals, ids, oks
+
+
+@triton.jit
+def page_range(first, last, t_sink, t_local, PAGE: tl.constexpr):
+    """``(bulk_lo, bulk_hi, has_bulk, p_lo, p_hi)``: the row's bulk and the pages overlapping it."""
+    t_bulk = tl.maximum(last - first - t_local, 0)
+    bulk_lo = first + t_sink
+    bulk_hi = bulk_lo + t_bulk
+    p_lo = bulk_lo // PAGE
+    p_hi = tl.where(t_bulk > 0, tl.cdiv(bulk_hi, PAGE), p_lo)
+    return p_lo, p_hi
+
+
+@triton.jit
+def qada_tail_page_top_kernel(
+    Q, K, START, END, KMIN, KMAX, HALVES, CAND_VALS, CAND_IDS, CAND_OKS,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_eb, stride_eh, stride_ep, stride_ed,
+    stride_fb, stride_fh, stride_fp, stride_fx,
+    C, H_KV, t_sink, t_local, scale, n_pages, pages_per_program,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    PAGE: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
+):  # fmt: skip
+    """One program = one (row, KV head) and one stretch of ``pages_per_program`` of the pages overlapping the row's
+    bulk: each query head's ``TOP`` pages of the stretch by bound (:func:`page_top`, the step key's page with its
+    new halves), stored at ``CAND_VALS, CAND_IDS, CAND_OKS [pairs, S_p, BLOCK_G, BLOCK_M]`` (float32, int32,
+    int32) for the decision launch to merge in stretch order. Reads only (the decision launch writes the page)."""
+    pair = tl.program_id(0)
+    stretch = tl.program_id(1)
+    row = pair // H_KV
+    kv_head = pair % H_KV
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    row64 = row.to(tl.int64)
+    kv64 = kv_head.to(tl.int64)
+    heads = kv_head * G + offs_g
+    k_base = K + row64 * stride_kb + kv64 * stride_kh
+    q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
+    p_lo, p_hi = page_range(first, last, t_sink, t_local, PAGE)
+    new_page, low, high, centre_new, radius_new, extrema = step_key_page(
+        KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_eb, stride_eh, stride_ep, stride_ed,
+        C, n_pages, D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
+    p_begin = tl.minimum(p_lo + stretch * pages_per_program, p_hi)
+    p_end = tl.minimum(p_begin + pages_per_program, p_hi)
+    vals, ids, oks = page_top(q.to(tl.float32), HALVES + row64 * stride_fb + kv64 * stride_fh, stride_fp, stride_fx,
+                              p_begin, p_end, new_page, centre_new, radius_new, scale, D, BLOCK_G, BLOCK_D, BLOCK_P,
+                              TOP, BLOCK_M)  # fmt: skip
+    at = ((pair.to(tl.int64) * tl.num_programs(1) + stretch) * BLOCK_G + offs_g[:, None]) * BLOCK_M \
+        + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(CAND_VALS + at, vals)
+    tl.store(CAND_IDS + at, ids)
+    tl.store(CAND_OKS + at, oks)
+
+
+@triton.jit
 def qada_tail_fused_split_kernel(
     Q, K, V, MEAN, COV, START, END, SINKS, GH_X, GH_LOGW,
-    HEAVY, HEAVY_VALID, MEMBER, KMIN, KMAX, HALVES,
+    HEAVY, HEAVY_VALID, MEMBER, KMIN, KMAX, HALVES, CAND_VALS, CAND_IDS, CAND_OKS,
     ACC, M, L, COUNTS, DECIDED, LOCAL, READ, BROKEN, LOG_RATIO, N_EXACT,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -101,19 +215,21 @@ def qada_tail_fused_split_kernel(
     stride_ub, stride_uh, stride_ut,
     stride_eb, stride_eh, stride_ep, stride_ed,
     stride_fb, stride_fh, stride_fp, stride_fx,
-    C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau, n_nodes, n_heavy, n_pages,
+    C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau, n_nodes, n_heavy, n_pages, n_stretches,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_X: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    ATTEND: tl.constexpr = True, SCORE: tl.constexpr = False,
+    ATTEND: tl.constexpr = True, SCORE: tl.constexpr = False, CANDIDATES: tl.constexpr = False,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the step's key joins its page, the group's ``qada_tail``
     decision (module docstring), then its split of the attention. With ``SCORE`` (and neither ``ATTEND`` nor more
     than one split): no decision, ``LOG_RATIO`` gets the budget's score ``log A_local - log Â_bulk`` (NaN where an
-    input is, for the fail-safe) for :mod:`qada.attention._fused_budget_kernel` to rank.
+    input is, for the fail-safe) for :mod:`qada.attention._fused_budget_kernel` to rank. With ``CANDIDATES`` each
+    head's top pages are merged from the ``n_stretches`` lists :func:`qada_tail_page_top_kernel` wrote
+    (``CAND_*``) instead of bounding every page here.
 
     Reads, besides what :func:`~qada.attention._fused_kernel.qada_fused_split_kernel` reads, the layer's tail index
     (:class:`~qada.criteria.tail_index.LayerTail`): ``HEAVY [b, H_kv, k]`` int64 slots (``n_heavy = k``),
@@ -152,18 +268,9 @@ def qada_tail_fused_split_kernel(
                                       HAS_SINKS)  # fmt: skip
 
     # --- the step's key joins its page (append_step_key) ------------------------------------------------------
-    if HAS_END:
-        slot = tl.maximum(tl.load(END + row).to(tl.int32) - 1, 0)
-    else:
-        slot = tl.full([], 0, dtype=tl.int32) + C - 1
-    new_page = tl.minimum(slot // PAGE, n_pages - 1)
-    fresh = (slot % PAGE) == 0
-    key = tl.load(k_base + slot.to(tl.int64) * stride_kt + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float32)
-    extrema = row64 * stride_eb + kv64 * stride_eh + new_page.to(tl.int64) * stride_ep + offs_d * stride_ed
-    low = tl.where(fresh, key, tl.minimum(tl.load(KMIN + extrema, mask=d_ok, other=0.0), key))
-    high = tl.where(fresh, key, tl.maximum(tl.load(KMAX + extrema, mask=d_ok, other=0.0), key))
-    centre_new = (low + high) * 0.5
-    radius_new = (high - low) * 0.5
+    new_page, low, high, centre_new, radius_new, extrema = step_key_page(
+        KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_eb, stride_eh, stride_ep, stride_ed,
+        C, n_pages, D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
     halves_base = HALVES + row64 * stride_fb + kv64 * stride_fh  # (split 0 writes them back after the decision)
 
     # --- the exact set E: the heavy set ----------------------------------------------------------------------
@@ -188,27 +295,18 @@ def qada_tail_fused_split_kernel(
 
     # --- the exact set E: each query head's TOP pages by bound (top_pages), by tiles of BLOCK_P pages ----------
     offs_m = tl.arange(0, BLOCK_M)
-    vals = tl.full([BLOCK_G, BLOCK_M], float("-inf"), dtype=tl.float32)
-    ids = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
-    oks = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
-    qa = tl.abs(qf)
-    p_lo = bulk_lo // PAGE  # the pages overlapping the bulk [bulk_lo, bulk_hi)
-    p_hi = tl.where(has_bulk, tl.cdiv(bulk_hi, PAGE), p_lo)
-    for p0 in range(p_lo, p_hi, BLOCK_P):
-        pages = p0 + tl.arange(0, BLOCK_P)
-        p_ok = pages < p_hi
-        at = halves_base + pages[:, None].to(tl.int64) * stride_fp + offs_d[None, :] * stride_fx
-        both = p_ok[:, None] & d_ok[None, :]
-        centre = tl.load(at, mask=both, other=0.0).to(tl.float32)
-        radius = tl.load(at + D * stride_fx, mask=both, other=0.0).to(tl.float32)
-        is_new = (pages == new_page)[:, None]  # the step key's page: its new halves, from registers
-        centre = tl.where(is_new, centre_new[None, :], centre)
-        radius = tl.where(is_new, radius_new[None, :], radius)
-        bound = (tl.dot(qf, tl.trans(centre), input_precision="ieee")
-                 + tl.dot(qa, tl.trans(radius), input_precision="ieee")) * scale  # [BLOCK_G, BLOCK_P]
-        rank = tl.where(p_ok[None, :], tl.where(bound != bound, float("inf"), bound), float("-inf"))
-        page_ok = tl.where(p_ok[None, :] & (tl.abs(bound) < float("inf")), 1, 0)
-        vals, ids, oks = merge_top(vals, ids, oks, rank, pages, page_ok, TOP, BLOCK_P, BLOCK_M)
+    if CANDIDATES:  # merged from the stretches' lists, in page order (ties: the lower page, as one pass would)
+        vals = tl.full([BLOCK_G, BLOCK_M], float("-inf"), dtype=tl.float32)
+        ids = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
+        oks = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
+        for c in range(0, n_stretches):
+            at = ((pair.to(tl.int64) * n_stretches + c) * BLOCK_G + offs_g[:, None]) * BLOCK_M + offs_m[None, :]
+            vals, ids, oks = merge_top(vals, ids, oks, tl.load(CAND_VALS + at), tl.load(CAND_IDS + at),
+                                       tl.load(CAND_OKS + at), TOP, BLOCK_M, BLOCK_M)  # fmt: skip
+    else:
+        p_lo, p_hi = page_range(first, last, t_sink, t_local, PAGE)
+        vals, ids, oks = page_top(qf, halves_base, stride_fp, stride_fx, p_lo, p_hi, new_page, centre_new,
+                                  radius_new, scale, D, BLOCK_G, BLOCK_D, BLOCK_P, TOP, BLOCK_M)  # fmt: skip
 
     # --- the top pages' tokens: in the bulk, not heavy (one query head and page at a time: [BLOCK_S, BLOCK_D]) --
     offs_s = tl.arange(0, BLOCK_S)

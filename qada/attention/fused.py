@@ -184,6 +184,21 @@ class FusedTritonExecutor(TritonExecutor):
     split and combine launches reading its ``local`` mask (three launches; the decision, the exact set and the page
     bounds computed once instead of once per split). The same decisions and output either way."""
 
+    pages_per_program: int = 256
+    """Where the decision is a launch of its own (``decide_once``, or a budget) and a row's bulk spans more pages
+    than this, the page bounds of ``qada_tail`` are spread over programs of this many pages each, one launch before
+    the decision (:func:`~qada.attention._fused_tail_kernel.qada_tail_page_top_kernel`): each finds its stretch's
+    top pages per head, the decision merges the lists. At 128k tokens and pages of 16 one program per (row, KV head)
+    would bound 8192 pages alone. The same decisions either way."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        value = self.pages_per_program
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"expected pages_per_program to be a positive int but got {value!r}")
+        if not isinstance(self.decide_once, bool):
+            raise ValueError(f"expected decide_once to be a bool but got {self.decide_once!r}")
+
     def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact",
                           tail: FusedTail | None = None, budget: FusedBudget | None = None) -> FusedLaunch:
         """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches;
@@ -263,10 +278,15 @@ class FusedTritonExecutor(TritonExecutor):
 
             log_ratio = torch.empty(b, H, **f32)
             n_exact = torch.empty(b, H, dtype=torch.int32, device=device)
+            n_pages = tail.kmin.shape[2]
+            stretches = -(-n_pages // self.pages_per_program) if apart else 1  # the page bounds spread out
+            candidates = (m, m, m)
+            if stretches > 1:
+                candidates = self._page_tops(step, tail, pairs, stretches, common)
             _triton_kernel.run(_fused_tail_kernel.qada_tail_fused_split_kernel, grid, *inputs,
-                               *tail.kernel_inputs(b, H_kv, C, d), *outputs, log_ratio, n_exact, *strides,
-                               *tail.kernel_strides(), *sizes,
-                               tail.heavy.shape[2], tail.kmin.shape[2], **common, **tail.kernel_constants())
+                               *tail.kernel_inputs(b, H_kv, C, d), *candidates, *outputs, log_ratio, n_exact,
+                               *strides, *tail.kernel_strides(), *sizes, tail.heavy.shape[2], n_pages, stretches,
+                               CANDIDATES=stretches > 1, **common, **tail.kernel_constants())
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)
         flags, read = flags.view(torch.bool), read.view(torch.bool)
@@ -301,3 +321,31 @@ class FusedTritonExecutor(TritonExecutor):
             PER_GROUP=budget.per_group, PROMOTE=policy == "promote", HAS_START=start is not None,
             HAS_END=end is not None,
         )  # fmt: skip
+
+    def _page_tops(self, step: DecodeStep, tail: FusedTail, pairs: int, stretches: int,
+                   common: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The page-top launch: ``stretches`` programs per (row, KV head), each the top pages per head of its
+        :attr:`pages_per_program` pages; returns the lists ``(vals, ids, oks) [pairs, stretches, BLOCK_G,
+        BLOCK_M]``."""
+        from qada.attention import _fused_tail_kernel, _triton_kernel
+
+        query, key = step.query, step.keys
+        b, H, d = query.shape
+        H_kv, C = key.shape[1], key.shape[2]
+        constants = tail.kernel_constants()
+        shape = (pairs, stretches, common["BLOCK_G"], constants["BLOCK_M"])
+        vals = torch.empty(shape, dtype=torch.float32, device=query.device)
+        ids = torch.empty(shape, dtype=torch.int32, device=query.device)
+        oks = torch.empty(shape, dtype=torch.int32, device=query.device)
+        start, end = step.start, step.end
+        heavy, valid, member, kmin, kmax, halves = tail.kernel_inputs(b, H_kv, C, d)
+        _triton_kernel.run(
+            _fused_tail_kernel.qada_tail_page_top_kernel, (pairs, stretches),
+            query, key, query if start is None else start, query if end is None else end, kmin, kmax, halves,
+            vals, ids, oks, *query.stride(), *key.stride(), *kmin.stride(), *halves.stride(),
+            C, H_kv, step.window.t_sink, step.window.t_local, float(step.scale), kmin.shape[2], self.pages_per_program,
+            G=H // H_kv, D=d, BLOCK_G=common["BLOCK_G"], BLOCK_D=common["BLOCK_D"], BLOCK_P=constants["BLOCK_P"],
+            PAGE=constants["PAGE"], TOP=constants["TOP"], BLOCK_M=constants["BLOCK_M"],
+            HAS_START=start is not None, HAS_END=end is not None, num_warps=self.num_warps,
+        )  # fmt: skip
+        return vals, ids, oks

@@ -276,8 +276,8 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
             | {"qada_tail fused compiled", "qada fused once compiled", "qada_tail fused once compiled",
                "qada_tail_budget fused compiled"}} == {k for k in rows if k[0] == "smollm2"}
     random_rows = eager | fused | graphed | {"dense dynamic cache", "qada_tail fused compiled",
-                                             "qada_tail_budget compiled", "qada_tail_budget fused compiled",
-                                             "static rho_kv=0.875 compiled"}  # fmt: skip
+                                             "qada_tail fused once compiled", "qada_tail_budget compiled",
+                                             "qada_tail_budget fused compiled", "static rho_kv=0.875 compiled"}
     assert {("tiny-random", 1, c) for c in random_rows} == {k for k in rows if k[0] == "tiny-random"}
     for name in ("qada", "qada_tail", "qada_tail_budget"):  # the same decisions in the kernel
         for fused_name in {f"{name} fused", f"{name} fused once"} & fused:

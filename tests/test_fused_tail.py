@@ -76,7 +76,7 @@ def eager_tail(criterion, step, state, tau, policy="exact"):
 
 
 def fused_tail_launch(criterion, step, state, tau, policy="exact", block=16, splits=3, decide_once=False,
-                      pages_per_program=256):
+                      pages_per_program=256):  # (decide_once False by default here: the split kernel's own path)
     """The fused launch on a copy of ``state``: ``(launch, state after)``."""
     state = copy_state(state)
     tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages,
@@ -192,6 +192,30 @@ def test_page_bounds_spread_over_programs_decide_alike(monkeypatch, case, pages_
         assert torch.equal(getattr(spread, name), getattr(one, name)), name
     torch.testing.assert_close(spread.output, one.output, atol=0, rtol=0)
     assert_same_state(spread_state, one_state)
+
+
+@pytest.mark.parametrize(("pages_per_program", "apart"), [(5, True), (256, False)], ids=["long", "short"])
+def test_decide_once_by_default_where_the_pages_are_many(monkeypatch, pages_per_program, apart):
+    """``decide_once=None`` (the default): a decision over more pages than ``pages_per_program`` is a launch of its
+    own (a page-top launch first), a shorter one is made in every split; the same decisions either way."""
+    from tests.triton_launches import LaunchRecorder
+
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits, sizes = CASES[0]
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C, softcap=softcap, sinks=sinks)
+    criterion, state = prepared(step, C, **sizes)
+    tau = tail_tau(criterion, step, state, H // H_kv, policy)
+    record = LaunchRecorder(monkeypatch)
+    check_tail(criterion, step, state, tau, policy, block, splits, decide_once=None,
+               pages_per_program=pages_per_program)
+    names = [name for name, _ in record.launches][: 4 if apart else 2]  # (then check_tail's unfused executor)
+    if apart:
+        assert names == ["qada_tail_page_top_kernel", "qada_tail_fused_split_kernel", "qada_decode_split_kernel",
+                         "qada_decode_combine_kernel"] and record.launches[1][1] == (b * H_kv, 1)
+    else:
+        assert names == ["qada_tail_fused_split_kernel", "qada_decode_combine_kernel"]
+        assert record.launches[0][1] == (b * H_kv, splits)
+    with pytest.raises(ValueError, match="decide_once"):
+        FusedTritonExecutor(decide_once="yes")
 
 
 def test_the_exact_set_changes_decisions_against_qada():

@@ -23,9 +23,10 @@ each program also makes the step's key join its page (split 0 writes the page ba
 query head's top pages by bound, and decides on ``logaddexp(log A_E, log(T_bulk - |E|) + mu_s + sigma_s^2 / 2)``;
 still two launches per layer after the moment step.
 
-With ``decide_once=True`` the decision (either kind) is a launch of its own, one program per (row, KV head), and
-the ``triton`` executor's split and combine launches then read its ``local`` mask: three launches after the moment
-step, the decision made once per group instead of once per split (what a GPU measurement should choose between).
+With ``decide_once=True`` (by default: a ``qada_tail`` decision over more pages than ``pages_per_program``) the
+decision (either kind) is a launch of its own, one program per (row, KV head), and the ``triton`` executor's split
+and combine launches then read its ``local`` mask: three launches after the moment step, the decision made once
+per group instead of once per split (what a GPU measurement should choose between).
 
 Anything else (another criterion, ``qada_tail`` with ``attend_exact``, ``super_page`` or ``scale_exact``, no moment
 source) is an error when the run is built: use ``triton``. Called as a plain executor (with a decision given, e.g.
@@ -178,11 +179,13 @@ class FusedTritonExecutor(TritonExecutor):
     fuses_decision = True
     """A run's layer step decides through :meth:`decide_and_attend` (:meth:`~qada.models.layer_step.LayerStep.fuse`)."""
 
-    decide_once: bool = False
+    decide_once: bool | None = None
     """``False``: the decision in the split launch (two launches; every split recomputes it, since it fixes the
     split's blocks). ``True``: a decision launch of one program per (row, KV head), then the ``triton`` executor's
     split and combine launches reading its ``local`` mask (three launches; the decision, the exact set and the page
-    bounds computed once instead of once per split). The same decisions and output either way."""
+    bounds computed once instead of once per split). ``None`` (the default): ``True`` for a ``qada_tail`` decision
+    whose tail index has more than :attr:`pages_per_program` pages (a long context, where every split would bound
+    every page), else ``False``. The same decisions and output either way."""
 
     pages_per_program: int = 256
     """Where the decision is a launch of its own (``decide_once``, or a budget) and a row's bulk spans more pages
@@ -196,8 +199,8 @@ class FusedTritonExecutor(TritonExecutor):
         value = self.pages_per_program
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"expected pages_per_program to be a positive int but got {value!r}")
-        if not isinstance(self.decide_once, bool):
-            raise ValueError(f"expected decide_once to be a bool but got {self.decide_once!r}")
+        if self.decide_once is not None and not isinstance(self.decide_once, bool):
+            raise ValueError(f"expected decide_once to be a bool or None but got {self.decide_once!r}")
 
     def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact",
                           tail: FusedTail | None = None, budget: FusedBudget | None = None) -> FusedLaunch:
@@ -236,7 +239,7 @@ class FusedTritonExecutor(TritonExecutor):
         pairs = b * H_kv
         if budget is not None and tail is None:
             raise ValueError("a budget decision in the kernel ranks the tail-aware estimate: pass the tail index too")
-        apart = self.decide_once or budget is not None  # a decision launch of its own, then the triton launches
+        apart = budget is not None or self.decides_once(tail)  # a decision launch of its own, then the triton ones
         S = 1 if apart else self.splits(query.device, pairs, C)  # a decision launch: one per group
         device = query.device
         f32 = dict(dtype=torch.float32, device=device)
@@ -300,6 +303,13 @@ class FusedTritonExecutor(TritonExecutor):
                                log_ratio, n_exact, row)
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics)
         return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read, flags[2], counts, log_ratio, n_exact, row)
+
+    def decides_once(self, tail: FusedTail | None = None) -> bool:
+        """Whether a threshold decision (``tail``: a ``qada_tail`` one) is a launch of its own (:attr:`decide_once`,
+        or by default whether the tail index has more than :attr:`pages_per_program` pages)."""
+        if self.decide_once is not None:
+            return self.decide_once
+        return tail is not None and tail.kmin.shape[2] > self.pages_per_program
 
     def _rank(self, step: DecodeStep, score: torch.Tensor, budget: FusedBudget, flags: torch.Tensor,
               read: torch.Tensor, policy: str) -> None:

@@ -26,28 +26,17 @@ from qada.criteria import TailBudgetCriterion  # noqa: E402
 from qada.models.layer_step import statistics_row  # noqa: E402
 from tests.test_attention_triton import DEVICE, TOLERANCE  # noqa: E402
 from tests.test_fused_decision import fresh, make_step  # noqa: E402
-from tests.test_fused_tail import STATE, assert_same_state  # noqa: E402
+from tests.test_fused_tail import STATE, assert_same_state, with_state  # noqa: E402
+from tests.test_fused_tail import prepared as prepared_tail  # noqa: E402
 
 
 def prepared(step, seed, sparsity, per_group, **sizes):
     """A ``qada_tail_budget`` criterion bound to a one-layer model of the step's heads, its layer 0 prefilled on all
     slots but the last: ``(criterion, state)`` (the tail index and the layer's count)."""
     criterion = TailBudgetCriterion(sparsity=sparsity, per_group=per_group, **sizes)
-    b, H, d = step.query.shape
-    criterion.check_model(1, H)
-    g = torch.Generator().manual_seed(seed)
-    queries = torch.randn(b, H, criterion.observe, d, generator=g).to(DEVICE)
-    queries[:, :, -1] += 2.0 * step.query.float()
-    C = step.length
-    criterion.observe_prefill(0, step.keys[:, :, : C - 1], queries.to(step.query.dtype), step.scale, step.start,
-                              step.window, capacity=C)
-    return criterion, {name: t.clone() for name, t in criterion.layer_state(0, C).items()}
-
-
-def with_state(step, state):
-    step = fresh(step)
-    step.states = {"criterion": state}
-    return step
+    criterion.check_model(1, step.num_heads)
+    criterion, _ = prepared_tail(step, seed, criterion=criterion)
+    return criterion, {name: t.clone() for name, t in criterion.layer_state(0, step.length).items()}
 
 
 def eager(criterion, step, state, policy):

@@ -36,10 +36,11 @@ from tests.test_fused_decision import fresh, make_run, make_step, tau_between  #
 STATE = ("heavy", "heavy_valid", "member", "kmin", "kmax", "halves")
 
 
-def prepared(step, seed, filled=None, **sizes):
-    """A ``qada_tail`` criterion whose layer 0 was prefilled on the step's first ``filled`` slots (default: all but
-    the last), with random observation queries, and a copy of that state: ``(criterion, state)``."""
-    criterion = TailCriterion(tau=0.5, **sizes)
+def prepared(step, seed, filled=None, criterion=None, **sizes):
+    """A ``qada_tail`` criterion (or ``criterion``, a tail-aware one) whose layer 0 was prefilled on the step's first
+    ``filled`` slots (default: all but the last), with random observation queries, and a copy of that state:
+    ``(criterion, state)``."""
+    criterion = criterion if criterion is not None else TailCriterion(tau=0.5, **sizes)
     g = torch.Generator().manual_seed(seed)
     b, H, d = step.query.shape
     C = step.length

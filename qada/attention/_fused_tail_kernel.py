@@ -145,13 +145,10 @@ def page_top(qf, halves_base, stride_fp, stride_fx, p_begin, p_end, new_page, ce
 
 
 @triton.jit
-def page_range(first, last, t_sink, t_local, PAGE: tl.constexpr):
-    """``(bulk_lo, bulk_hi, has_bulk, p_lo, p_hi)``: the row's bulk and the pages overlapping it."""
-    t_bulk = tl.maximum(last - first - t_local, 0)
-    bulk_lo = first + t_sink
-    bulk_hi = bulk_lo + t_bulk
+def page_range(bulk_lo, bulk_hi, has_bulk, PAGE: tl.constexpr):
+    """``(p_lo, p_hi)``: the pages overlapping the row's bulk ``[bulk_lo, bulk_hi)`` (:func:`row_range`)."""
     p_lo = bulk_lo // PAGE
-    p_hi = tl.where(t_bulk > 0, tl.cdiv(bulk_hi, PAGE), p_lo)
+    p_hi = tl.where(has_bulk, tl.cdiv(bulk_hi, PAGE), p_lo)
     return p_lo, p_hi
 
 
@@ -185,7 +182,7 @@ def qada_tail_page_top_kernel(
     q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
-    p_lo, p_hi = page_range(first, last, t_sink, t_local, PAGE)
+    p_lo, p_hi = page_range(bulk_lo, bulk_hi, t_bulk > 0, PAGE)
     new_page, low, high, centre_new, radius_new, extrema = step_key_page(
         KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_eb, stride_eh, stride_ep, stride_ed,
         C, n_pages, D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
@@ -304,7 +301,7 @@ def qada_tail_fused_split_kernel(
             vals, ids, oks = merge_top(vals, ids, oks, tl.load(CAND_VALS + at), tl.load(CAND_IDS + at),
                                        tl.load(CAND_OKS + at), TOP, BLOCK_M, BLOCK_M)  # fmt: skip
     else:
-        p_lo, p_hi = page_range(first, last, t_sink, t_local, PAGE)
+        p_lo, p_hi = page_range(bulk_lo, bulk_hi, has_bulk, PAGE)
         vals, ids, oks = page_top(qf, halves_base, stride_fp, stride_fx, p_lo, p_hi, new_page, centre_new,
                                   radius_new, scale, D, BLOCK_G, BLOCK_D, BLOCK_P, TOP, BLOCK_M)  # fmt: skip
 

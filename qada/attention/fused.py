@@ -283,13 +283,14 @@ class FusedTritonExecutor(TritonExecutor):
             n_exact = torch.empty(b, H, dtype=torch.int32, device=device)
             n_pages = tail.kmin.shape[2]
             stretches = -(-n_pages // self.pages_per_program) if apart else 1  # the page bounds spread out
+            tail_inputs, constants = tail.kernel_inputs(b, H_kv, C, d), tail.kernel_constants()
             candidates = (m, m, m)
             if stretches > 1:
-                candidates = self._page_tops(step, tail, pairs, stretches, common)
-            _triton_kernel.run(_fused_tail_kernel.qada_tail_fused_split_kernel, grid, *inputs,
-                               *tail.kernel_inputs(b, H_kv, C, d), *candidates, *outputs, log_ratio, n_exact,
-                               *strides, *tail.kernel_strides(), *sizes, tail.heavy.shape[2], n_pages, stretches,
-                               CANDIDATES=stretches > 1, **common, **tail.kernel_constants())
+                candidates = self._page_tops(step, tail_inputs, constants, pairs, stretches, common)
+            _triton_kernel.run(_fused_tail_kernel.qada_tail_fused_split_kernel, grid, *inputs, *tail_inputs,
+                               *candidates, *outputs, log_ratio, n_exact, *strides, *tail.kernel_strides(), *sizes,
+                               tail.heavy.shape[2], n_pages, stretches, CANDIDATES=stretches > 1, **common,
+                               **constants)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)
         flags, read = flags.view(torch.bool), read.view(torch.bool)
@@ -332,23 +333,23 @@ class FusedTritonExecutor(TritonExecutor):
             HAS_END=end is not None,
         )  # fmt: skip
 
-    def _page_tops(self, step: DecodeStep, tail: FusedTail, pairs: int, stretches: int,
-                   common: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _page_tops(self, step: DecodeStep, tail_inputs: tuple[torch.Tensor, ...], constants: dict, pairs: int,
+                   stretches: int, common: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The page-top launch: ``stretches`` programs per (row, KV head), each the top pages per head of its
-        :attr:`pages_per_program` pages; returns the lists ``(vals, ids, oks) [pairs, stretches, BLOCK_G,
-        BLOCK_M]``."""
+        :attr:`pages_per_program` pages, reading the tail index as :meth:`FusedTail.kernel_inputs` gave it
+        (``tail_inputs``, with :meth:`FusedTail.kernel_constants`); returns the lists ``(vals, ids, oks) [pairs,
+        stretches, BLOCK_G, BLOCK_M]``."""
         from qada.attention import _fused_tail_kernel, _triton_kernel
 
         query, key = step.query, step.keys
         b, H, d = query.shape
         H_kv, C = key.shape[1], key.shape[2]
-        constants = tail.kernel_constants()
         shape = (pairs, stretches, common["BLOCK_G"], constants["BLOCK_M"])
         vals = torch.empty(shape, dtype=torch.float32, device=query.device)
         ids = torch.empty(shape, dtype=torch.int32, device=query.device)
         oks = torch.empty(shape, dtype=torch.int32, device=query.device)
         start, end = step.start, step.end
-        heavy, valid, member, kmin, kmax, halves = tail.kernel_inputs(b, H_kv, C, d)
+        _, _, _, kmin, kmax, halves = tail_inputs
         _triton_kernel.run(
             _fused_tail_kernel.qada_tail_page_top_kernel, (pairs, stretches),
             query, key, query if start is None else start, query if end is None else end, kmin, kmax, halves,

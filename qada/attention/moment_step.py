@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from qada.attention.triton_decode import _next_pow2
 from qada.step import BulkMoments
 
 __all__ = ["current_step_launch", "stored_step_launch"]
@@ -26,7 +27,7 @@ _BLOCK_R = 16
 
 
 def _constants(d: int, start: torch.Tensor | None) -> dict:
-    return dict(D=d, BLOCK_R=_BLOCK_R, BLOCK_D=max(16, 1 << (d - 1).bit_length()), HAS_START=start is not None)
+    return dict(D=d, BLOCK_R=_BLOCK_R, BLOCK_D=max(16, _next_pow2(d)), HAS_START=start is not None)
 
 
 def _row_strides(start: torch.Tensor | None, end: torch.Tensor) -> tuple[int, int]:

@@ -73,13 +73,13 @@ def window_log_local(
 def store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G: tl.constexpr, decided, local,
                    broken, read):  # fmt: skip
     """Store a (row, KV head)'s decision: ``decided, local, broken [BLOCK_G]`` at ``DECIDED, LOCAL, BROKEN [b, H]``
-    and ``read`` (0-d) at ``READ [b, H_kv]``, uint8 0/1. Returns the heads' flat offsets into ``[b, H]``."""
+    and ``read`` (0-d) at ``READ [b, H_kv]``, uint8 0/1. Returns nothing: a store address computed from a call's
+    result would make torch.compile's write analysis take every input of the call as written."""
     out = row64 * (H_KV * G) + heads.to(tl.int64)
     tl.store(DECIDED + out, decided.to(tl.uint8), mask=g_ok)
     tl.store(LOCAL + out, local.to(tl.uint8), mask=g_ok)
     tl.store(BROKEN + out, broken.to(tl.uint8), mask=g_ok)
     tl.store(READ + row64 * H_KV + kv64, read.to(tl.uint8))
-    return out
 
 
 @triton.jit
@@ -170,7 +170,7 @@ def qada_fused_split_kernel(
     BLOCK_X: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    ATTEND: tl.constexpr = True,
+    ATTEND: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the group's QAdA decision, then its split of the attention.
 

@@ -98,7 +98,7 @@ def step_key_page(KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_k
                   stride_ed, C, n_pages, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                   HAS_END: tl.constexpr):  # fmt: skip
     """The step's key joins its page (:func:`~qada.criteria.tail_index.append_step_key`), in registers: ``(page,
-    low, high, centre, radius, extrema offsets [BLOCK_D])`` (nothing is written)."""
+    low, high, centre, radius)`` (nothing is written: :func:`store_step_key_page` does, from the same values)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     if HAS_END:
@@ -111,7 +111,31 @@ def step_key_page(KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_k
     extrema = row64 * stride_eb + kv64 * stride_eh + new_page.to(tl.int64) * stride_ep + offs_d * stride_ed
     low = tl.where(fresh, key, tl.minimum(tl.load(KMIN + extrema, mask=d_ok, other=0.0), key))
     high = tl.where(fresh, key, tl.maximum(tl.load(KMAX + extrema, mask=d_ok, other=0.0), key))
-    return new_page, low, high, (low + high) * 0.5, (high - low) * 0.5, extrema
+    return new_page, low, high, (low + high) * 0.5, (high - low) * 0.5
+
+
+@triton.jit
+def store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, centre, radius, stride_eb, stride_eh,
+                        stride_ep, stride_ed, stride_fb, stride_fh, stride_fp, stride_fx, C, n_pages,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_END: tl.constexpr):  # fmt: skip
+    """Write what :func:`step_key_page` computed: the page's extrema ``low, high`` into ``KMIN, KMAX`` and its halves
+    ``centre, radius`` into ``HALVES``. The page is found again from ``END`` here, not taken from
+    :func:`step_key_page`'s result: torch.compile's analysis of which tensors a kernel writes follows a store's
+    address back through the arguments of every call it comes from, so an address computed from a call's result
+    would mark that call's inputs (the keys, ``END``) written and have them copied before every launch."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    if HAS_END:
+        slot = tl.maximum(tl.load(END + row).to(tl.int32) - 1, 0)
+    else:
+        slot = tl.full([], 0, dtype=tl.int32) + C - 1
+    page64 = tl.minimum(slot // PAGE, n_pages - 1).to(tl.int64)
+    extrema = row64 * stride_eb + kv64 * stride_eh + page64 * stride_ep + offs_d * stride_ed
+    tl.store(KMIN + extrema, low, mask=d_ok)
+    tl.store(KMAX + extrema, high, mask=d_ok)
+    halves = HALVES + row64 * stride_fb + kv64 * stride_fh + page64 * stride_fp
+    tl.store(halves + offs_d * stride_fx, centre, mask=d_ok)
+    tl.store(halves + (D + offs_d) * stride_fx, radius, mask=d_ok)
 
 
 @triton.jit
@@ -183,7 +207,7 @@ def qada_tail_page_top_kernel(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
     p_lo, p_hi = page_range(bulk_lo, bulk_hi, t_bulk > 0, PAGE)
-    new_page, low, high, centre_new, radius_new, extrema = step_key_page(
+    new_page, low, high, centre_new, radius_new = step_key_page(
         KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_eb, stride_eh, stride_ep, stride_ed,
         C, n_pages, D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
     p_begin = tl.minimum(p_lo + stretch * pages_per_program, p_hi)
@@ -219,7 +243,7 @@ def qada_tail_fused_split_kernel(
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    ATTEND: tl.constexpr = True, SCORE: tl.constexpr = False, CANDIDATES: tl.constexpr = False,
+    ATTEND: tl.constexpr, SCORE: tl.constexpr, CANDIDATES: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the step's key joins its page, the group's ``qada_tail``
     decision (module docstring), then its split of the attention. With ``SCORE`` (and neither ``ATTEND`` nor more
@@ -265,10 +289,10 @@ def qada_tail_fused_split_kernel(
                                       HAS_SINKS)  # fmt: skip
 
     # --- the step's key joins its page (append_step_key) ------------------------------------------------------
-    new_page, low, high, centre_new, radius_new, extrema = step_key_page(
+    new_page, low, high, centre_new, radius_new = step_key_page(
         KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_eb, stride_eh, stride_ep, stride_ed,
         C, n_pages, D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
-    halves_base = HALVES + row64 * stride_fb + kv64 * stride_fh  # (split 0 writes them back after the decision)
+    halves_base = HALVES + row64 * stride_fb + kv64 * stride_fh
 
     # --- the exact set E: the heavy set ----------------------------------------------------------------------
     m_e = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -341,25 +365,23 @@ def qada_tail_fused_split_kernel(
     bad = bad | (bad_e > 0) | (log_rest != log_rest)  # a NaN estimate of the rest: the fail-safe
     log_bulk = tl.where(has_bulk, logaddexp(log_exact, log_rest), float("-inf"))
 
+    out = row64 * (H_KV * G) + heads.to(tl.int64)  # the heads' offsets into [b, H] (here: see store_step_key_page)
     if SCORE:  # the budget's score: ranked across the row's heads by the next launch
         if split == 0:
-            out = row64 * (H_KV * G) + heads.to(tl.int64)
             tl.store(LOG_RATIO + out, tl.where(bad, float("nan"), log_local - log_bulk), mask=g_ok)
             tl.store(N_EXACT + out, n_exact, mask=g_ok)
     else:  # --- the threshold decision (fail-safe), then the group policy -----------------------------------------
         decided, local, broken, dense, read = threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G,
                                                                  BLOCK_G, PROMOTE)  # fmt: skip
         if split == 0:
-            out = store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local,
-                                 broken, read)  # fmt: skip
+            store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
+                           read)  # fmt: skip
             tl.store(LOG_RATIO + out, log_local - logaddexp(log_local, log_bulk), mask=g_ok)
             tl.store(N_EXACT + out, n_exact, mask=g_ok)
-    if split == 0:
-        tl.store(KMIN + extrema, low, mask=d_ok)  # the step key's page, as append_step_key leaves it
-        tl.store(KMAX + extrema, high, mask=d_ok)
-        new_at = halves_base + new_page.to(tl.int64) * stride_fp
-        tl.store(new_at + offs_d * stride_fx, centre_new, mask=d_ok)
-        tl.store(new_at + (D + offs_d) * stride_fx, radius_new, mask=d_ok)
+    if split == 0:  # the step key's page, as append_step_key leaves it
+        store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, centre_new, radius_new, stride_eb,
+                            stride_eh, stride_ep, stride_ed, stride_fb, stride_fh, stride_fp, stride_fx, C, n_pages,
+                            D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
 
     # --- the attention over this split's share of the virtual block list (not in a decision-only launch) -------
     if ATTEND:

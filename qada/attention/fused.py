@@ -247,7 +247,9 @@ class FusedTritonExecutor(TritonExecutor):
         m = torch.empty(pairs, S, G, **f32)
         l = torch.empty(pairs, S, G, **f32)
         counts = torch.empty(pairs, S, 2, dtype=torch.int32, device=device)
-        flags = torch.empty(3, b, H, dtype=torch.uint8, device=device)  # decided, local, broken
+        # decided, local, broken: three tensors, not views of one (a kernel writing views of a tensor would make
+        # torch.compile copy and scatter them back)
+        flags = tuple(torch.empty(b, H, dtype=torch.uint8, device=device) for _ in range(3))
         read = torch.empty(b, H_kv, dtype=torch.uint8, device=device)
         start, end = step.start, step.end
         softcap, sinks = step.softcap, step.sink_logits
@@ -259,7 +261,8 @@ class FusedTritonExecutor(TritonExecutor):
                       HAS_START=start is not None, HAS_END=end is not None, HAS_SINKS=sinks is not None,
                       PROMOTE=policy == "promote",
                       INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
-                      DOT_FP32=dot_fp32, SOFTCAP=bool(softcap), num_warps=self.num_warps, num_stages=self.num_stages)
+                      DOT_FP32=dot_fp32, SOFTCAP=bool(softcap), ATTEND=not apart,  # apart: the decision alone
+                      num_warps=self.num_warps, num_stages=self.num_stages)
         inputs = (query, key, value, mean, cov, query if start is None else start, query if end is None else end,
                   query if sinks is None else sinks, nodes, log_weights)
         outputs = (acc, m, l, counts, flags[0], flags[1], read, flags[2])
@@ -269,10 +272,6 @@ class FusedTritonExecutor(TritonExecutor):
                  nodes.shape[0] if softcap else 1)
         log_ratio = n_exact = None
         grid = (pairs, S)
-        if apart:  # the decision alone, one program per (row, KV head): nothing attended or written
-            common["ATTEND"] = False
-        if budget is not None:  # the tail kernel writes the heads' scores; the budget launch decides
-            common["SCORE"] = True
         if tail is None:
             _triton_kernel.run(_fused_kernel.qada_fused_split_kernel, grid, *inputs, *outputs, *strides,
                                *sizes, **common)
@@ -289,11 +288,12 @@ class FusedTritonExecutor(TritonExecutor):
                 candidates = self._page_tops(step, tail_inputs, constants, pairs, stretches, common)
             _triton_kernel.run(_fused_tail_kernel.qada_tail_fused_split_kernel, grid, *inputs, *tail_inputs,
                                *candidates, *outputs, log_ratio, n_exact, *strides, *tail.kernel_strides(), *sizes,
-                               tail.heavy.shape[2], n_pages, stretches, CANDIDATES=stretches > 1, **common,
+                               tail.heavy.shape[2], n_pages, stretches, CANDIDATES=stretches > 1,
+                               SCORE=budget is not None, **common,  # SCORE: the heads' scores, the budget decides
                                **constants)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)
-        flags, read = flags.view(torch.bool), read.view(torch.bool)
+        flags, read = tuple(flag.view(torch.bool) for flag in flags), read.view(torch.bool)
         tail_reads = None if tail is None else (tail.page_size, tail.heavy.shape[2] if tail.heavy_reads is None
                                                 else tail.heavy_reads, tail.pages)
         row = torch.empty(5, dtype=torch.float64, device=device)
@@ -312,10 +312,10 @@ class FusedTritonExecutor(TritonExecutor):
             return self.decide_once
         return tail is not None and tail.kmin.shape[2] > self.pages_per_program
 
-    def _rank(self, step: DecodeStep, score: torch.Tensor, budget: FusedBudget, flags: torch.Tensor,
+    def _rank(self, step: DecodeStep, score: torch.Tensor, budget: FusedBudget, flags: tuple[torch.Tensor, ...],
               read: torch.Tensor, policy: str) -> None:
         """The budget launch: each row's best ``budget.count`` heads (groups) of ``score [b, H]`` local, the group
-        policy, into ``flags [3, b, H]`` (decided, local, broken) and ``read [b, H_kv]`` (uint8)."""
+        policy, into ``flags`` (decided, local, broken: each ``[b, H]``) and ``read [b, H_kv]`` (uint8)."""
         from qada.attention import _fused_budget_kernel, _triton_kernel
 
         b, H = score.shape

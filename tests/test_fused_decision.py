@@ -447,3 +447,14 @@ def test_hermite_rule_matches_the_eager_capped_estimate():
     s = mu[:, None] + math.sqrt(2.0) * var.sqrt()[:, None] * x
     mine = torch.logsumexp(log_w + c * torch.tanh(s / c), -1)
     torch.testing.assert_close(mine, capped_log_mean_exp(mu, var, c))
+
+
+def test_prefill_holds_the_executors_constants_on_the_device(model, reference):
+    """A run's prefill (eager) gives ``triton_fused`` its soft-cap constants on the cache's device, so that a
+    compiled decode step reads them as inputs instead of making them from host data at every call."""
+    run = make_run("stored", {"name": "triton_fused", "block_size": 16}, reference)
+    assert run.executor._hermite_held is None
+    greedy(model, run, "static", steps=1)
+    nodes, log_weights = run.executor._hermite_held
+    assert nodes.device == log_weights.device == next(model.parameters()).device and nodes.shape == log_weights.shape
+    assert run.executor._hermite_on(nodes.device)[0] is nodes  # held: not made again

@@ -80,6 +80,11 @@ class AttentionExecutor(Component, abc.ABC):
     def __post_init__(self) -> None:
         check_group_policy(self.group_policy)
 
+    def to_device(self, device: torch.device) -> None:
+        """Make on ``device`` what the executor's decode steps read besides their inputs. A run calls it at its
+        prefill, eagerly, so that no decode step (compiled, or captured in a CUDA graph) creates a tensor from host
+        data. Nothing by default."""
+
     @abc.abstractmethod
     def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``(output [b, H, 1, d] in the query dtype, bulk_blocks or None)`` for ``step``.

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -194,6 +194,9 @@ class FusedTritonExecutor(TritonExecutor):
     top pages per head, the decision merges the lists. At 128k tokens and pages of 16 one program per (row, KV head)
     would bound 8192 pages alone. The same decisions either way."""
 
+    _hermite_held: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
+                                                                      compare=False)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         value = self.pages_per_program
@@ -201,6 +204,18 @@ class FusedTritonExecutor(TritonExecutor):
             raise ValueError(f"expected pages_per_program to be a positive int but got {value!r}")
         if self.decide_once is not None and not isinstance(self.decide_once, bool):
             raise ValueError(f"expected decide_once to be a bool or None but got {self.decide_once!r}")
+
+    def to_device(self, device: torch.device) -> None:
+        """Hold the soft cap's Gauss-Hermite nodes and log weights on ``device``: a compiled step then reads them as
+        tensors it is given instead of making them from host data at every call."""
+        self._hermite_held = _hermite(device)
+
+    def _hermite_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held nodes and log weights (:meth:`to_device`), made now where they are not held on ``device`` (an
+        executor used outside a run)."""
+        if self._hermite_held is None or self._hermite_held[0].device != device:
+            self.to_device(device)
+        return self._hermite_held
 
     def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact",
                           tail: FusedTail | None = None, budget: FusedBudget | None = None) -> FusedLaunch:
@@ -253,7 +268,7 @@ class FusedTritonExecutor(TritonExecutor):
         read = torch.empty(b, H_kv, dtype=torch.uint8, device=device)
         start, end = step.start, step.end
         softcap, sinks = step.softcap, step.sink_logits
-        nodes, log_weights = _hermite(device) if softcap else (m, m)
+        nodes, log_weights = self._hermite_on(device) if softcap else (m, m)
         window = step.window
         log_tau = math.log(tau) if tau > 0 else float("-inf")
         common = dict(G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D, BLOCK_K=16,

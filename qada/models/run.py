@@ -150,6 +150,7 @@ class QAdARun:
             self._first_layer = self._last_layer = layer
             self.stats.prepare(self.layers.num_layers if self.layers is not None else layer + 1, key.device)
             self.criterion.to_device(key.device)
+            self.executor.to_device(key.device)
         self._last_layer = max(self._last_layer, layer)
         self.guard.prefill(layer, key)
         self._inputs.pop(layer, None)

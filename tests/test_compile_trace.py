@@ -1,0 +1,108 @@
+"""The ``triton_fused`` layer step as ``torch.compile`` traces it for a CUDA GPU, checked on the CPU
+(``benchmarks/compile_trace.py``): one graph, the expected launches and nothing else, no launch the write analysis
+cannot read, and no tensor copied before a launch once Inductor has re-inplaced (a copy is a kernel per layer; a
+launch taken as writing its inputs would copy the query, the moments or the KV cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES = {  # name: (model family, moment source, criterion, executor)
+    "qada": ("llama", "stored", {"name": "qada", "tau": 0.3}, {}),
+    "qada decide_once": ("llama", "stored", {"name": "qada", "tau": 0.3}, {"decide_once": True}),
+    "qada_tail current": ("llama", "current", {"name": "qada_tail", "tau": 0.3}, {}),
+    "qada_tail pages spread": ("llama", "stored", {"name": "qada_tail", "tau": 0.3},
+                               {"decide_once": True, "pages_per_program": 1}),
+    "qada_tail_budget": ("llama", "stored", {"name": "qada_tail_budget", "sparsity": 0.5}, {}),
+    "qada_tail_budget per group current": ("llama", "current",
+                                           {"name": "qada_tail_budget", "sparsity": 0.5, "per_group": True}, {}),
+    "qada soft cap (gemma2)": ("gemma2", "current", {"name": "qada", "tau": 0.3}, {}),
+    "qada_tail sinks (gpt_oss)": ("gpt_oss", "current", {"name": "qada_tail", "tau": 0.3}, {}),
+}  # fmt: skip
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import torch
+    from benchmarks.compile_trace import capture_layer_step, pretend_cuda_triton, trace_layer_step
+    pretend_cuda_triton()
+    from family_matrix import tiny_family_model
+    from tiny_models import tiny_model
+    from qada.models import build_run
+    from qada.moments import StoredMoments
+    from qada.moments.reference import collect_reference_keys
+
+    cases = json.loads({cases!r})
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    rows, models = {{}}, {{}}
+    for name, (family, source, criterion, executor) in cases.items():
+        if family not in models:
+            models[family] = tiny_model("llama") if family == "llama" else tiny_family_model(family)
+        model = models[family]
+        if source == "stored":
+            source = StoredMoments(offset=12, min_bulk_keys=4)
+            source.set_reference(collect_reference_keys(model, ids, chunk_size=16))
+        run = build_run(criterion=criterion, moments=source, executor={{"name": "triton_fused", "block_size": 16,
+                        **executor}}, window={{"t_local": 8, "t_sink": 2}})
+        rows[name] = trace_layer_step(*capture_layer_step(model, run, ids))
+    print("ROWS" + json.dumps(rows))
+    """
+)
+
+SPLIT = {"qada": "qada_fused_split_kernel", "qada_tail": "qada_tail_fused_split_kernel"}
+READ_ONLY = {"Q", "K", "V", "MEAN", "COV", "START", "END", "SINKS", "GH_X", "GH_LOGW", "HEAVY", "HEAVY_VALID", "MEMBER"}
+
+
+def expected_launches(source: str, criterion: dict, executor: dict) -> list[str]:
+    """The launches of one fused layer step, in order (as the interpreter tests record them)."""
+    name = criterion["name"]
+    moment = f"{source}_moment_step_kernel"
+    split = SPLIT["qada_tail" if name.startswith("qada_tail") else "qada"]
+    pages = ["qada_tail_page_top_kernel"] if executor.get("pages_per_program") == 1 else []
+    rank = ["qada_budget_decision_kernel"] if name == "qada_tail_budget" else []
+    apart = ["qada_decode_split_kernel"] if executor.get("decide_once") or rank else []
+    return [moment, *pages, split, *rank, *apart, "qada_decode_combine_kernel"]
+
+
+@pytest.fixture(scope="module")
+def traced():
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no nvidia backend (the write analysis compiles for sm_90)")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), cases=json.dumps(CASES))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.split("ROWS", 1)[1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_fused_step_is_its_launches_and_nothing_else(traced, case):
+    """Traced in one graph; exactly the expected launches; no other operation than views and allocations, no tensor
+    made from host data; every launch readable by the write analysis; nothing copied before a launch after
+    re-inplacing; no launch writes an input of the step (query, keys, values, moments, row bounds, the tail index's
+    read-only parts)."""
+    _, source, criterion, executor = CASES[case]
+    row = traced[case]
+    assert row["error"] is None, row["error"]
+    assert row["analysis_fallbacks"] == []
+    assert [launch["kernel"] for launch in row["launches"]] == expected_launches(source, criterion, executor)
+    assert row["ops"] == {} and row["constants"] == 0
+    for launch in row["launches"]:
+        assert launch["copies"] == [], launch
+        assert launch["writes"], launch
+        if not launch["kernel"].endswith("moment_step_kernel"):  # (its MEAN, COV are its outputs)
+            assert not set(launch["writes"]) & READ_ONLY, launch

@@ -114,6 +114,7 @@ def capture_layer_step(model: Any, run: Any, ids: Any) -> tuple[Any, tuple]:
 
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
     attach(model, run)
+    run.reset_stats()  # a new sequence (the run may have captured another)
     LayerStep.__call__ = capture
     try:
         with torch.no_grad():
@@ -131,13 +132,16 @@ def capture_layer_step(model: Any, run: Any, ids: Any) -> tuple[Any, tuple]:
     return captured["step"], captured["args"]
 
 
-def trace_layer_step(step: Any, args: tuple) -> dict[str, Any]:
-    """Trace ``step`` (a fused :class:`~qada.models.layer_step.LayerStep`) on fake ``meta`` copies of ``args``
-    (:func:`pretend_cuda_triton` first). Returns ``{"launches": [{"kernel", "writes", "copies"}], "ops": {name:
-    count}, "constants": n, "analysis_fallbacks": [message], "error": None or the compile error's first lines}``:
-    ``writes`` the tensors the write analysis found, ``copies`` those still copied after re-inplacing, ``ops`` the
-    graph's operations that are neither launches, views nor allocations, ``constants`` the tensors the step makes
-    from host data (each a copy to the device per call)."""
+def trace_layer_step(step: Any, *arg_sets: tuple) -> dict[str, Any]:
+    """Trace ``step`` (a fused :class:`~qada.models.layer_step.LayerStep`) on fake ``meta`` copies of each of
+    ``arg_sets`` in turn, as one compiled function (:func:`pretend_cuda_triton` first): the first cache size
+    compiles with static shapes, a second one once more with symbolic sizes, a third reuses that graph.
+
+    Returns ``{"graphs": [{"launches": [{"kernel", "writes", "copies"}], "ops": {name: count}, "constants": n}],
+    "analysis_fallbacks": [message], "error": None or the compile error's first lines}``, one entry per graph
+    compiled: ``writes`` the tensors the write analysis found, ``copies`` those still copied after re-inplacing,
+    ``ops`` the graph's operations that are neither launches, views nor allocations, ``constants`` the tensors the
+    step makes from host data (each a copy to the device per call)."""
     import torch
     from torch._dynamo.backends.common import aot_autograd
     from torch._guards import detect_fake_mode
@@ -153,8 +157,7 @@ def trace_layer_step(step: Any, args: tuple) -> dict[str, Any]:
 
     if step.fused is None:
         raise ValueError("expected a fused layer step (executor 'triton_fused')")
-    report: dict[str, Any] = {"launches": [], "ops": collections.Counter(), "constants": 0,
-                              "analysis_fallbacks": [], "error": None}
+    report: dict[str, Any] = {"graphs": [], "analysis_fallbacks": [], "error": None}
 
     def record(graph: torch.fx.GraphModule, inputs: list) -> Any:
         launches = [node for node in graph.graph.nodes if node.target is torch.ops.higher_order.
@@ -162,18 +165,21 @@ def trace_layer_step(step: Any, args: tuple) -> dict[str, Any]:
         writes = [list(node.kwargs["tensors_to_clone"]) for node in launches]
         with V.set_fake_mode(detect_fake_mode(inputs)):
             reinplace_inplaceable_ops(FakeTensorUpdater(graph), graph.graph)
+        found: dict[str, Any] = {"launches": [], "ops": collections.Counter(), "constants": 0}
         for node, written in zip(launches, writes, strict=True):
             kernel = triton_kernel_wrap.kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-            report["launches"].append({"kernel": kernel.fn.__name__, "writes": written,
-                                       "copies": list(node.kwargs["tensors_to_clone"])})
+            found["launches"].append({"kernel": kernel.fn.__name__, "writes": written,
+                                      "copies": list(node.kwargs["tensors_to_clone"])})
         for node in graph.graph.nodes:
             if node.op == "get_attr":  # a tensor made in the step from host data (a copy to the device per call)
-                report["constants"] += 1
-            if node.op != "call_function" or node in launches or node.target is operator.getitem:
-                continue
+                found["constants"] += 1
+            if node.op != "call_function" or node in launches or node.target is operator.getitem \
+                    or isinstance(node.meta.get("val"), (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+                continue  # (above: sizes, host arithmetic, no kernel)
             name = str(getattr(node.target, "overloadpacket", node.target))
             if name not in NO_KERNEL and not _is_view(node.target):
-                report["ops"][name] += 1
+                found["ops"][name] += 1
+        report["graphs"].append({**found, "ops": dict(found["ops"])})
         return graph
 
     class Fallbacks(logging.Handler):
@@ -189,16 +195,16 @@ def trace_layer_step(step: Any, args: tuple) -> dict[str, Any]:
     handler = Fallbacks(logging.WARNING)
     logger.addHandler(handler)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            fake = tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-                            if isinstance(t, torch.Tensor) else t, args)  # fmt: skip
-            compiled(*fake)
+        for args in arg_sets:
+            with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+                fake = tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                                if isinstance(t, torch.Tensor) else t, args)  # fmt: skip
+                compiled(*fake)
     except Exception as error:  # noqa: BLE001 - reported: a graph break or a failed analysis is the finding
         lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
         report["error"] = f"{type(error).__name__}: {' '.join(lines[:2])[:400]}"
     finally:
         logger.removeHandler(handler)
-    report["ops"] = dict(report["ops"])
     return report
 
 
@@ -206,6 +212,17 @@ def _is_view(target: Any) -> bool:
     """Whether ``target`` (an aten overload) returns a view of its input (launches nothing)."""
     schema = getattr(target, "_schema", None)
     return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _copies(graph: dict[str, Any]) -> int:
+    """Tensors copied before the launches of one traced graph."""
+    return sum(len(launch["copies"]) for launch in graph["launches"])
+
+
+def _each(row: dict[str, Any], value: Any) -> str:
+    """``value(graph)`` of the row's graphs: one value where they agree, else each, joined by " / "."""
+    values = [str(value(graph)) for graph in row["graphs"]]
+    return " / ".join(values) if len(set(values)) > 1 else (values[0] if values else "n/a")
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -226,14 +243,16 @@ def main(argv: list[str] | None = None) -> Path:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     model, tokenizer = load_default_model()
     ids = passkey_prompt(tokenizer, length=args.length, depth=0.5).input_ids
+    longer = passkey_prompt(tokenizer, length=args.length + 64, depth=0.5).input_ids
     rows = {}
     for name, config in CONFIGS.items():
         run = prepare_run(build_run(moments=config.get("moments", "stored"), criterion=config["criterion"],
                                     executor=config["executor"]), model, tokenizer)
-        rows[name] = trace_layer_step(*capture_layer_step(model, run, ids))
-        row = rows[name]
-        print(f"{name}: {len(row['launches'])} launches, copies "
-              f"{sum(len(launch['copies']) for launch in row['launches'])}, other ops {row['ops']}, "
+        step, args_first = capture_layer_step(model, run, ids)
+        _, args_second = capture_layer_step(model, run, longer)  # the same run and step at a second cache size
+        rows[name] = row = trace_layer_step(step, args_first, args_second)
+        print(f"{name}: {len(row['graphs'])} graphs, launches {[len(g['launches']) for g in row['graphs']]}, "
+              f"copies {[_copies(g) for g in row['graphs']]}, other ops {[g['ops'] for g in row['graphs']]}, "
               f"error {row['error']}", flush=True)
     import triton
 
@@ -244,20 +263,25 @@ def main(argv: list[str] | None = None) -> Path:
     lines = ["# The compiled `triton_fused` layer step as traced for a GPU (on the CPU), SmolLM2-135M", "",
              f"Command: `{results['command']}`; torch {torch.__version__}, triton {triton.__version__}, Triton's "
              "write analysis against sm_90, fake `meta` tensors, AOT functionalisation keeping input mutations, "
-             "then Inductor's re-inplacing pass (no code generation, no kernel run). *writes*: the tensors the "
-             "analysis found each launch writes; *copies*: those still copied before the launch after "
-             "re-inplacing; *other ops*: graph operations besides the launches, views and allocations; *constants*: "
-             "tensors the step makes from host data (a copy to the device per call); "
-             "*fallbacks*: times the analysis could not read a launch and took every tensor argument as written (it "
-             "runs in Dynamo and again in functionalisation).", "",
-             table(["configuration", "launches", "copies", "other ops", "constants", "fallbacks", "traced"],
-                   [[name, " → ".join(launch["kernel"] for launch in row["launches"]),
-                     sum(len(launch["copies"]) for launch in row["launches"]), row["ops"] or "none", row["constants"],
-                     len(row["analysis_fallbacks"]), "yes" if row["error"] is None else row["error"]]
-                    for name, row in rows.items()]), "", "Tensors each launch writes:", ""]
+             "then Inductor's re-inplacing pass (no code generation, no kernel run). Each configuration's step is "
+             f"traced at two cache sizes ({ids.shape[1] + 4} and {longer.shape[1] + 4} slots): the first compiles "
+             "with static shapes, the second once more with symbolic sizes (*graphs*); the columns hold for every "
+             "graph (the first's, then the second's where they differ). *writes*: the tensors the analysis found "
+             "each launch writes; *copies*: those still copied before the launch after re-inplacing; *other ops*: "
+             "graph operations besides the launches, views and allocations; *constants*: tensors the step makes "
+             "from host data (a copy to the device per call); *fallbacks*: times the analysis could not read a "
+             "launch and took every tensor argument as written (it runs in Dynamo and again in "
+             "functionalisation).", "",
+             table(["configuration", "graphs", "launches", "copies", "other ops", "constants", "fallbacks",
+                    "traced"],
+                   [[name, len(row["graphs"]), _each(row, lambda g: " → ".join(x["kernel"] for x in g["launches"])),
+                     _each(row, _copies), _each(row, lambda g: g["ops"] or "none"),
+                     _each(row, lambda g: g["constants"]), len(row["analysis_fallbacks"]),
+                     "yes" if row["error"] is None else row["error"]]
+                    for name, row in rows.items()]), "", "Tensors each launch writes (first graph):", ""]
     for name, row in rows.items():
-        writes = "; ".join(f"`{launch['kernel']}` {', '.join(launch['writes'])}" for launch in row["launches"])
-        lines.append(f"- **{name}**: {writes}")
+        first = row["graphs"][0]["launches"] if row["graphs"] else []
+        lines.append(f"- **{name}**: " + "; ".join(f"`{x['kernel']}` {', '.join(x['writes'])}" for x in first))
     paths = write_results(args.out, "compile-trace-cpu", results, "\n".join(lines) + "\n")
     print(paths[1].read_text())
     return paths[1]

@@ -46,6 +46,7 @@ SCRIPT = textwrap.dedent(
 
     cases = json.loads({cases!r})
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    longer = torch.randint(3, 128, (1, 57), generator=torch.Generator().manual_seed(6))
     rows, models = {{}}, {{}}
     for name, (family, source, criterion, executor) in cases.items():
         if family not in models:
@@ -56,7 +57,9 @@ SCRIPT = textwrap.dedent(
             source.set_reference(collect_reference_keys(model, ids, chunk_size=16))
         run = build_run(criterion=criterion, moments=source, executor={{"name": "triton_fused", "block_size": 16,
                         **executor}}, window={{"t_local": 8, "t_sink": 2}})
-        rows[name] = trace_layer_step(*capture_layer_step(model, run, ids))
+        step, first = capture_layer_step(model, run, ids)
+        _, second = capture_layer_step(model, run, longer)  # a second cache size: symbolic sizes
+        rows[name] = trace_layer_step(step, first, second)
     print("ROWS" + json.dumps(rows))
     """
 )
@@ -91,18 +94,20 @@ def traced():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_fused_step_is_its_launches_and_nothing_else(traced, case):
-    """Traced in one graph; exactly the expected launches; no other operation than views and allocations, no tensor
-    made from host data; every launch readable by the write analysis; nothing copied before a launch after
-    re-inplacing; no launch writes an input of the step (query, keys, values, moments, row bounds, the tail index's
-    read-only parts)."""
+    """Traced in one graph per cache size (static shapes, then symbolic ones); exactly the expected launches; no
+    other operation than views and allocations, no tensor made from host data; every launch readable by the write
+    analysis; nothing copied before a launch after re-inplacing; no launch writes an input of the step (query, keys,
+    values, moments, row bounds, the tail index's read-only parts)."""
     _, source, criterion, executor = CASES[case]
     row = traced[case]
     assert row["error"] is None, row["error"]
     assert row["analysis_fallbacks"] == []
-    assert [launch["kernel"] for launch in row["launches"]] == expected_launches(source, criterion, executor)
-    assert row["ops"] == {} and row["constants"] == 0
-    for launch in row["launches"]:
-        assert launch["copies"] == [], launch
-        assert launch["writes"], launch
-        if not launch["kernel"].endswith("moment_step_kernel"):  # (its MEAN, COV are its outputs)
-            assert not set(launch["writes"]) & READ_ONLY, launch
+    assert len(row["graphs"]) == 2  # static shapes, then symbolic ones
+    for graph in row["graphs"]:
+        assert [launch["kernel"] for launch in graph["launches"]] == expected_launches(source, criterion, executor)
+        assert graph["ops"] == {} and graph["constants"] == 0
+        for launch in graph["launches"]:
+            assert launch["copies"] == [], launch
+            assert launch["writes"], launch
+            if not launch["kernel"].endswith("moment_step_kernel"):  # (its MEAN, COV are its outputs)
+                assert not set(launch["writes"]) & READ_ONLY, launch

@@ -365,7 +365,7 @@ def qada_tail_fused_split_kernel(
     bad = bad | (bad_e > 0) | (log_rest != log_rest)  # a NaN estimate of the rest: the fail-safe
     log_bulk = tl.where(has_bulk, logaddexp(log_exact, log_rest), float("-inf"))
 
-    out = row64 * (H_KV * G) + heads.to(tl.int64)  # the heads' offsets into [b, H] (here: see store_step_key_page)
+    out = row64 * (H_KV * G) + heads.to(tl.int64)  # [b, H] offsets, made here: see store_step_key_page for why
     if SCORE:  # the budget's score: ranked across the row's heads by the next launch
         if split == 0:
             tl.store(LOG_RATIO + out, tl.where(bad, float("nan"), log_local - log_bulk), mask=g_ok)

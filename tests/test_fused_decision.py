@@ -105,7 +105,10 @@ def check_fused(step, tau, policy="exact", block=16, splits=3, decide_once=False
     eager decision (output) and the block counts of :func:`hand_blocks` (local groups skip their bulk blocks)."""
     decided, local, read, fail_safe, ratio = eager(step, tau, policy)
     executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=decide_once)
-    got = executor.decide_and_attend(fresh(step), tau, policy)
+    sums = torch.rand(3, 5, dtype=torch.float64)  # a run's statistics sums: the step adds its row at layer 1
+    before = sums.clone()
+    got = executor.decide_and_attend(fresh(step), tau, policy, add_to=(sums, torch.tensor(1)))
+    assert torch.equal(sums[[0, 2]], before[[0, 2]]) and torch.equal(sums[1], before[1] + got.row)
     near = (ratio - tau).abs() <= 1e-4 * tau  # rounding may decide these either way (none with tau_between)
     assert torch.equal(got.decided | near, decided | near) and torch.equal(got.decided & ~near, decided & ~near)
     if not near.any():
@@ -458,3 +461,13 @@ def test_prefill_holds_the_executors_constants_on_the_device(model, reference):
     nodes, log_weights = run.executor._hermite_held
     assert nodes.device == log_weights.device == next(model.parameters()).device and nodes.shape == log_weights.shape
     assert run.executor._hermite_on(nodes.device)[0] is nodes  # held: not made again
+
+
+def test_add_to_must_be_float64_sums_and_one_index():
+    """The combine's ``add_to`` refuses sums of another dtype or width and an index of several elements."""
+    step = make_step(1, 4, 2, 64, 16, None, None, torch.float32, seed=3)
+    executor = FusedTritonExecutor(block_size=16)
+    for sums, layer in ((torch.zeros(2, 5), torch.tensor(0)), (torch.zeros(2, 4, dtype=torch.float64), torch.tensor(0)),
+                        (torch.zeros(2, 5, dtype=torch.float64), torch.tensor([0, 1]))):
+        with pytest.raises(ValueError, match="add_to"):
+            executor.decide_and_attend(fresh(step), 0.5, add_to=(sums, layer))

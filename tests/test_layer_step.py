@@ -304,3 +304,29 @@ def test_compile_takes_a_bool_or_a_known_backend(monkeypatch):
     for bad in ("bogus", 3, ""):
         with pytest.raises(ValueError, match="expected compile to be a bool"):
             build_run("dense", "none", "sdpa", compile=bad)
+
+
+def test_the_layer_step_adds_its_row_to_the_sums_it_is_given(model, reference):
+    """Given the run's sums, a layer step adds its statistics row at its layer, in place (compiled or eager); the
+    run's summary counts every decoded (layer, step) pair."""
+    run = build_run(criterion={"name": "qada", "tau": 0.5}, moments=moments("stored", reference), window=WINDOW)
+    calls = []
+    original = LayerStep.__call__
+
+    def recorded(self, buffered, *args):
+        sums = args[-1]
+        before = sums.clone()
+        result = original(self, buffered, *args)
+        calls.append((before, sums.clone(), int(args[6]), result.counts[0]))
+        return result
+
+    LayerStep.__call__ = recorded
+    try:
+        _, _, summary = buffer_greedy(model, run, "static")
+    finally:
+        LayerStep.__call__ = original
+    assert calls
+    for before, after, layer, row in calls:
+        others = [i for i in range(after.shape[0]) if i != layer]
+        assert torch.equal(after[others], before[others]) and torch.equal(after[layer], before[layer] + row)
+    assert summary["decode_steps"] * model.config.num_hidden_layers == len(calls)

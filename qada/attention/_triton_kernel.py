@@ -231,9 +231,9 @@ def qada_decode_split_kernel(
 
 @triton.jit
 def statistics_row(
-    LOCAL, READ, BROKEN, START, END, ROW, n_heads, H, C, t_local, page_size, heavy, pages,
+    LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER, n_heads, H, C, t_local, page_size, heavy, pages,
     G: tl.constexpr, BLOCK_C: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
-    TAIL_READS: tl.constexpr,
+    TAIL_READS: tl.constexpr, ADD: tl.constexpr,
 ):  # fmt: skip
     """The step's statistics row ``ROW [5]`` float64 (:func:`~qada.models.statistics.step_counts`): the fraction of
     the ``n_heads = b H`` query heads ``LOCAL`` (``[b, H]`` uint8), of the ``b H_kv`` bulks not ``READ``, 1, the
@@ -241,7 +241,8 @@ def statistics_row(
     head) ``2 T`` vectors when its bulk is read, else ``2 min(T, T_local)``, ``T = T_bulk + T_local``, plus with
     ``TAIL_READS`` the tail-aware criterion's reads (:func:`~qada.criteria.tail.exact_set_reads`, one level,
     window-only: ``heavy + G min(n_p, pages) P + 2 n_p``, ``n_p = ceil(filled / P)``, ``filled`` the row's end),
-    over ``2 T`` per (row, KV head). Sums of integers in float64: exact, as the torch row's."""
+    over ``2 T`` per (row, KV head). Sums of integers in float64: exact, as the torch row's. With ``ADD``, the row
+    is also added to ``SUMS [L, 5]`` float64 at the layer index ``LAYER`` (int64, the run's statistics sums)."""
     offs = tl.arange(0, BLOCK_C)
     H_kv = H // G
     n_pairs = n_heads // G
@@ -279,28 +280,34 @@ def statistics_row(
         reads += tl.where(ok, row_reads, 0.0)
         dense += tl.where(ok, 2 * T * H_kv, 0.0)
         n_read += row_read
-    tl.store(ROW + 0, tl.sum(n_local, axis=0).to(tl.float64) / n_heads)
-    tl.store(ROW + 1, (n_pairs - tl.sum(n_read, axis=0)).to(tl.float64) / n_pairs)
-    tl.store(ROW + 2, tl.full([], 1.0, dtype=tl.float64))
-    tl.store(ROW + 3, tl.sum(n_broken, axis=0).to(tl.float64))
-    tl.store(ROW + 4, tl.sum(reads, axis=0) / tl.maximum(tl.sum(dense, axis=0), 1.0))
+    offs_v = tl.arange(0, 8)  # the row's five values, as one vector
+    value = tl.where(offs_v == 0, tl.sum(n_local, axis=0).to(tl.float64) / n_heads, 0.0)
+    value = tl.where(offs_v == 1, (n_pairs - tl.sum(n_read, axis=0)).to(tl.float64) / n_pairs, value)
+    value = tl.where(offs_v == 2, 1.0, value)
+    value = tl.where(offs_v == 3, tl.sum(n_broken, axis=0).to(tl.float64), value)
+    value = tl.where(offs_v == 4, tl.sum(reads, axis=0) / tl.maximum(tl.sum(dense, axis=0), 1.0), value)
+    v_ok = offs_v < 5
+    tl.store(ROW + offs_v, value, mask=v_ok)
+    if ADD:  # one program, one launch per layer and step, launches in stream order: no other writer
+        at = SUMS + tl.load(LAYER).to(tl.int64) * 5 + offs_v
+        tl.store(at, tl.load(at, mask=v_ok, other=0.0) + value, mask=v_ok)
 
 
 @triton.jit
 def qada_decode_combine_kernel(
     ACC, M, L, COUNTS, OUT, BULK_BLOCKS, SINKS,
-    LOCAL, READ, BROKEN, START, END, ROW,
+    LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER,
     stride_ob, stride_oh, stride_od,
     H, num_splits, num_counts, C, t_local, page_size, heavy, pages,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_SINKS: tl.constexpr, STATS: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
-    TAIL_READS: tl.constexpr,
+    TAIL_READS: tl.constexpr, ADD: tl.constexpr,
 ):  # fmt: skip
     """Programs ``0 .. b*H-1``: one (row, query head) each, merge its splits by log-sum-exp into ``OUT [b, H, 1,
     d]`` (the query dtype; a split with ``m = -inf`` weighs 0 and a head with nothing attended gets 0). Program
     ``b*H``: sum the bulk-only block counts ``COUNTS[:, 0]`` into the 0-d int64 ``BULK_BLOCKS``; with ``STATS``,
-    also the step's statistics row (:func:`statistics_row`)."""
+    also the step's statistics row (:func:`statistics_row`, added to ``SUMS[LAYER]`` with ``ADD``)."""
     pid = tl.program_id(0)
     n_heads = tl.num_programs(0) - 1
     if pid == n_heads:
@@ -312,8 +319,8 @@ def qada_decode_combine_kernel(
             n_blocks += tl.load(COUNTS + idx.to(tl.int64) * 2, mask=idx < num_counts, other=0).to(tl.int64)
         tl.store(BULK_BLOCKS, tl.sum(n_blocks, axis=0))
         if STATS:
-            statistics_row(LOCAL, READ, BROKEN, START, END, ROW, n_heads, H, C, t_local, page_size, heavy, pages,
-                           G, BLOCK_C, HAS_START, HAS_END, TAIL_READS)
+            statistics_row(LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER, n_heads, H, C, t_local, page_size,
+                           heavy, pages, G, BLOCK_C, HAS_START, HAS_END, TAIL_READS, ADD)
     else:
         row = pid // H
         head = pid % H

@@ -218,7 +218,8 @@ class FusedTritonExecutor(TritonExecutor):
         return self._hermite_held
 
     def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact",
-                          tail: FusedTail | None = None, budget: FusedBudget | None = None) -> FusedLaunch:
+                          tail: FusedTail | None = None, budget: FusedBudget | None = None,
+                          add_to: tuple[torch.Tensor, torch.Tensor] | None = None) -> FusedLaunch:
         """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches;
         with ``tail``, the ``qada_tail`` decision (:mod:`qada.attention._fused_tail_kernel`), whose split launch
         also makes the step's key join its page in ``tail``'s extrema (in place, as
@@ -229,7 +230,8 @@ class FusedTritonExecutor(TritonExecutor):
 
         Reads ``step.query [b, H, d]``, ``keys, values [b, H_kv, C, d]``, ``start``, ``end``, the window, the scale,
         ``softcap``, ``sink_logits [H]`` and ``step.bulk_moments`` (mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``,
-        the bulk of each row as :attr:`~qada.step.DecodeStep.t_bulk` counts it).
+        the bulk of each row as :attr:`~qada.step.DecodeStep.t_bulk` counts it). ``add_to``: ``(sums [L, 5], layer)``,
+        the combine launch adds the statistics row to ``sums[layer]`` (:class:`~qada.attention.StepStatistics`).
         """
         query, key, value = step.query, step.keys, step.values
         check_triton_runtime(query.device)
@@ -312,7 +314,7 @@ class FusedTritonExecutor(TritonExecutor):
         tail_reads = None if tail is None else (tail.page_size, tail.heavy.shape[2] if tail.heavy_reads is None
                                                 else tail.heavy_reads, tail.pages)
         row = torch.empty(5, dtype=torch.float64, device=device)
-        statistics = StepStatistics(flags[1], read, flags[2], start, end, C, window.t_local, row, tail_reads)
+        statistics = StepStatistics(flags[1], read, flags[2], start, end, C, window.t_local, row, tail_reads, add_to)
         if apart:  # the triton executor's two launches on the decision just made
             done = self.launch(step, GroupDecision(flags[1], read), statistics)
             return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts,

@@ -166,6 +166,8 @@ class StepStatistics(NamedTuple):
         row: ``[5]`` float64, written: sparsity, kv_sparsity, 1, heads forced dense, kv_read.
         tail_reads: ``(P, heavy, pages)`` of a ``qada_tail`` criterion (one level, window-only), whose reads
             :func:`~qada.criteria.tail.exact_set_reads` counts in kv_read; ``None``: no extra reads.
+        add_to: ``(sums [L, 5] float64, layer)`` with ``layer`` a 0-d or ``[1]`` int64 index: the row is also added
+            to ``sums[layer]`` (a run's :attr:`~qada.models.statistics.DecodeStatistics.sums`); ``None``: not.
     """
 
     local: torch.Tensor
@@ -177,6 +179,7 @@ class StepStatistics(NamedTuple):
     t_local: int
     row: torch.Tensor
     tail_reads: tuple[int, int, int] | None = None
+    add_to: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, counts: torch.Tensor,
@@ -197,17 +200,25 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
                                     ("broken", stats.broken, (b, H)), ("row", stats.row, (5,))):
             if tuple(tensor.shape) != shape or not tensor.is_contiguous():
                 raise ValueError(f"expected a contiguous {name} of shape {list(shape)} but got {tuple(tensor.shape)}")
+        if statistics.add_to is not None:
+            sums, layer = statistics.add_to
+            if sums.dim() != 2 or sums.shape[1] != 5 or sums.dtype != torch.float64 or not sums.is_contiguous() \
+                    or layer.numel() != 1 or layer.dtype != torch.long:
+                raise ValueError(f"expected add_to as (contiguous float64 sums [L, 5], one int64 layer index) but got "
+                                 f"{sums.dtype} {tuple(sums.shape)} and {layer.dtype} {tuple(layer.shape)}")
     flags = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in (stats.local, stats.read, stats.broken)]
     page_size, heavy, pages = stats.tail_reads or (1, 0, 0)
+    sums, layer = stats.add_to or (stats.row, stats.row)
     _triton_kernel.run(
         _triton_kernel.qada_decode_combine_kernel, (b * H + 1,),
         acc, m, l, counts, output, bulk_blocks, m if sinks is None else sinks.contiguous(),
-        *flags, m if stats.start is None else stats.start, m if stats.end is None else stats.end, stats.row,
+        *flags, m if stats.start is None else stats.start, m if stats.end is None else stats.end, stats.row, sums,
+        layer,
         output.stride(0), output.stride(1), output.stride(3),
         H, S, pairs * S, stats.length, stats.t_local, page_size, heavy, pages,
         G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=max(16, _next_pow2(d)), BLOCK_C=256,
         HAS_SINKS=sinks is not None, STATS=statistics is not None, HAS_START=stats.start is not None,
-        HAS_END=stats.end is not None, TAIL_READS=stats.tail_reads is not None,
+        HAS_END=stats.end is not None, TAIL_READS=stats.tail_reads is not None, ADD=stats.add_to is not None,
     )  # fmt: skip
     return output, bulk_blocks
 

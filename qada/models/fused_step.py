@@ -99,6 +99,7 @@ def fused_layer_step(
     criterion_states: dict[str, dict[str, torch.Tensor]],
     sink_logits: torch.Tensor | None = None,
     softcap: float | None = None,
+    sums: torch.Tensor | None = None,
     *,
     criterion: HeadCriterion,
     moments: MomentSource,
@@ -117,7 +118,8 @@ def fused_layer_step(
                             sink_logits, softcap, moments, window, functools.partial(fused_moment_step, moments))
     budget = fused_budget(criterion, step)
     tau = 0.0 if budget is not None else criterion.tau  # (a budget ranks: no threshold)
-    launch = executor.decide_and_attend(step, tau, policy, fused_tail(criterion, step), budget)
+    add_to = None if sums is None else (sums, layer)  # the combine launch adds the row to sums[layer]
+    launch = executor.decide_and_attend(step, tau, policy, fused_tail(criterion, step), budget, add_to)
     counts = launch.row
     return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,
                            None, None, bulk, step.query, step.start, step.end,

@@ -101,6 +101,7 @@ def layer_step(
     criterion_states: dict[str, dict[str, torch.Tensor]],
     sink_logits: torch.Tensor | None = None,
     softcap: float | None = None,
+    sums: torch.Tensor | None = None,
     *,
     criterion: HeadCriterion,
     moments: MomentSource | None,
@@ -118,6 +119,8 @@ def layer_step(
         moment_state: the source's :meth:`~qada.moments.MomentSource.step_state` (``None``: no moments).
         criterion_states: :meth:`~qada.criteria.HeadCriterion.layer_states` of the criterion.
         sink_logits: ``[H]`` the model's learned sink logits, ``softcap``: its logit soft-cap (``None``: none).
+        sums: ``[L, 5]`` float64, the run's :attr:`~qada.models.statistics.DecodeStatistics.sums`: the step's
+            statistics row is added to ``sums[layer]`` in place (``None``: not added).
         criterion, moments, window, policy: the run's components and the executor's group policy.
     """
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
@@ -125,6 +128,8 @@ def layer_step(
     decided = criterion(step)
     local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
     counts = statistics_row(step, local, read, step.fail_safe, criterion)
+    if sums is not None:
+        sums.index_add_(0, layer.reshape(1), counts[None])
     extra = step.extra_set
     extra_output = log_extra = log_local = None
     if extra is not None:  # local heads attend over window ∪ E: E's part now, merged after the executor
@@ -283,9 +288,9 @@ def compile_layer_step(bound: dict[str, Any], backend: Any, function: Any = None
     chosen = layer_step if function is None else function
 
     def step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,  # noqa: ANN001
-             sink_logits=None, softcap=None):
+             sink_logits=None, softcap=None, sums=None):
         return chosen(query, keys, values, start, end, scale, layer, moment_state, criterion_states, sink_logits,
-                      softcap, **bound)
+                      softcap, sums, **bound)
 
     return compile_own(step, "qada_layer_step", backend)
 

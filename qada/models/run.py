@@ -70,7 +70,7 @@ class QAdARun:
         self._first_layer: int | None = None  # the first global layer prefilled: it checks the rows' growth
         self._last_layer: int | None = None  # the last one: its step drops the per-step bounds
         self._step: LayerStep | None = None
-        self._inputs: dict[int, tuple] = {}  # layer -> (slots, the layer step's per-layer arguments, [layer])
+        self._inputs: dict[int, tuple] = {}  # layer -> (slots, the layer step's per-layer arguments)
         if getattr(executor, "fuses_decision", False):  # the decision is made in the executor's kernel: said now
             from qada.models.fused_step import check_fusable
 
@@ -191,7 +191,8 @@ class QAdARun:
         if layer == self._last_layer:  # the step's bounds die with it: under CUDA graphs no tensor made in a
             self.rows.clear()  # captured step may outlive it (the graph pool would hold it)
         result = self.layer_step(buffered, query, key, value, start, end, float(scale),
-                                 *self._layer_inputs(layer, key.shape[2], key.device), sink_logits, softcap)
+                                 *self._layer_inputs(layer, key.shape[2], key.device), sink_logits, softcap,
+                                 self.stats.sums)  # the step adds its statistics row to the sums
         return self._attend(layer, step_index, query, key, value, scale, start, end, result, sink_logits, softcap,
                             buffered)
 
@@ -205,14 +206,14 @@ class QAdARun:
         moment_state = None if moments is None else _on(moments.step_state(layer), device)
         states = {name: _on(state, device) for name, state in self.criterion.layer_states(layer, slots).items()}
         inputs = (torch.tensor(layer, device=device), moment_state, states)
-        self._inputs[layer] = (slots, inputs, torch.tensor([layer], device=device))  # the last: the statistics' row
+        self._inputs[layer] = (slots, inputs)
         return inputs
 
     def _attend(self, layer: int, step_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float, start: torch.Tensor | None, end: torch.Tensor | None,
                 result: LayerStepResult, sink_logits: torch.Tensor | None = None,
                 softcap: float | None = None, buffered: bool = False) -> torch.Tensor:
-        """The executor on what the layer step decided and gathered; statistics and observers."""
+        """The executor on what the layer step decided and gathered (which added its statistics row); observers."""
         step = DecodeStep.checked_already(result.query, key, scale, self.window, layer, step_index, result.start,
                                           result.end, result.moments, value, sink_logits, softcap)
         step.share(window_keys=result.window_keys, window_valid=result.window_valid,
@@ -223,7 +224,6 @@ class QAdARun:
         else:
             output, bulk_blocks = self.executor.attend(step, GroupDecision(result.local, result.read))
         output = self.layer_step.merge(buffered, output, result)  # local heads: window ∪ the criterion's extra set
-        self.stats.add(self._inputs[layer][2], result.counts)
         if self.fanout.observers:
             executed = ExecutorOutput(output, result.local, result.counts[0, 0].float(), result.counts[0, 1].float(),
                                       bulk_blocks, result.read)

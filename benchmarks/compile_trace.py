@@ -8,8 +8,7 @@ it costs there beyond the launches themselves, and both are settled while tracin
 
 * **which tensors each launch writes.** torch reads it from the kernel's Triton IR: a tensor it takes as written
   is copied before the launch unless Inductor can write it in place, and a launch it cannot analyse (a defaulted
-  argument left out, an unknown operation) has *every* tensor argument taken as written: the KV cache copied at
-  every layer;
+  argument left out, an unknown operation) has *every* tensor argument taken as written, the KV cache included;
 * **what else the graph holds**: operations besides the launches, views and allocations become kernels.
 
 This script prefills the embedded model on the CPU with each configuration, stops at the first decode step's layer
@@ -17,9 +16,10 @@ step, and traces that step as ``torch.compile(fullgraph=True)`` does on a GPU: D
 user-defined Triton kernels, the write analysis against an sm_90 target, AOT autograd's functionalisation keeping
 the input mutations, then Inductor's re-inplacing pass. The tensors are fake ones on the ``meta`` device (a CPU
 build of torch cannot make views of fake CUDA tensors); nothing is launched. It reports per configuration the
-launches in order, the tensors each writes, the copies left after re-inplacing, any other operation, and whether
-an analysis fell back. Inductor's code generation, its scheduling and CUDA graphs are not run: their kernel counts
-are the GPU suite's (``benchmarks/run.py --gpu``).
+launches in order, the tensors each writes, the copies left after re-inplacing, any other operation, the tensors
+made from host data, and whether an analysis fell back; each step is traced at two cache sizes (static shapes, then
+the symbolic ones a second size compiles). Inductor's code generation, its scheduling and CUDA graphs are not run:
+their kernel counts are the GPU suite's (``benchmarks/run.py --gpu``).
 
 It changes process-wide state (torch's Triton detection, Triton's active driver): run it as a process of its own,
 without ``TRITON_INTERPRET``. Writes ``<out>/compile-trace-cpu.{json,md}``.

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.triton_launches import fused_step_launches
+
 pytest.importorskip("triton", reason="triton is not installed")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,14 +49,16 @@ SCRIPT = textwrap.dedent(
     cases = json.loads({cases!r})
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
     longer = torch.randint(3, 128, (1, 57), generator=torch.Generator().manual_seed(6))
-    rows, models = {{}}, {{}}
+    rows, models, references = {{}}, {{}}, {{}}
     for name, (family, source, criterion, executor) in cases.items():
         if family not in models:
             models[family] = tiny_model("llama") if family == "llama" else tiny_family_model(family)
         model = models[family]
         if source == "stored":
+            if family not in references:
+                references[family] = collect_reference_keys(model, ids, chunk_size=16)
             source = StoredMoments(offset=12, min_bulk_keys=4)
-            source.set_reference(collect_reference_keys(model, ids, chunk_size=16))
+            source.set_reference(references[family])
         run = build_run(criterion=criterion, moments=source, executor={{"name": "triton_fused", "block_size": 16,
                         **executor}}, window={{"t_local": 8, "t_sink": 2}})
         step, first = capture_layer_step(model, run, ids)
@@ -64,19 +68,7 @@ SCRIPT = textwrap.dedent(
     """
 )
 
-SPLIT = {"qada": "qada_fused_split_kernel", "qada_tail": "qada_tail_fused_split_kernel"}
 READ_ONLY = {"Q", "K", "V", "MEAN", "COV", "START", "END", "SINKS", "GH_X", "GH_LOGW", "HEAVY", "HEAVY_VALID", "MEMBER"}
-
-
-def expected_launches(source: str, criterion: dict, executor: dict) -> list[str]:
-    """The launches of one fused layer step, in order (as the interpreter tests record them)."""
-    name = criterion["name"]
-    moment = f"{source}_moment_step_kernel"
-    split = SPLIT["qada_tail" if name.startswith("qada_tail") else "qada"]
-    pages = ["qada_tail_page_top_kernel"] if executor.get("pages_per_program") == 1 else []
-    rank = ["qada_budget_decision_kernel"] if name == "qada_tail_budget" else []
-    apart = ["qada_decode_split_kernel"] if executor.get("decide_once") or rank else []
-    return [moment, *pages, split, *rank, *apart, "qada_decode_combine_kernel"]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +96,9 @@ def test_compiled_fused_step_is_its_launches_and_nothing_else(traced, case):
     assert row["analysis_fallbacks"] == []
     assert len(row["graphs"]) == 2  # static shapes, then symbolic ones
     for graph in row["graphs"]:
-        assert [launch["kernel"] for launch in graph["launches"]] == expected_launches(source, criterion, executor)
+        expected = fused_step_launches(source, criterion["name"], executor.get("decide_once", False),
+                                       page_tops=executor.get("pages_per_program") == 1)
+        assert [launch["kernel"] for launch in graph["launches"]] == expected
         assert graph["ops"] == {} and graph["constants"] == 0
         for launch in graph["launches"]:
             assert launch["copies"] == [], launch

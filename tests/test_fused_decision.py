@@ -337,7 +337,7 @@ def test_model_layer_step_is_three_launches_and_nothing_else(monkeypatch, model,
     ``triton`` split and combine: five), no other torch operation than allocations and views (the statistics row
     comes from the combine, a budget's count from the layer's state), no host read; what a CUDA graph replays per
     layer."""
-    from tests.triton_launches import LaunchRecorder, refusing_host_reads
+    from tests.triton_launches import LaunchRecorder, fused_step_launches, refusing_host_reads
 
     record = LaunchRecorder(monkeypatch)
     steps: list = []
@@ -356,11 +356,7 @@ def test_model_layer_step_is_three_launches_and_nothing_else(monkeypatch, model,
     if criterion.startswith("qada_tail_budget"):
         config = {"name": "qada_tail_budget", "sparsity": 0.5, "per_group": criterion.endswith("per_group")}
     greedy(model, make_run(source, executor, reference, criterion=config), "static", steps=2)
-    moment = "stored_moment_step_kernel" if source == "stored" else "current_moment_step_kernel"
-    split = "qada_tail_fused_split_kernel" if criterion.startswith("qada_tail") else "qada_fused_split_kernel"
-    rank = ["qada_budget_decision_kernel"] if criterion.startswith("qada_tail_budget") else []
-    apart = ["qada_decode_split_kernel"] if decide_once or rank else []
-    expected = [moment, split, *rank, *apart, "qada_decode_combine_kernel"]
+    expected = fused_step_launches(source, criterion, decide_once)
     assert len(steps) == 2 * model.config.num_hidden_layers
     views = {"aten.view.dtype", "aten.select.int", "aten.detach.default", "aten.unsqueeze.default",
              "aten.view.default", "aten.slice.Tensor", "aten.expand.default", "aten.alias.default"}  # no kernel

@@ -49,3 +49,15 @@ def refusing_host_reads(monkeypatch: pytest.MonkeyPatch):
         for name in HOST_READS:
             patched.setattr(torch.Tensor, name, lambda *a, _n=name, **kw: pytest.fail(f"host sync: Tensor.{_n}"))
         yield
+
+
+def fused_step_launches(source: str, criterion: str, decide_once: bool = False, page_tops: bool = False) -> list[str]:
+    """The kernels one ``triton_fused`` layer step launches, in order: the moment step of ``source`` (``stored`` or
+    ``current``), the page-top launch with ``page_tops``, the fused split of ``criterion`` (``qada``, or a name
+    starting ``qada_tail``), a budget's ranking (``qada_tail_budget...``), the ``triton`` split where the decision is
+    a launch of its own (``decide_once`` or a budget), then the combine."""
+    split = "qada_tail_fused_split_kernel" if criterion.startswith("qada_tail") else "qada_fused_split_kernel"
+    rank = ["qada_budget_decision_kernel"] if criterion.startswith("qada_tail_budget") else []
+    apart = ["qada_decode_split_kernel"] if decide_once or rank else []
+    pages = ["qada_tail_page_top_kernel"] if page_tops else []
+    return [f"{source}_moment_step_kernel", *pages, split, *rank, *apart, "qada_decode_combine_kernel"]

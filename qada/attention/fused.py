@@ -35,7 +35,6 @@ source) is an error when the run is built: use ``triton``. Called as a plain exe
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -151,10 +150,9 @@ class FusedBudget(NamedTuple):
     per_group: bool = False
 
 
-@functools.cache
 def _hermite(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gauss-Hermite nodes and ``log(w_j / sqrt(pi))`` as float32 tensors on ``device``, made once per device
-    (the first capped step, before any graph capture, makes them)."""
+    """The Gauss-Hermite nodes and ``log(w_j / sqrt(pi))`` as float32 tensors on ``device`` (an executor makes them
+    once, at a run's prefill, and holds them: :meth:`FusedTritonExecutor.to_device`)."""
     from qada.functional.capping import hermite_rule
 
     nodes, log_weights = hermite_rule()

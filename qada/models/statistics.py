@@ -81,17 +81,6 @@ class DecodeStatistics:
         self.sums[layer].add_(torch.stack([sparsity.detach().to(**f64), kv_sparsity.detach().to(**f64),
                                            torch.ones((), **f64), forced, read]))
 
-    def add(self, layer: int | torch.Tensor, counts: torch.Tensor) -> None:
-        """Add one decode step of ``layer`` (an int, or a ``[1]`` long tensor on the sums' device) from ``counts``,
-        ``[5]`` or ``[1, 5]`` float64 (:func:`step_counts`, as the run's layer step returns them): one in-place
-        addition, no sync."""
-        if isinstance(layer, torch.Tensor):
-            self.sums.index_add_(0, layer, counts if counts.dim() == 2 else counts.view(1, COLUMNS))
-            return
-        if self.sums is None or layer >= self.sums.shape[0]:
-            self.prepare(layer + 1, counts.device)
-        self.sums[layer].add_(counts.view(COLUMNS))
-
     def merge(self, other: DecodeStatistics) -> None:
         """Add ``other``'s sums (e.g. from another run or process)."""
         if other.sums is None:

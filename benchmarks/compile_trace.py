@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import inspect
 import logging
 import operator
 import os
@@ -132,6 +133,13 @@ def capture_layer_step(model: Any, run: Any, ids: Any) -> tuple[Any, tuple]:
     return captured["step"], captured["args"]
 
 
+def _fake_tensor_updater(updater: Any, graph: Any) -> Any:
+    """Inductor's ``FakeTensorUpdater`` for ``graph``: torch >= 2.12 takes the graph module, 2.11 (the GPU machines'
+    torch) its graph."""
+    takes_module = "gm" in inspect.signature(updater.__init__).parameters
+    return updater(graph if takes_module else graph.graph)
+
+
 def trace_layer_step(step: Any, *arg_sets: tuple) -> dict[str, Any]:
     """Trace ``step`` (a fused :class:`~qada.models.layer_step.LayerStep`) on fake ``meta`` copies of each of
     ``arg_sets`` in turn, as one compiled function (:func:`pretend_cuda_triton` first): the first cache size
@@ -164,7 +172,7 @@ def trace_layer_step(step: Any, *arg_sets: tuple) -> dict[str, Any]:
                     triton_kernel_wrapper_functional]  # fmt: skip
         writes = [list(node.kwargs["tensors_to_clone"]) for node in launches]
         with V.set_fake_mode(detect_fake_mode(inputs)):
-            reinplace_inplaceable_ops(FakeTensorUpdater(graph), graph.graph)
+            reinplace_inplaceable_ops(_fake_tensor_updater(FakeTensorUpdater, graph), graph.graph)
         found: dict[str, Any] = {"launches": [], "ops": collections.Counter(), "constants": 0}
         for node, written in zip(launches, writes, strict=True):
             kernel = triton_kernel_wrap.kernel_side_table.get_kernel(node.kwargs["kernel_idx"])

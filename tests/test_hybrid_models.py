@@ -90,6 +90,25 @@ def test_layer_types_per_family(arch):
         assert types_.describe() == "6 layers: 2 global [2, 5], 4 sliding (window 8)"
 
 
+@pytest.mark.parametrize("arch", LAYOUTS)
+def test_layer_types_with_one_kwargs_dict_for_all_layers(arch, monkeypatch):
+    """Older transformers (5.17 among them) give one dict of cache arguments for every layer, not one per layer."""
+    import transformers.cache_utils as cache_utils
+
+    per_layer = cache_utils.get_layer_types_and_kwargs
+
+    def shared(config):
+        kinds, kwargs = per_layer(config)
+        merged = {key: value for extra in kwargs for key, value in extra.items()}
+        return kinds, merged
+
+    monkeypatch.setattr(cache_utils, "get_layer_types_and_kwargs", shared)
+    num_layers, global_layers, sliding = LAYOUTS[arch]
+    types_ = layer_types(model(arch))
+    assert types_.global_layers == global_layers and types_.sliding == sliding
+    assert types_.windows == {layer: W for layer in sliding}
+
+
 def test_layer_types_without_a_window_are_all_global():
     assert layer_types(tiny_model("qwen2")).sliding == []
     assert layer_types(tiny_model("mistral")).sliding == []

@@ -15,7 +15,6 @@ slow, for tests). Otherwise calling it raises: no silent fallback. triton is imp
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -44,8 +43,8 @@ def check_triton_runtime(device: torch.device) -> None:
         raise ImportError("the 'triton' executor needs triton installed: pip install 'qada[triton]'")
 
 
-@functools.cache
 def _num_sms(device: torch.device) -> int:
+    # (not functools.cache'd: dynamo traces through a cache anyway, with a warning; torch keeps the properties)
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 

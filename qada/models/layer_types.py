@@ -87,13 +87,16 @@ OTHER_KINDS = ("linear_attention", "conv", "mamba", "hybrid", "dummy", "moe", "m
 def cache_layers(config: Any) -> tuple[list[str], list[dict]] | None:
     """The kind of every layer's cache and its arguments, as transformers derives them from ``config``
     (``layer_types``, or the per-layer ``sliding_window`` / ``attention_chunk_size``): the ground truth of what a
-    layer's cache holds. ``None`` when transformers cannot tell."""
+    layer's cache holds. ``None`` when transformers cannot tell. Older transformers give one dict of arguments for
+    all layers; it is given to each (only the sliding kinds read its ``sliding_window``)."""
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         kinds, kwargs = get_layer_types_and_kwargs(config)
     except Exception:  # noqa: BLE001 - an older transformers, or a config it cannot read: the modules decide
         return None
+    if isinstance(kwargs, dict):  # older transformers (5.17 among them): one dict for every layer
+        kwargs = [dict(kwargs) for _ in kinds]
     return list(kinds), list(kwargs)
 
 

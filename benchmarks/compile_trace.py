@@ -21,6 +21,9 @@ made from host data, and whether an analysis fell back; each step is traced at t
 the symbolic ones a second size compiles). Inductor's code generation, its scheduling and CUDA graphs are not run:
 their kernel counts are the GPU suite's (``benchmarks/run.py --gpu``).
 
+It then traces the model's whole decode step (``torch.compile(model.forward)``) dense and with each configuration:
+qada's step is one opaque operation per global layer there, and the table says what else the graph holds.
+
 It changes process-wide state (torch's Triton detection, Triton's active driver): run it as a process of its own,
 without ``TRITON_INTERPRET``. Writes ``<out>/compile-trace-cpu.{json,md}``.
 """
@@ -216,6 +219,65 @@ def trace_layer_step(step: Any, *arg_sets: tuple) -> dict[str, Any]:
     return report
 
 
+class StopAfterTrace(Exception):
+    """Raised by :func:`trace_decode_forward`'s compiler once it holds the graph (nothing is run)."""
+
+
+def trace_decode_forward(model: Any, run: Any | None, ids: Any) -> dict[str, Any]:
+    """The graph ``torch.compile(model.forward, fullgraph=True)`` traces for one decode step after an eager prefill of
+    ``ids [1, T]`` into a static cache, with ``run`` attached (``None``: the plain model, dense attention):
+    ``{"ops": {name: count}, "total": n, "qada_steps": n, "launches": n}``. ``ops`` counts the graph's operations
+    besides views and allocations; a global layer's qada step is one opaque ``qada.decode_buffer`` operation
+    (``qada_steps``; its own compiled graph is :func:`trace_layer_step`'s), and ``launches`` counts Triton launches
+    traced into the model's graph itself (none expected)."""
+    import torch
+    from torch._dynamo.backends.common import aot_autograd
+    from transformers import StaticCache
+
+    from qada.models import attach
+
+    found: dict[str, Any] = {}
+
+    def record(graph: torch.fx.GraphModule, inputs: list) -> Any:
+        ops: collections.Counter = collections.Counter()
+        for node in graph.graph.nodes:
+            if node.op != "call_function" or node.target is operator.getitem \
+                    or isinstance(node.meta.get("val"), (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+                continue
+            name = str(getattr(node.target, "overloadpacket", node.target))
+            if name not in NO_KERNEL and not _is_view(node.target):
+                ops[name] += 1
+        launches = sum(n for name, n in ops.items() if "triton_kernel_wrapper" in name)
+        found.update(ops=dict(ops), total=sum(ops.values()), qada_steps=ops.get("qada.decode_buffer", 0),
+                     launches=launches)
+        raise StopAfterTrace
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    if run is not None:
+        attach(model, run)
+        run.reset_stats()
+    try:
+        with torch.no_grad():
+            mask = torch.ones_like(ids)
+            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                                    backend=aot_autograd(fw_compiler=record, keep_inference_input_mutations=True))
+            error = None
+            try:  # (the compiler's exception arrives wrapped by dynamo)
+                forward(input_ids=token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1),
+                        past_key_values=cache, use_cache=True)
+            except Exception as caught:  # noqa: BLE001 - re-raised below unless it is the trace's own stop
+                error = caught
+    finally:
+        if run is not None:
+            run.remove()
+        torch._dynamo.reset()
+    if "total" not in found:
+        raise RuntimeError("the decode step's graph was never traced") from error
+    return found
+
+
 def _is_view(target: Any) -> bool:
     """Whether ``target`` (an aten overload) returns a view of its input (launches nothing)."""
     schema = getattr(target, "_schema", None)
@@ -262,12 +324,18 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"{name}: {len(row['graphs'])} graphs, launches {[len(g['launches']) for g in row['graphs']]}, "
               f"copies {[_copies(g) for g in row['graphs']]}, other ops {[g['ops'] for g in row['graphs']]}, "
               f"error {row['error']}", flush=True)
+    forward = {"dense": trace_decode_forward(model, None, ids)}
+    for name, config in CONFIGS.items():
+        run = prepare_run(build_run(moments=config.get("moments", "stored"), criterion=config["criterion"],
+                                    executor=config["executor"]), model, tokenizer)
+        forward[name] = trace_decode_forward(model, run, ids)
+        print(f"{name}, the model's decode step: {forward[name]}", flush=True)
     import triton
 
     info = machine_info("cpu")
     results = {"command": f"python benchmarks/compile_trace.py --length {args.length}", "machine": info,
                "triton": triton.__version__, "model": "SmolLM2-135M (embedded)", "prompt_tokens": args.length,
-               "rows": rows}
+               "rows": rows, "forward": forward}
     lines = ["# The compiled `triton_fused` layer step as traced for a GPU (on the CPU), SmolLM2-135M", "",
              f"Command: `{results['command']}`; torch {torch.__version__}, triton {triton.__version__}, Triton's "
              "write analysis against sm_90, fake `meta` tensors, AOT functionalisation keeping input mutations, "
@@ -290,6 +358,19 @@ def main(argv: list[str] | None = None) -> Path:
     for name, row in rows.items():
         first = row["graphs"][0]["launches"] if row["graphs"] else []
         lines.append(f"- **{name}**: " + "; ".join(f"`{x['kernel']}` {', '.join(x['writes'])}" for x in first))
+    layers = model.config.num_hidden_layers
+    dense = forward["dense"]
+    lines += ["", "## The model's decode step around it", "",
+              "`torch.compile(model.forward, fullgraph=True)` of one decode step after an eager prefill, traced the "
+              "same way (CPU tensors here; the graph is the model's, before Inductor fuses anything): *operations* "
+              "counts the graph's operations besides views and allocations, *qada steps* the opaque "
+              "`qada::decode_buffer` operations (one per global layer: its graph is the layer step's above), "
+              "*launches* Triton launches traced into the model's graph itself, *others vs dense* the operations "
+              "besides qada's steps against the dense model's whole graph, per layer.", "",
+              table(["configuration", "operations", "qada steps", "launches", "others vs dense, per layer"],
+                    [[name, row["total"], row["qada_steps"], row["launches"],
+                      f"{(row['total'] - row['qada_steps'] - dense['total']) / layers:+.2f}"]
+                     for name, row in forward.items()])]
     paths = write_results(args.out, "compile-trace-cpu", results, "\n".join(lines) + "\n")
     print(paths[1].read_text())
     return paths[1]

@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     sys.path[:0] = [{root!r}, {tests!r}]
     import torch
-    from benchmarks.compile_trace import capture_layer_step, pretend_cuda_triton, trace_layer_step
+    from benchmarks.compile_trace import capture_layer_step, pretend_cuda_triton, trace_decode_forward, trace_layer_step
     pretend_cuda_triton()
     from family_matrix import tiny_family_model
     from tiny_models import tiny_model
@@ -64,9 +64,15 @@ SCRIPT = textwrap.dedent(
         step, first = capture_layer_step(model, run, ids)
         _, second = capture_layer_step(model, run, longer)  # a second cache size: symbolic sizes
         rows[name] = trace_layer_step(step, first, second)
+        if name in {forward!r}:  # the model's decode step around it
+            rows[name]["forward"] = trace_decode_forward(model, run, ids)
+            if family + " dense" not in rows:
+                rows[family + " dense"] = {{"forward": trace_decode_forward(model, None, ids)}}
     print("ROWS" + json.dumps(rows))
     """
 )
+
+FORWARD = ["qada", "qada_tail current", "qada soft cap (gemma2)"]  # cases whose whole decode step is traced too
 
 READ_ONLY = {"Q", "K", "V", "MEAN", "COV", "START", "END", "SINKS", "GH_X", "GH_LOGW", "HEAVY", "HEAVY_VALID", "MEMBER"}
 
@@ -78,7 +84,7 @@ def traced():
     if "nvidia" not in triton.backends.backends:
         pytest.skip("triton has no nvidia backend (the write analysis compiles for sm_90)")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    script = SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), cases=json.dumps(CASES))
+    script = SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), cases=json.dumps(CASES), forward=FORWARD)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.split("ROWS", 1)[1])
@@ -105,3 +111,26 @@ def test_compiled_fused_step_is_its_launches_and_nothing_else(traced, case):
             assert launch["writes"], launch
             if not launch["kernel"].endswith("moment_step_kernel"):  # (its MEAN, COV are its outputs)
                 assert not set(launch["writes"]) & READ_ONLY, launch
+
+
+PASS_THROUGH_MASK = {"aten.bitwise_not", "aten.masked_fill", "aten.nan_to_num"}
+"""Pointwise operations of qada's masked attention (soft cap or sink logits), which a sliding layer of such a model
+runs instead of the model's own eager attention: the boolean mask applied, a row with nothing to attend zeroed."""
+
+
+@pytest.mark.parametrize("case", FORWARD)
+def test_the_compiled_model_step_holds_one_qada_operation_per_layer_and_nothing_else(traced, case):
+    """``torch.compile(model.forward)`` of a decode step: each global layer's qada step is one opaque
+    ``qada.decode_buffer`` operation, no Triton launch is traced into the model's graph, and qada adds nothing else
+    to it: every other operation is one the dense model's step has too, at most as often (the dense attention and
+    its mask operations are gone), except, in the sliding layers of a soft-capped model, the pointwise mask
+    operations of qada's masked attention (:data:`PASS_THROUGH_MASK`, once per sliding layer)."""
+    family = CASES[case][0]
+    dense, qada = traced[family + " dense"]["forward"], traced[case]["forward"]
+    assert qada["qada_steps"] == {"llama": 2, "gemma2": 1}[family]  # gemma2's tiny model: 1 global, 1 sliding layer
+    assert qada["launches"] == 0 and dense["qada_steps"] == 0
+    others = {name: n for name, n in qada["ops"].items() if name != "qada.decode_buffer"}
+    allowed = PASS_THROUGH_MASK if family == "gemma2" else set()
+    added = {name: n - dense["ops"].get(name, 0) for name, n in others.items() if n > dense["ops"].get(name, 0)}
+    assert set(added) <= allowed and all(n == 1 for n in added.values()), (added, dense["ops"])
+    assert sum(others.values()) < dense["total"]

@@ -57,4 +57,5 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(dtype)
         probabilities = softmax_with_sinks(scores, sink).nan_to_num(0.0)  # a row with nothing to attend: zeros
         out.append(probabilities @ v)
-    return torch.cat(out, dim=2).transpose(1, 2).to(query.dtype)
+    joined = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # (one block, a decode step: no copy)
+    return joined.transpose(1, 2).to(query.dtype)

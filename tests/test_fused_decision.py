@@ -254,12 +254,12 @@ MODEL_WINDOW = {"t_local": 8, "t_sink": 2}
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama")
+    return tiny_model("llama").to(DEVICE)  # on a GPU machine the kernels run compiled, on CUDA
 
 
 @pytest.fixture(scope="module")
 def reference(model):
-    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7)).to(DEVICE)
     return collect_reference_keys(model, ids, chunk_size=16)
 
 
@@ -273,7 +273,7 @@ def make_run(source, executor, reference, criterion=None):
 
 def greedy(model, run, cache_kind, steps=6):
     """Greedy decoding of two rows (row 1 left-padded): ``(tokens [2, steps], summary)``."""
-    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     cache = (StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 3) if cache_kind == "static"
@@ -376,7 +376,7 @@ def test_dispatch_count_benchmark_counts_the_fused_step(model, reference):
         sys.path.insert(0, root)
     from benchmarks.dispatch_count import count_step
 
-    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     layers = model.config.num_hidden_layers
     dense = count_step(model, None, ids, extra=4)
     fused = count_step(model, make_run("stored", {"name": "triton_fused", "block_size": 16}, reference), ids, 4)

@@ -317,14 +317,14 @@ def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch, decide
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama")
+    return tiny_model("llama").to(DEVICE)  # on a GPU machine the kernels run compiled, on CUDA
 
 
 @pytest.fixture(scope="module")
 def reference(model):
     from qada.moments.reference import collect_reference_keys
 
-    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7)).to(DEVICE)
     return collect_reference_keys(model, ids, chunk_size=16)
 
 
@@ -334,7 +334,7 @@ SMALL = {"name": "qada_tail", "tau": 0.3, "heavy": 4, "observe": 4, "page_size":
 def greedy_states(model, run, cache_kind, steps=5):
     """Greedy decoding of two rows (row 1 left-padded), qada attached from the prefill (the criterion sees the
     prompt's queries): ``(tokens [2, steps], summary, the tail index of every layer after every decode step)``."""
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     cache = (StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 3) if cache_kind == "static"

@@ -100,11 +100,25 @@ class StopAtLayerStep(Exception):
     """Raised by the capture once it holds a layer step's arguments."""
 
 
+def prefill_static(model: Any, ids: Any) -> dict[str, Any]:
+    """Prefill ``ids [1, T]`` into a new static cache (with whatever is attached to ``model``) and return the keyword
+    arguments of the first decode step (its greedy token, the mask, the cache)."""
+    import torch
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    with torch.no_grad():
+        mask = torch.ones_like(ids)
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    return {"input_ids": token, "attention_mask": torch.cat([mask, torch.ones_like(token)], 1),
+            "past_key_values": cache, "use_cache": True}
+
+
 def capture_layer_step(model: Any, run: Any, ids: Any) -> tuple[Any, tuple]:
     """Prefill ``ids [1, T]`` into a static cache with ``run`` attached and start one decode step: ``(the run's
     LayerStep, the arguments of its first call)``; the step itself is not run (its kernels cannot run here)."""
     import torch
-    from transformers import StaticCache
 
     from qada.models import attach
     from qada.models.layer_step import LayerStep
@@ -116,18 +130,12 @@ def capture_layer_step(model: Any, run: Any, ids: Any) -> tuple[Any, tuple]:
         captured["step"], captured["args"] = self, args
         raise StopAtLayerStep
 
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
     attach(model, run)
     run.reset_stats()  # a new sequence (the run may have captured another)
     LayerStep.__call__ = capture
     try:
-        with torch.no_grad():
-            mask = torch.ones_like(ids)
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            with contextlib.suppress(StopAtLayerStep):
-                model(input_ids=token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1),
-                      past_key_values=cache, use_cache=True)
+        with torch.no_grad(), contextlib.suppress(StopAtLayerStep):
+            model(**prefill_static(model, ids))
     finally:
         LayerStep.__call__ = original
         run.remove()
@@ -176,21 +184,14 @@ def trace_layer_step(step: Any, *arg_sets: tuple) -> dict[str, Any]:
         writes = [list(node.kwargs["tensors_to_clone"]) for node in launches]
         with V.set_fake_mode(detect_fake_mode(inputs)):
             reinplace_inplaceable_ops(_fake_tensor_updater(FakeTensorUpdater, graph), graph.graph)
-        found: dict[str, Any] = {"launches": [], "ops": collections.Counter(), "constants": 0}
+        found: dict[str, Any] = {"launches": [], "ops": dict(_kernel_ops(graph, skip=launches)),
+                                 # a tensor made in the step from host data (a copy to the device per call)
+                                 "constants": sum(node.op == "get_attr" for node in graph.graph.nodes)}
         for node, written in zip(launches, writes, strict=True):
             kernel = triton_kernel_wrap.kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
             found["launches"].append({"kernel": kernel.fn.__name__, "writes": written,
                                       "copies": list(node.kwargs["tensors_to_clone"])})
-        for node in graph.graph.nodes:
-            if node.op == "get_attr":  # a tensor made in the step from host data (a copy to the device per call)
-                found["constants"] += 1
-            if node.op != "call_function" or node in launches or node.target is operator.getitem \
-                    or isinstance(node.meta.get("val"), (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
-                continue  # (above: sizes, host arithmetic, no kernel)
-            name = str(getattr(node.target, "overloadpacket", node.target))
-            if name not in NO_KERNEL and not _is_view(node.target):
-                found["ops"][name] += 1
-        report["graphs"].append({**found, "ops": dict(found["ops"])})
+        report["graphs"].append(found)
         return graph
 
     class Fallbacks(logging.Handler):
@@ -232,43 +233,31 @@ def trace_decode_forward(model: Any, run: Any | None, ids: Any) -> dict[str, Any
     traced into the model's graph itself (none expected)."""
     import torch
     from torch._dynamo.backends.common import aot_autograd
-    from transformers import StaticCache
 
     from qada.models import attach
 
     found: dict[str, Any] = {}
 
     def record(graph: torch.fx.GraphModule, inputs: list) -> Any:
-        ops: collections.Counter = collections.Counter()
-        for node in graph.graph.nodes:
-            if node.op != "call_function" or node.target is operator.getitem \
-                    or isinstance(node.meta.get("val"), (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
-                continue
-            name = str(getattr(node.target, "overloadpacket", node.target))
-            if name not in NO_KERNEL and not _is_view(node.target):
-                ops[name] += 1
+        ops = _kernel_ops(graph)
         launches = sum(n for name, n in ops.items() if "triton_kernel_wrapper" in name)
         found.update(ops=dict(ops), total=sum(ops.values()), qada_steps=ops.get("qada.decode_buffer", 0),
                      launches=launches)
         raise StopAfterTrace
 
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
     if run is not None:
         attach(model, run)
         run.reset_stats()
     try:
-        with torch.no_grad():
-            mask = torch.ones_like(ids)
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                                    backend=aot_autograd(fw_compiler=record, keep_inference_input_mutations=True))
-            error = None
-            try:  # (the compiler's exception arrives wrapped by dynamo)
-                forward(input_ids=token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1),
-                        past_key_values=cache, use_cache=True)
-            except Exception as caught:  # noqa: BLE001 - re-raised below unless it is the trace's own stop
-                error = caught
+        step = prefill_static(model, ids)
+        forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                                backend=aot_autograd(fw_compiler=record, keep_inference_input_mutations=True))
+        error = None
+        try:  # (the compiler's exception arrives wrapped by dynamo)
+            with torch.no_grad():
+                forward(**step)
+        except Exception as caught:  # noqa: BLE001 - re-raised below unless it is the trace's own stop
+            error = caught
     finally:
         if run is not None:
             run.remove()
@@ -276,6 +265,22 @@ def trace_decode_forward(model: Any, run: Any | None, ids: Any) -> dict[str, Any
     if "total" not in found:
         raise RuntimeError("the decode step's graph was never traced") from error
     return found
+
+
+def _kernel_ops(graph: Any, skip: Any = ()) -> collections.Counter:
+    """``{operation name: count}`` of ``graph``'s (an FX graph module's) calls that are not in ``skip``, not a view
+    or an allocation (:data:`NO_KERNEL`), and not host arithmetic on sizes or a tuple item: what may launch work."""
+    import torch
+
+    ops: collections.Counter = collections.Counter()
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or node in skip or node.target is operator.getitem \
+                or isinstance(node.meta.get("val"), (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            continue
+        name = str(getattr(node.target, "overloadpacket", node.target))
+        if name not in NO_KERNEL and not _is_view(node.target):
+            ops[name] += 1
+    return ops
 
 
 def _is_view(target: Any) -> bool:

@@ -93,7 +93,7 @@ def pretend_cuda_triton() -> None:
     torch.utils._triton.has_triton = lambda: True
     triton.runtime.driver.set_active(Sm90Driver())
     for module in (fused, triton_decode):
-        module.check_triton_runtime = lambda device: None
+        module.check_triton_runtime = lambda *args: None
 
 
 class StopAtLayerStep(Exception):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qada.attention._triton_kernel import attend_split, block_list, row_range
+from qada.attention._triton_kernel import attend_split, block_list, key_scores, row_range
 
 
 @triton.jit
@@ -21,11 +21,13 @@ def cap(s, softcap):
 def window_log_mass(
     q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk, scale, softcap,
     D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """``(log A_window [BLOCK_G], bad [BLOCK_G])``: the natural-log mass ``logsumexp_i s_i`` of the float32 queries
-    ``q [BLOCK_G, BLOCK_D]`` over the row's window (``[first, last)`` minus the bulk ``[bulk_lo, bulk_hi)``), with
-    ``s_i = scale q·k_i`` soft-capped under ``SOFTCAP``, and whether some window score is NaN or ``+inf`` (the
-    eager logsumexp is then not finite: the fail-safe). Reads the window's blocks once each, in float32."""
+    """``(log A_window [BLOCK_G], bad [BLOCK_G])``: the natural-log mass ``logsumexp_i s_i`` of the queries
+    ``q [BLOCK_G, BLOCK_D]`` (the cache's dtype, float32 under ``DOT_FP32``) over the row's window (``[first,
+    last)`` minus the bulk ``[bulk_lo, bulk_hi)``), with ``s_i = scale q·k_i`` (:func:`key_scores`, float32)
+    soft-capped under ``SOFTCAP``, and whether some window score is NaN or ``+inf`` (the eager logsumexp is then not
+    finite: the fail-safe). Reads the window's blocks once each."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -38,8 +40,8 @@ def window_log_mass(
         offs = blk * BLOCK_N + offs_n
         ok = (offs >= first) & (offs < last) & ((offs < bulk_lo) | (offs >= bulk_hi))
         k = tl.load(k_base + offs[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
-                    mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        s = key_scores(q, k, INPUT_PRECISION, DOT_FP32) * scale
         if SOFTCAP:
             s = cap(s, softcap)
         broken = (s != s) | (s == float("inf"))  # NaN or +inf: the eager logsumexp is not finite (-inf is 0)
@@ -57,12 +59,13 @@ def window_log_mass(
 def window_log_local(
     q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk, scale, softcap, SINKS, heads, g_ok,
     D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """``(log A_local [BLOCK_G], bad [BLOCK_G])``: :func:`window_log_mass`, ``logaddexp``-ed with the heads' sink
     logits ``SINKS[heads]`` under ``HAS_SINKS``."""
     log_local, bad = window_log_mass(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
-                                     scale, softcap, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP)  # fmt: skip
+                                     scale, softcap, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, INPUT_PRECISION,
+                                     DOT_FP32)  # fmt: skip
     if HAS_SINKS:
         sink = tl.load(SINKS + heads, mask=g_ok, other=0.0).to(tl.float32)
         log_local = logaddexp(log_local, sink)
@@ -212,11 +215,13 @@ def qada_fused_split_kernel(
 
     q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     qf = q.to(tl.float32)
+    if DOT_FP32:
+        q = qf
 
     # --- log A_local: the window's exact mass (and the sink logit) ---------------------------------------------
-    log_local, bad = window_log_local(qf, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
+    log_local, bad = window_log_local(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
                                       scale, softcap, SINKS, heads, g_ok, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP,
-                                      HAS_SINKS)  # fmt: skip
+                                      HAS_SINKS, INPUT_PRECISION, DOT_FP32)  # fmt: skip
 
     # --- eqs. 5-7: the lognormal estimate of log A_bulk from the KV head's moments ---------------------------
     log_mean_exp = bulk_log_mean_exp(
@@ -236,8 +241,6 @@ def qada_fused_split_kernel(
 
     # --- the attention over this split's share of the virtual block list (not in a decision-only launch) -------
     if ATTEND:
-        if DOT_FP32:
-            q = qf
         attend_split(q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
                      first, last, bulk_lo, bulk_hi, has_bulk, read, dense, ACC, M, L, COUNTS, pair, split, num_splits,
                      qk_scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32,

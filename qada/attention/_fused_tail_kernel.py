@@ -42,7 +42,7 @@ from qada.attention._fused_kernel import (
     threshold_decision,
     window_log_local,
 )
-from qada.attention._triton_kernel import attend_split, row_range
+from qada.attention._triton_kernel import attend_split, key_scores, row_range
 
 
 @triton.jit
@@ -140,16 +140,18 @@ def store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, ce
 
 @triton.jit
 def page_top(qf, halves_base, stride_fp, stride_fx, p_begin, p_end, new_page, centre_new, radius_new, scale,
-             D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+             G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
              TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """Each query head's ``TOP`` pages of ``[p_begin, p_end)`` by bound ``scale [q, |q|]·halves`` (the step key's
-    page with its new halves from registers): ``(vals, ids, oks [BLOCK_G, BLOCK_M])``, by tiles of ``BLOCK_P``."""
+    page with its new halves from registers): ``(vals, ids, oks [BLOCK_G, BLOCK_M])``, by tiles of ``BLOCK_P``.
+    The bounds are float32 sums, one query head at a time (not a float32 ``ieee`` dot: that holds whole rows of
+    both tiles per thread, hundreds of registers on a GPU)."""
+    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     vals = tl.full([BLOCK_G, BLOCK_M], float("-inf"), dtype=tl.float32)
     ids = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
     oks = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
-    qa = tl.abs(qf)
     for p0 in range(p_begin, p_end, BLOCK_P):
         pages = p0 + tl.arange(0, BLOCK_P)
         p_ok = pages < p_end
@@ -160,8 +162,13 @@ def page_top(qf, halves_base, stride_fp, stride_fx, p_begin, p_end, new_page, ce
         is_new = (pages == new_page)[:, None]  # the step key's page: its new halves, from registers
         centre = tl.where(is_new, centre_new[None, :], centre)
         radius = tl.where(is_new, radius_new[None, :], radius)
-        bound = (tl.dot(qf, tl.trans(centre), input_precision="ieee")
-                 + tl.dot(qa, tl.trans(radius), input_precision="ieee")) * scale  # [BLOCK_G, BLOCK_P]
+        bound = tl.zeros([BLOCK_G, BLOCK_P], dtype=tl.float32)
+        for g in tl.static_range(G):
+            is_g = offs_g == g
+            q_g = tl.sum(tl.where(is_g[:, None], qf, 0.0), axis=0)  # [BLOCK_D]
+            bound_g = tl.sum(centre * q_g[None, :], axis=1) + tl.sum(radius * tl.abs(q_g)[None, :], axis=1)
+            bound = tl.where(is_g[:, None], bound_g[None, :], bound)
+        bound = bound * scale  # [BLOCK_G, BLOCK_P]
         rank = tl.where(p_ok[None, :], tl.where(bound != bound, float("inf"), bound), float("-inf"))
         page_ok = tl.where(p_ok[None, :] & (tl.abs(bound) < float("inf")), 1, 0)
         vals, ids, oks = merge_top(vals, ids, oks, rank, pages[None, :], page_ok, TOP, BLOCK_P, BLOCK_M)
@@ -213,8 +220,8 @@ def qada_tail_page_top_kernel(
     p_begin = tl.minimum(p_lo + stretch * pages_per_program, p_hi)
     p_end = tl.minimum(p_begin + pages_per_program, p_hi)
     vals, ids, oks = page_top(q.to(tl.float32), HALVES + row64 * stride_fb + kv64 * stride_fh, stride_fp, stride_fx,
-                              p_begin, p_end, new_page, centre_new, radius_new, scale, D, BLOCK_G, BLOCK_D, BLOCK_P,
-                              TOP, BLOCK_M)  # fmt: skip
+                              p_begin, p_end, new_page, centre_new, radius_new, scale, G, D, BLOCK_G, BLOCK_D,
+                              BLOCK_P, TOP, BLOCK_M)  # fmt: skip
     at = ((pair.to(tl.int64) * tl.num_programs(1) + stretch) * BLOCK_G + offs_g[:, None]) * BLOCK_M \
         + tl.arange(0, BLOCK_M)[None, :]
     tl.store(CAND_VALS + at, vals)
@@ -282,11 +289,13 @@ def qada_tail_fused_split_kernel(
 
     q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     qf = q.to(tl.float32)
+    if DOT_FP32:
+        q = qf
 
     # --- log A_local: the window's exact mass (and the sink logit) ---------------------------------------------
-    log_local, bad = window_log_local(qf, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
+    log_local, bad = window_log_local(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
                                       scale, softcap, SINKS, heads, g_ok, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP,
-                                      HAS_SINKS)  # fmt: skip
+                                      HAS_SINKS, INPUT_PRECISION, DOT_FP32)  # fmt: skip
 
     # --- the step's key joins its page (append_step_key) ------------------------------------------------------
     new_page, low, high, centre_new, radius_new = step_key_page(
@@ -307,8 +316,8 @@ def qada_tail_fused_split_kernel(
         h_valid = tl.load(HEAVY_VALID + heavy_base + offs_h * stride_hk, mask=h_ok, other=0) != 0
         h_valid = h_ok & h_valid & (h_slot >= bulk_lo) & (h_slot < bulk_hi)
         k = tl.load(k_base + h_slot[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
-                    mask=h_valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        s = tl.dot(qf, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_H]
+                    mask=h_valid[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        s = key_scores(q, k, INPUT_PRECISION, DOT_FP32) * scale  # [BLOCK_G, BLOCK_H]
         if SOFTCAP:
             s = cap(s, softcap)
         valid = g_ok[:, None] & h_valid[None, :]
@@ -327,7 +336,7 @@ def qada_tail_fused_split_kernel(
     else:
         p_lo, p_hi = page_range(bulk_lo, bulk_hi, has_bulk, PAGE)
         vals, ids, oks = page_top(qf, halves_base, stride_fp, stride_fx, p_lo, p_hi, new_page, centre_new,
-                                  radius_new, scale, D, BLOCK_G, BLOCK_D, BLOCK_P, TOP, BLOCK_M)  # fmt: skip
+                                  radius_new, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P, TOP, BLOCK_M)  # fmt: skip
 
     # --- the top pages' tokens: in the bulk, not heavy (one query head and page at a time: [BLOCK_S, BLOCK_D]) --
     offs_s = tl.arange(0, BLOCK_S)
@@ -385,8 +394,6 @@ def qada_tail_fused_split_kernel(
 
     # --- the attention over this split's share of the virtual block list (not in a decision-only launch) -------
     if ATTEND:
-        if DOT_FP32:
-            q = qf
         attend_split(q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
                      first, last, bulk_lo, bulk_hi, has_bulk, read, dense, ACC, M, L, COUNTS, pair, split, num_splits,
                      qk_scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32,

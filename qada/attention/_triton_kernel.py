@@ -79,6 +79,19 @@ def block_list(first, last, bulk_lo, bulk_hi, whole, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def key_scores(q, k, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``q k^T [BLOCK_G, BLOCK_N]`` in float32, unscaled, of the queries ``q [BLOCK_G, BLOCK_D]`` and a tile of keys
+    ``k [BLOCK_N, BLOCK_D]`` as loaded from the cache. 16-bit inputs go to the tensor cores: their products are
+    exact in float32, and the sums are float32 (the same scores as upcasting first, up to the order of the sum, in
+    a fraction of the registers: a float32 ``ieee`` dot keeps whole rows of both tiles per thread). Float32 inputs
+    take ``INPUT_PRECISION`` (``"ieee"``: exact float32). ``DOT_FP32`` (the interpreter's bfloat16 ``tl.dot`` is
+    wrong) upcasts the keys; the queries then arrive in float32."""
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    return tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION).to(tl.float32)
+
+
+@triton.jit
 def attend_blocks(
     q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
     first, last, bulk_lo, bulk_hi, has_bulk, read, dense, a_lo, n_a, b_lo, v_begin, v_end, qk_scale, softcap,
@@ -110,9 +123,7 @@ def attend_blocks(
         kv_mask = load_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + offs[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)  # fmt: skip
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        s = (tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale).to(tl.float32)
+        s = (key_scores(q, k, INPUT_PRECISION, DOT_FP32) * qk_scale).to(tl.float32)
         if SOFTCAP:  # c tanh(s / c) = c (1 - 2 / (exp(2 s / c) + 1)), in the log2 domain
             capped = softcap * (1.0 - 2.0 / (tl.math.exp2(2.0 * s / softcap * 1.4426950408889634) + 1.0))
             s = (capped * 1.4426950408889634).to(tl.float32)  # (a float64 cap must not make the loop float64)

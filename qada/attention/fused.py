@@ -232,16 +232,9 @@ class FusedTritonExecutor(TritonExecutor):
         the combine launch adds the statistics row to ``sums[layer]`` (:class:`~qada.attention.StepStatistics`).
         """
         query, key, value = step.query, step.keys, step.values
-        check_triton_runtime(query.device)
-        if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"expected float16, bfloat16 or float32 inputs for 'triton_fused' but got {query.dtype}")
+        check_triton_runtime(query.device, query.dtype, "triton_fused")
         from qada.attention import _fused_kernel, _triton_kernel
 
-        if query.device.type == "cpu" and not _triton_kernel.INTERPRETED:
-            raise RuntimeError(
-                "the 'triton_fused' executor got CPU tensors but its kernel was compiled for the GPU: set "
-                "TRITON_INTERPRET=1 before triton is first imported"
-            )
         mean, cov = step.bulk_moments
         b, H, d = query.shape
         H_kv, C = key.shape[1], key.shape[2]

@@ -30,17 +30,27 @@ __all__ = ["StepStatistics", "TritonExecutor", "TritonLaunch", "check_triton_run
 _LOG2E = 1.4426950408889634  # the kernel works in base 2: exp(x) = exp2(x * log2(e))
 
 
-def check_triton_runtime(device: torch.device) -> None:
-    """Raise unless the ``triton`` executor can run on ``device`` (CUDA, or CPU under the interpreter)."""
+def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None, executor: str = "triton") -> None:
+    """Raise unless ``executor`` (``triton`` or ``triton_fused``) can run on ``device`` (CUDA, or CPU under the
+    interpreter, set before Triton was imported) with inputs of ``dtype`` (float16, bfloat16 or float32)."""
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if device.type != "cuda" and not (device.type == "cpu" and interpret):
         raise RuntimeError(
-            f"the 'triton' executor needs a CUDA device, or Triton's interpreter for CPU tensors (set "
+            f"the '{executor}' executor needs a CUDA device, or Triton's interpreter for CPU tensors (set "
             f"TRITON_INTERPRET=1 before triton is imported) but got tensors on {device} with "
             f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}; choose another executor (e.g. 'sdpa')"
         )
     if importlib.util.find_spec("triton") is None:
-        raise ImportError("the 'triton' executor needs triton installed: pip install 'qada[triton]'")
+        raise ImportError(f"the '{executor}' executor needs triton installed: pip install 'qada[triton]'")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"expected float16, bfloat16 or float32 inputs for '{executor}' but got {dtype}")
+    from qada.attention import _triton_kernel
+
+    if device.type == "cpu" and not _triton_kernel.INTERPRETED:
+        raise RuntimeError(
+            f"the '{executor}' executor got CPU tensors but its kernel was compiled for the GPU: set "
+            "TRITON_INTERPRET=1 before triton is first imported"
+        )
 
 
 def _num_sms(device: torch.device) -> int:
@@ -108,16 +118,9 @@ class TritonExecutor(AttentionExecutor):
         ``decision.local``) and return every buffer they wrote (:class:`TritonLaunch`); with ``statistics``, the
         combine launch writes the step's statistics row too (:func:`combine`)."""
         query, key, value = step.query, step.keys, step.values  # [b, H, d], [b, H_kv, C, d] twice
-        check_triton_runtime(query.device)
-        if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"expected float16, bfloat16 or float32 inputs for 'triton' but got {query.dtype}")
+        check_triton_runtime(query.device, query.dtype)
         from qada.attention import _triton_kernel
 
-        if query.device.type == "cpu" and not _triton_kernel.INTERPRETED:
-            raise RuntimeError(
-                "the 'triton' executor got CPU tensors but its kernel was compiled for the GPU: set "
-                "TRITON_INTERPRET=1 before triton is first imported"
-            )
         b, H, d = query.shape
         H_kv, C = key.shape[1], key.shape[2]
         G = H // H_kv

@@ -100,13 +100,14 @@ class StopAtLayerStep(Exception):
     """Raised by the capture once it holds a layer step's arguments."""
 
 
-def prefill_static(model: Any, ids: Any) -> dict[str, Any]:
-    """Prefill ``ids [1, T]`` into a new static cache (with whatever is attached to ``model``) and return the keyword
-    arguments of the first decode step (its greedy token, the mask, the cache)."""
+def prefill_static(model: Any, ids: Any, capacity: int | None = None) -> dict[str, Any]:
+    """Prefill ``ids [1, T]`` into a new static cache of ``capacity`` slots (default ``T + 4``; with whatever is
+    attached to ``model``) and return the keyword arguments of the first decode step (its greedy token, the mask,
+    the cache)."""
     import torch
     from transformers import StaticCache
 
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    cache = StaticCache(config=model.config, max_cache_len=capacity or ids.shape[1] + 4)
     with torch.no_grad():
         mask = torch.ones_like(ids)
         out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)

@@ -18,7 +18,10 @@ in units of 256; 64 warps; 32 programs; 228 KiB of shared memory, 1 KiB reserved
 
 The shapes: SmolLM2-135M (the embedded model, real weights: 9 query heads, 3 KV heads, d = 64) in bfloat16 (what the
 GPU suite times) and float32 (what the device parity test decodes), and one layer of Llama-3-8B (32 query heads, 8 KV
-heads, d = 128; random weights, current moments) in bfloat16. Writes ``<out>/kernel-resources-sm90.{json,md}``.
+heads, d = 128; random weights, current moments) in bfloat16. Writes
+``<out>/kernel-resources-sm90-triton<version>.{json,md}``: registers depend on the Triton version (and its ptxas), so
+run it with the version the GPU machine has too (``/tmp/qada-gpu-versions/bin/python``, built by
+``scripts/gpu-versions.sh``).
 
 It changes process-wide state (Triton's active driver, the executors' device check): run it as a process of its own,
 without ``TRITON_INTERPRET``.
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> Path:
                           r["stages"], r["registers"], f"{r['spill_stores']} / {r['spill_loads']}", r["shared"],
                           f"**{r['resident']}** ({r['by_registers']} / {r['by_shared']} / {r['by_warps']})",
                           ", ".join(c[1] for c in r["configs"] if c[0] == shape.name)] for r in chosen]), ""]
-    paths = write_results(args.out, "kernel-resources-sm90", results, "\n".join(lines))
+    paths = write_results(args.out, f"kernel-resources-sm90-triton{triton.__version__}", results, "\n".join(lines))
     print(paths[1].read_text())
     return paths[1]
 

@@ -393,7 +393,10 @@ def qada_tail_fused_split_kernel(
                             D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
 
     # --- the attention over this split's share of the virtual block list (not in a decision-only launch) -------
-    if ATTEND:
+    if ATTEND:  # the queries again (kept from the start, they would hold registers through the decision)
+        q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
         attend_split(q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
                      first, last, bulk_lo, bulk_hi, has_bulk, read, dense, ACC, M, L, COUNTS, pair, split, num_splits,
                      qk_scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32,

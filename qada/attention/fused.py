@@ -127,14 +127,20 @@ class FusedTail(NamedTuple):
     def kernel_strides(self) -> tuple[int, ...]:
         return (*self.heavy.stride(), *self.member.stride(), *self.kmin.stride(), *self.halves.stride())
 
-    def kernel_constants(self) -> dict[str, int]:
-        return dict(BLOCK_H=max(16, min(64, _next_pow2(self.heavy.shape[2]))), BLOCK_P=_PAGE_TILE,
+    def kernel_constants(self, head_dim: int) -> dict[str, int]:
+        """The kernels' block sizes for queries and keys of ``head_dim`` features."""
+        return dict(BLOCK_H=max(16, min(64, _next_pow2(self.heavy.shape[2]))),
+                    BLOCK_P=max(8, _PAGE_TILE_FEATURES // max(16, _next_pow2(head_dim))),
                     PAGE=self.page_size, BLOCK_S=max(2, _next_pow2(self.page_size)), TOP=self.pages,
                     BLOCK_M=max(2, _next_pow2(self.pages)))
 
 
-_PAGE_TILE = 32
-"""Pages bounded per tile by the ``qada_tail`` kernel (each tile merged into the running top pages)."""
+_PAGE_TILE_FEATURES = 1024
+"""Page bounds per tile of the ``qada_tail`` kernels, times the padded head dimension: 16 pages of 64 features, 8 of
+128 (each tile is merged into the running top pages). A tile of a float32 half of ``[pages, d]`` costs ``pages d /
+threads`` registers per thread; compiled for sm_90 (``benchmarks/kernel_resources.py``), 32 pages of 128 features
+left the page-top kernel at 168 registers and the split kernel that bounds its own pages at 198 (two programs per
+SM), 8 pages at 91 and 168."""
 
 
 class FusedBudget(NamedTuple):
@@ -290,7 +296,7 @@ class FusedTritonExecutor(TritonExecutor):
             n_exact = torch.empty(b, H, dtype=torch.int32, device=device)
             n_pages = tail.kmin.shape[2]
             stretches = -(-n_pages // self.pages_per_program) if apart else 1  # the page bounds spread out
-            tail_inputs, constants = tail.kernel_inputs(b, H_kv, C, d), tail.kernel_constants()
+            tail_inputs, constants = tail.kernel_inputs(b, H_kv, C, d), tail.kernel_constants(d)
             candidates = (m, m, m)
             if stretches > 1:
                 candidates = self._page_tops(step, tail_inputs, constants, pairs, stretches, common)

@@ -1,0 +1,92 @@
+"""What qada's Triton kernels ask of a Hopper GPU, checked on the CPU (``benchmarks/kernel_resources.py``): every
+kernel a decode step launches, compiled for sm_90 with the step's own arguments, spills at most a few words per thread
+and leaves room for three programs per SM (the split heuristic plans about two per SM, plus a partial wave).
+
+Before this check the fused split kernels at Llama-3-8B head shapes spilled over 11 KB per thread (a float32 ``ieee``
+dot of the queries and a whole key tile holds both operands' rows in registers); a kernel that spills in its loops
+cannot read the cache at bandwidth."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MAX_SPILL_BYTES = 64
+MIN_PROGRAMS_PER_SM = 3
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [{root!r}]
+    import torch, transformers
+    from benchmarks.compile_trace import pretend_cuda_triton
+    from benchmarks.kernel_resources import Sm90Compiler, compile_steps
+    pretend_cuda_triton()
+    from qada.attention import _triton_kernel
+
+    compiler = Sm90Compiler()
+    _triton_kernel.run = compiler
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(5))
+    for heads, kv_heads, head_dim in ((9, 3, 64), (32, 8, 128)):  # SmolLM2's and Llama-3-8B's attention
+        config = transformers.LlamaConfig(hidden_size=heads * 32, num_hidden_layers=1, num_attention_heads=heads,
+                                          num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=256,
+                                          vocab_size=128, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        for capacity in (256, 4160):  # one page range per split, and the page bounds spread (> 256 pages)
+            compile_steps(compiler, f"d={{head_dim}} G={{heads // kv_heads}} C={{capacity}}", model, None, ids,
+                          "current", capacity)
+    print("RESULT", json.dumps(list(compiler.kernels.values())))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["QADA_COMPILE"] = "0"
+    done = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT))], capture_output=True, text=True,
+                          env=env, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.slow
+def test_every_kernel_of_a_decode_step_was_compiled(kernels):
+    names = {k["kernel"] for k in kernels}
+    assert names >= {"qada_decode_split_kernel", "qada_decode_combine_kernel", "current_moment_step_kernel",
+                     "qada_fused_split_kernel", "qada_tail_fused_split_kernel", "qada_tail_page_top_kernel",
+                     "qada_budget_decision_kernel"}  # fmt: skip
+    spread = [k for k in kernels if k["kernel"] == "qada_tail_fused_split_kernel" and k["flags"].get("CANDIDATES")]
+    assert spread, "no step at the longer cache merged spread page bounds"
+    assert all(k["registers"] > 0 for k in kernels)
+
+
+@pytest.mark.slow
+def test_no_kernel_spills_or_crowds_out_its_neighbours(kernels):
+    bad = [(k["kernel"], k["flags"], k["configs"][0], k["registers"], k["spill_stores"], k["resident"])
+           for k in kernels
+           if k["spill_stores"] > MAX_SPILL_BYTES or k["resident"] < MIN_PROGRAMS_PER_SM]  # fmt: skip
+    assert not bad, f"kernels that spill or fit fewer than {MIN_PROGRAMS_PER_SM} programs per SM: {bad}"
+
+
+def test_programs_per_sm_follow_the_sm90_limits():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.kernel_resources import programs_per_sm
+
+    assert programs_per_sm(255, 4, 0)["by_registers"] == 2  # 256 x 32 x 4 = 32768 registers per program
+    assert programs_per_sm(128, 4, 0)["resident"] == 4
+    assert programs_per_sm(72, 4, 20480)["resident"] == 7  # 72 -> 2304 per warp, 7 programs of 4 warps
+    assert programs_per_sm(32, 4, 40960)["by_shared"] == 5  # 228 KiB / (40 KiB + 1 KiB)
+    assert programs_per_sm(16, 1, 0)["resident"] == 32  # at most 32 programs

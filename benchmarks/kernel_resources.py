@@ -81,6 +81,18 @@ SHAPES = (Shape("SmolLM2-135M bf16 7.68k", "smollm2", "bfloat16", 7680 + 64),
           Shape("Llama-3-8B layer bf16 128k", "llama3-8b-layer", "bfloat16", 131072 + 64))  # fmt: skip
 
 
+H100_SMS = 132
+"""SMs of an H100 SXM (an H200 has as many): the executors' split count is planned from it."""
+
+
+def use_sm_count(sms: int) -> None:
+    """Make the ``triton`` executors plan their splits for a GPU of ``sms`` SMs (they take 1 for CPU tensors): a
+    split count of 1 would be compiled as a constant, not as the GPU compiles it. Process-wide."""
+    from qada.attention import triton_decode
+
+    triton_decode._num_sms = lambda device: sms
+
+
 def programs_per_sm(registers: int, warps: int, shared: int) -> dict[str, int]:
     """How many programs of a kernel with ``registers`` per thread, ``warps`` warps and ``shared`` bytes of shared
     memory fit on one sm_90 SM, by each limit and in all (``resident``)."""
@@ -108,6 +120,13 @@ def ptxas_report(ptx: str) -> dict[str, int]:
         raise RuntimeError(f"could not read ptxas's report:\n{log}")
     return {"registers": int(registers.group(1)), "stack": int(spills.group(1)),
             "spill_stores": int(spills.group(2)), "spill_loads": int(spills.group(3))}
+
+
+def async_copies(ptx: str) -> int:
+    """The asynchronous global-to-shared copies (``cp.async.ca`` / ``.cg``) in ``ptx``: how Triton's software
+    pipelining issues a loop's next loads while the current block is computed (a loop it does not pipeline loads
+    into registers with ``ld.global`` and waits for them)."""
+    return len(re.findall(r"\bcp\.async\.c[ag]\.", ptx))
 
 
 class Sm90Compiler:
@@ -140,6 +159,7 @@ class Sm90Compiler:
         compiled = compile(ASTSource(kernel, signature, constexprs, attrs), target=self.target,
                            options=options.__dict__)
         report = ptxas_report(compiled.asm["ptx"])
+        report["async_copies"] = async_copies(compiled.asm["ptx"])
         shared = int(compiled.metadata.shared)
         flags = {name: kwargs[name] for name in ("ATTEND", "SCORE", "CANDIDATES", "SOFTCAP") if name in kwargs}
         self.kernels[key] = {"kernel": kernel.fn.__name__, "configs": [self.config], "flags": flags,
@@ -207,6 +227,7 @@ def main(argv: list[str] | None = None) -> Path:
     from qada.attention import _triton_kernel
 
     pretend_cuda_triton()
+    use_sm_count(H100_SMS)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     compiler = Sm90Compiler()
     _triton_kernel.run = compiler
@@ -223,17 +244,21 @@ def main(argv: list[str] | None = None) -> Path:
              f"Command: `{command}`; torch {torch.__version__}, triton {triton.__version__} and its ptxas. Each row "
              "is one distinct compiled kernel (kernel, argument types and specialisations, constants, warps, "
              "stages) that one decode step of the listed configurations launches. *spilled*: bytes of spill "
-             "stores / loads per thread (local-memory traffic); *per SM*: programs of the kernel resident on one "
-             "SM, the least of the limits by registers, shared memory and warps (and 32).", ""]
+             "stores / loads per thread (local-memory traffic); *async copies*: `cp.async` instructions in the PTX "
+             "(a software-pipelined loop loads its next blocks with them while it computes; the splits' attention "
+             "loops should have as many as the plain `qada_decode_split_kernel`'s); *per SM*: programs of the "
+             "kernel resident on one SM, the least of the limits by registers, shared memory and warps (and 32).",
+             ""]
     for shape in SHAPES:
         chosen = [r for r in rows if any(c[0] == shape.name for c in r["configs"])]
         if not chosen:
             continue
         lines += [f"## {shape.name} ({shape.capacity:,} cache slots)", "",
                   table(["kernel", "flags", "warps", "stages", "registers", "spilled (B)", "shared (B)",
-                         "per SM (regs / smem / warps)", "configurations"],
+                         "async copies", "per SM (regs / smem / warps)", "configurations"],
                         [[r["kernel"], ", ".join(f"{k}={int(v)}" for k, v in r["flags"].items()) or "-", r["warps"],
                           r["stages"], r["registers"], f"{r['spill_stores']} / {r['spill_loads']}", r["shared"],
+                          r["async_copies"],
                           f"**{r['resident']}** ({r['by_registers']} / {r['by_shared']} / {r['by_warps']})",
                           ", ".join(c[1] for c in r["configs"] if c[0] == shape.name)] for r in chosen]), ""]
     paths = write_results(args.out, f"kernel-resources-sm90-triton{triton.__version__}", results, "\n".join(lines))

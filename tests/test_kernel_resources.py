@@ -30,8 +30,9 @@ SCRIPT = textwrap.dedent(
     sys.path[:0] = [{root!r}]
     import torch, transformers
     from benchmarks.compile_trace import pretend_cuda_triton
-    from benchmarks.kernel_resources import Sm90Compiler, compile_steps
+    from benchmarks.kernel_resources import H100_SMS, Sm90Compiler, compile_steps, use_sm_count
     pretend_cuda_triton()
+    use_sm_count(H100_SMS)  # the splits an H100 gets
     from qada.attention import _triton_kernel
 
     compiler = Sm90Compiler()
@@ -79,6 +80,19 @@ def test_no_kernel_spills_or_crowds_out_its_neighbours(kernels):
            for k in kernels
            if k["spill_stores"] > MAX_SPILL_BYTES or k["resident"] < MIN_PROGRAMS_PER_SM]  # fmt: skip
     assert not bad, f"kernels that spill or fit fewer than {MIN_PROGRAMS_PER_SM} programs per SM: {bad}"
+
+
+@pytest.mark.slow
+def test_the_attention_inside_the_fused_kernels_is_pipelined_as_the_plain_split(kernels):
+    """A split that attends issues its next blocks' loads asynchronously (``cp.async``) while it computes, as the
+    plain ``triton`` split does; before, the decision made in the fused kernels left their attention loop
+    unpipelined (bounds derived from the window loop's result)."""
+    plain = {k["configs"][0][0]: k["async_copies"] for k in kernels if k["kernel"] == "qada_decode_split_kernel"}
+    attending = [k for k in kernels if k["kernel"].endswith("fused_split_kernel") and k["flags"].get("ATTEND")]
+    assert attending and all(n > 0 for n in plain.values())
+    for k in attending:
+        label = k["configs"][0][0]
+        assert k["async_copies"] >= plain[label], (k["kernel"], k["flags"], label, k["async_copies"], plain[label])
 
 
 def test_programs_per_sm_follow_the_sm90_limits():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qada.attention._triton_kernel import attend_split, block_list, key_scores, row_range
+from qada.attention._triton_kernel import attend_split, block_list, key_scores, row_range, through_memory
 
 
 @triton.jit
@@ -244,6 +244,7 @@ def qada_fused_split_kernel(
         q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
+        read = through_memory(COUNTS, pair, split, num_splits, read)  # (pipelined bounds)
         attend_split(q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
                      first, last, bulk_lo, bulk_hi, has_bulk, read, dense, ACC, M, L, COUNTS, pair, split, num_splits,
                      qk_scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32,

@@ -164,6 +164,20 @@ def store_split(ACC, M, L, COUNTS, pair, split, num_splits, acc, m_i, l_i, n_bul
 
 
 @triton.jit
+def through_memory(COUNTS, pair, split, num_splits, flag):
+    """``flag`` (0-d bool) as loaded back from memory: stored in this program's second ``COUNTS`` slot (which
+    :func:`store_split` overwrites at the end), then loaded after a barrier. A decision made in the kernel decides
+    the attention loop's bounds (a group that reads its bulk loops over more blocks); Triton (3.6 to 3.9) does not
+    software-pipeline a loop whose bounds derive from another loop's results (the window's scores), so the fused
+    kernels' attention would wait for each block's loads. Bounds from a load it pipelines, as in
+    :func:`qada_decode_split_kernel` (``benchmarks/kernel_resources.py`` counts the asynchronous copies)."""
+    slot = COUNTS + (pair.to(tl.int64) * num_splits + split) * 2 + 1
+    tl.store(slot, flag.to(tl.int32))
+    tl.debug_barrier()
+    return tl.load(slot) != 0
+
+
+@triton.jit
 def attend_split(
     q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, first, last, bulk_lo, bulk_hi, has_bulk, read,
     dense, ACC, M, L, COUNTS, pair, split, num_splits, qk_scale, softcap,

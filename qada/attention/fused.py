@@ -138,9 +138,9 @@ class FusedTail(NamedTuple):
 _PAGE_TILE_FEATURES = 1024
 """Page bounds per tile of the ``qada_tail`` kernels, times the padded head dimension: 16 pages of 64 features, 8 of
 128 (each tile is merged into the running top pages). A tile of a float32 half of ``[pages, d]`` costs ``pages d /
-threads`` registers per thread; compiled for sm_90 (``benchmarks/kernel_resources.py``), 32 pages of 128 features
-left the page-top kernel at 168 registers and the split kernel that bounds its own pages at 198 (two programs per
-SM), 8 pages at 91 and 168."""
+threads`` registers per thread. Compiled for sm_90 by Triton 3.9 (``benchmarks/kernel_resources.py``), 32 pages of
+128 features left the page-top kernel at 168 registers and the split kernel that bounds its own pages at 198 (two
+programs per SM); 8 pages, at 91 and 168."""
 
 
 class FusedBudget(NamedTuple):

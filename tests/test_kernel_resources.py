@@ -1,6 +1,7 @@
 """What qada's Triton kernels ask of a Hopper GPU, checked on the CPU (``benchmarks/kernel_resources.py``): every
 kernel a decode step launches, compiled for sm_90 with the step's own arguments, spills at most a few words per thread
-and leaves room for three programs per SM (the split heuristic plans about two per SM, plus a partial wave).
+and leaves room for three programs per SM (the split heuristic plans about two per SM, plus a partial wave), and the
+fused splits' attention loop is software-pipelined as the plain split's.
 
 Before this check the fused split kernels at Llama-3-8B head shapes spilled over 11 KB per thread (a float32 ``ieee``
 dot of the queries and a whole key tile holds both operands' rows in registers); a kernel that spills in its loops

@@ -140,14 +140,16 @@ class Sm90Compiler:
         self.target = GPUTarget("cuda", 90, 32)
         self.backend = make_backend(self.target)
         self.kernels: dict[tuple, dict[str, Any]] = {}
+        self.binders: dict[Any, Any] = {}  # kernel -> Triton's argument binder for the target (built once)
         self.config: tuple[str, str] = ("", "")  # (shape, configuration) of the launches to come
 
     def __call__(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         from triton.compiler import ASTSource, compile
         from triton.runtime.jit import create_function_from_signature
 
-        binder = create_function_from_signature(kernel.signature, kernel.params, self.backend)
-        bound, specialization, options = binder(*args, **kwargs)
+        if kernel not in self.binders:  # (every layer of every step launches the same few kernels)
+            self.binders[kernel] = create_function_from_signature(kernel.signature, kernel.params, self.backend)
+        bound, specialization, options = self.binders[kernel](*args, **kwargs)
         options, signature, constexprs, attrs = kernel._pack_args(self.backend, kwargs, bound, specialization,
                                                                   options)  # fmt: skip
         key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=repr)),

@@ -86,3 +86,83 @@ def test_a_corrupt_assembled_gemma_copy_is_removed_so_the_next_call_reassembles_
     with pytest.raises(ValueError, match="it was removed, so the next call reassembles it"):
         loading.model_directory("gemma3-270m")
     assert not target.exists()
+
+
+def test_an_embedded_models_cache_entry_is_named_by_its_checksum_not_by_the_install(monkeypatch, tmp_path):
+    """Every fresh virtual environment installs the package at a new path; they must share one ~0.5 GB entry."""
+    from qada.models.model_cache import entry_path
+
+    monkeypatch.setenv("QADA_CACHE_DIR", str(tmp_path / "cache"))
+    first, second = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(b"the same packaged bytes")
+    sha = "ab" * 32
+    assert entry_path(first, sha) == entry_path(second, sha) == tmp_path / "cache" / "models" / f"m-{'ab' * 8}"
+    assert entry_path(first) != entry_path(second)  # a user's file: by path, size and mtime
+
+
+def test_model_directory_uses_the_checksum_entry_of_an_embedded_model(monkeypatch, tmp_path):
+    import dataclasses
+
+    from qada.models import loading
+
+    monkeypatch.setenv("QADA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"packaged")
+    sha = loading.file_sha256(gguf)
+    fake = dataclasses.replace(loading.EMBEDDED_MODELS["gemma3-270m"], locate=lambda: gguf, sha256=sha)
+    monkeypatch.setitem(loading.EMBEDDED_MODELS, "gemma3-270m", fake)
+    written = []
+
+    def dequantise(source, target):
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        written.append(target)
+
+    monkeypatch.setattr(loading, "_dequantise_to_cache", dequantise)
+    directory = loading.model_directory("gemma3-270m")
+    assert directory == tmp_path / "cache" / "models" / f"model-{sha[:16]}" == written[0]
+    assert loading.model_directory("gemma3-270m") == directory and len(written) == 1  # the second load: cached
+
+
+def _entry(parent, name, source=None, complete=True, age_s=0.0):
+    import os
+    import time
+
+    from qada.models.model_cache import write_source_record
+
+    entry = parent / name
+    entry.mkdir(parents=True)
+    if complete:
+        (entry / "config.json").write_text("{}")
+    if source is not None:
+        write_source_record(entry, source)
+    stamp = time.time() - age_s
+    os.utime(entry, (stamp, stamp))
+    return entry
+
+
+def test_stale_cache_entries_are_the_ones_nothing_can_use(monkeypatch, tmp_path):
+    from qada.models.model_cache import STALE_AFTER_S, remove_stale_entries, stale_entries
+
+    monkeypatch.setenv("QADA_CACHE_DIR", str(tmp_path / "cache"))
+    models = tmp_path / "cache" / "models"
+    gguf = tmp_path / "here" / "m.gguf"
+    other = tmp_path / "elsewhere" / "m.gguf"
+    for path in (gguf, other):
+        path.parent.mkdir()
+        path.write_bytes(b"x")
+    keep = _entry(models, "m-keep", source=gguf)
+    gone = _entry(models, "m-gone", source=tmp_path / "deleted-venv" / "m.gguf")
+    changed = _entry(models, "m-changed", source=gguf)  # the same file before it changed
+    another = _entry(models, "m-another", source=other)  # another existing file: maybe another install's model
+    legacy_old = _entry(models, "m-legacy", age_s=STALE_AFTER_S + 60)
+    legacy_young = _entry(models, "m-young")  # may be another process's write in progress
+    torn = _entry(models, "m-torn.x1", source=gone, complete=False)  # a staging copy: judged by age only
+    unrelated = _entry(models, "n-gone", source=tmp_path / "deleted-venv" / "n.gguf")
+    assert stale_entries(gguf, keep) == sorted([gone, changed, legacy_old])
+    assert remove_stale_entries(gguf, keep) == sorted([gone, changed, legacy_old])
+    left = sorted(path.name for path in models.iterdir())
+    assert left == sorted(p.name for p in (keep, another, legacy_young, torn, unrelated))
+    assert stale_entries(gguf, keep) == []

@@ -305,7 +305,7 @@ def test_embedded_config_from_the_gguf_matches_the_loaded_model(monkeypatch, tmp
 
     model, _ = qada.load_model("gemma3-270m")
     loaded = model_card_of(model, name="gemma3-270m")
-    monkeypatch.setattr("qada.models.loading._gguf_cache_path", lambda gguf: tmp_path / "nothing")
+    monkeypatch.setattr("qada.models.model_cache.entry_path", lambda gguf, sha256=None: tmp_path / "nothing")
     card = model_card(embedded_config("gemma3-270m"), name="gemma3-270m")
     assert card == loaded
     assert (card.num_heads, card.num_kv_heads, card.head_dim, card.max_positions) == (4, 1, 256, 32768)

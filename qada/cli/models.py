@@ -102,10 +102,11 @@ def embedded_config(name: str) -> Any:
     else from the GGUF's metadata (transformers reads it in a few seconds)."""
     from transformers import AutoConfig
 
-    from qada.models.loading import EMBEDDED_MODELS, _gguf_cache_path
+    from qada.models.loading import EMBEDDED_MODELS
+    from qada.models.model_cache import entry_path
 
     gguf = EMBEDDED_MODELS[name].gguf_path()
-    cached = _gguf_cache_path(gguf)
+    cached = entry_path(gguf, EMBEDDED_MODELS[name].sha256)
     if (cached / "config.json").is_file():
         return AutoConfig.from_pretrained(cached)
     print(f"[qada] reading the config of {gguf.name} (a few seconds)", file=sys.stderr, flush=True)

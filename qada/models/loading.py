@@ -10,12 +10,13 @@ Two models are embedded, each a GGUF inside PyPI packages installed with ``--no-
 
 transformers dequantises a GGUF to float32 (~20 s); the file's sha256 is checked first and the result is cached as
 safetensors under ``$QADA_CACHE_DIR/models`` (default ``~/.cache/qada/models``), so later loads take about a
-second. Nothing is downloaded: every load is offline.
+second. An embedded model's entry is named by its checksum, so every install of the package shares it; writing an
+entry removes the ones it makes stale (:mod:`qada.models.model_cache`). Nothing is downloaded: every load is
+offline.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import os
@@ -30,6 +31,7 @@ import torch
 
 from qada.artifacts import file_sha256
 from qada.cache import cache_dir
+from qada.models.model_cache import entry_path, remove_stale_entries, write_source_record
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -144,14 +146,9 @@ def default_gguf_path() -> Path:
     return embedded_gguf_path(DEFAULT_MODEL)
 
 
-def _gguf_cache_path(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_dir() / "models" / f"{gguf.stem}-{key}"
-
-
 def _dequantise_to_cache(gguf: Path, target: Path) -> None:
-    """Load ``gguf`` with transformers (dequantised to float32) and save it as safetensors at ``target``."""
+    """Load ``gguf`` with transformers (dequantised to float32), save it as safetensors at ``target`` with a record
+    of its source, and remove the entries it makes stale (:func:`qada.models.model_cache.remove_stale_entries`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"[qada] dequantising {gguf.name} once (about 20 s); cached at {target}", flush=True)
@@ -165,11 +162,13 @@ def _dequantise_to_cache(gguf: Path, target: Path) -> None:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        write_source_record(staging, gguf)
         staging.rename(target)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
         if not target.is_dir():  # lost a race with another process that wrote it: fine; anything else: raise
             raise
+    remove_stale_entries(gguf, keep=target)
 
 
 def model_directory(path: str | os.PathLike | None) -> Path:
@@ -191,7 +190,7 @@ def model_directory(path: str | os.PathLike | None) -> Path:
         if given.suffix != ".gguf":
             raise ValueError(f"expected a model directory or a .gguf file but got {given}")
         gguf = given
-    cached = _gguf_cache_path(gguf)
+    cached = entry_path(gguf, None if embedded is None else embedded.sha256)
     if not (cached / "config.json").is_file():
         if embedded is not None:
             sha = file_sha256(gguf)

@@ -302,6 +302,13 @@ def qada_tail_fused_split_kernel(
         KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_eb, stride_eh, stride_ep, stride_ed,
         C, n_pages, D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
     halves_base = HALVES + row64 * stride_fb + kv64 * stride_fh
+    # The step key's page, as append_step_key leaves it, written first so that its extrema hold no registers
+    # through the rest of the decision. Any order is safe: every split takes the page's halves from registers, and
+    # a split reading the extrema after this write gets the same min / max again.
+    if split == 0:
+        store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, centre_new, radius_new, stride_eb,
+                            stride_eh, stride_ep, stride_ed, stride_fb, stride_fh, stride_fp, stride_fx, C, n_pages,
+                            D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
 
     # --- the exact set E: the heavy set ----------------------------------------------------------------------
     m_e = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -365,7 +372,8 @@ def qada_tail_fused_split_kernel(
 
     # --- eqs. 5-7 on the rest of the bulk: log Â_bulk = logaddexp(log A_E, log(T_bulk - |E|) + log E[exp(s)]) ----
     log_mean_exp = bulk_log_mean_exp(
-        qf, q_rows, stride_qd, MEAN + row64 * stride_mb + kv64 * stride_mh, stride_md,
+        qf, Q + row64 * stride_qb + (kv64 * G) * stride_qh, stride_qh, stride_qd,
+        MEAN + row64 * stride_mb + kv64 * stride_mh, stride_md,
         COV + row64 * stride_cb + kv64 * stride_ch, stride_ci, stride_cj, GH_X, GH_LOGW, scale, softcap, n_nodes,
         G, D, BLOCK_G, BLOCK_D, BLOCK_K, BLOCK_X, SOFTCAP,
     )  # fmt: skip
@@ -387,10 +395,6 @@ def qada_tail_fused_split_kernel(
                            read)  # fmt: skip
             tl.store(LOG_RATIO + out, log_local - logaddexp(log_local, log_bulk), mask=g_ok)
             tl.store(N_EXACT + out, n_exact, mask=g_ok)
-    if split == 0:  # the step key's page, as append_step_key leaves it
-        store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, centre_new, radius_new, stride_eb,
-                            stride_eh, stride_ep, stride_ed, stride_fb, stride_fh, stride_fp, stride_fx, C, n_pages,
-                            D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
 
     # --- the attention over this split's share of the virtual block list (not in a decision-only launch) -------
     if ATTEND:  # the queries again (kept from the start, they would hold registers through the decision)

@@ -1,6 +1,6 @@
 """What each Triton kernel qada launches asks of a Hopper GPU (sm_90: H100, H200), compiled on the CPU, no GPU needed.
 
-    python benchmarks/kernel_resources.py                 # SmolLM2 (bf16 and float32) and Llama-3-8B layer shapes
+    python benchmarks/kernel_resources.py                 # SmolLM2 (bf16, float32), Llama-3-8B and Gemma-2-9B layers
     python benchmarks/kernel_resources.py --out /tmp/res
 
 A decode kernel is bound by the bytes it moves, and it moves them at full speed only with enough programs resident on
@@ -18,7 +18,8 @@ in units of 256; 64 warps; 32 programs; 228 KiB of shared memory, 1 KiB reserved
 
 The shapes: SmolLM2-135M (the embedded model, real weights: 9 query heads, 3 KV heads, d = 64) in bfloat16 (what the
 GPU suite times) and float32 (what the device parity test decodes), and one layer of Llama-3-8B (32 query heads, 8 KV
-heads, d = 128; random weights, current moments) in bfloat16. Writes
+heads, d = 128; random weights, current moments) and one global layer of Gemma-2-9B (16 query heads, 8 KV heads,
+d = 256, scores soft-capped at 50, as in every Gemma-2 global layer) in bfloat16. Writes
 ``<out>/kernel-resources-sm90-triton<version>.{json,md}``: registers depend on the Triton version (and its ptxas), so
 run it with the version the GPU machine has too (``/tmp/qada-gpu-versions/bin/python``, built by
 ``scripts/gpu-versions.sh``).
@@ -64,8 +65,9 @@ SM90 = {"registers": 65536, "register_unit": 256, "warps": 64, "programs": 32, "
 
 @dataclass(frozen=True)
 class Shape:
-    """A model to attach the configurations to: ``model`` ``"smollm2"`` (real weights, stored moments) or
-    ``"llama3-8b-layer"`` (one Llama-3-8B layer, random weights, current moments), with a static cache of
+    """A model to attach the configurations to: ``model`` ``"smollm2"`` (real weights, stored moments),
+    ``"llama3-8b-layer"`` or ``"gemma2-9b-layer"`` (one Llama-3-8B layer, or one global Gemma-2-9B layer: head size
+    256 and soft-capped scores; random weights, current moments), with a static cache of
     ``capacity`` slots (the GPU suite's context length and its 64 decode slots: the page count decides which
     variant of the ``qada_tail`` kernels a step launches) holding a 512-token prompt."""
 
@@ -78,7 +80,8 @@ class Shape:
 SHAPES = (Shape("SmolLM2-135M bf16 7.68k", "smollm2", "bfloat16", 7680 + 64),
           Shape("SmolLM2-135M float32 7.68k", "smollm2", "float32", 7680 + 64),
           Shape("SmolLM2-135M bf16 1k", "smollm2", "bfloat16", 1024),
-          Shape("Llama-3-8B layer bf16 128k", "llama3-8b-layer", "bfloat16", 131072 + 64))  # fmt: skip
+          Shape("Llama-3-8B layer bf16 128k", "llama3-8b-layer", "bfloat16", 131072 + 64),
+          Shape("Gemma-2-9B layer bf16 8k", "gemma2-9b-layer", "bfloat16", 8192 + 64))  # fmt: skip
 
 
 H100_SMS = 132
@@ -181,10 +184,17 @@ def load_shape(shape: Shape) -> tuple[Any, Any, Any, str]:
 
         model, tokenizer = load_default_model(dtype=dtype)
         return model, tokenizer, passkey_prompt(tokenizer, length=512, depth=0.5).input_ids, "stored"
+    torch.manual_seed(0)
+    if shape.model == "gemma2-9b-layer":
+        config = transformers.Gemma2Config(hidden_size=3584, num_hidden_layers=1, num_attention_heads=16,
+                                           num_key_value_heads=8, head_dim=256, intermediate_size=1024,
+                                           vocab_size=1000, layer_types=["full_attention"],
+                                           attn_logit_softcapping=50.0, attn_implementation="eager")  # fmt: skip
+        model = transformers.Gemma2ForCausalLM(config).to(dtype).eval()
+        return model, None, torch.randint(0, 1000, (1, 512)), "current"
     config = transformers.LlamaConfig(hidden_size=4096, num_hidden_layers=1, num_attention_heads=32,
                                       num_key_value_heads=8, intermediate_size=1024, vocab_size=1000,
                                       rope_theta=500000.0, attn_implementation="sdpa")  # fmt: skip
-    torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(dtype).eval()
     return model, None, torch.randint(0, 1000, (1, 512)), "current"
 

@@ -96,24 +96,28 @@ def logaddexp(a, b):
 
 @triton.jit
 def bulk_log_mean_exp(
-    qf, q_head, stride_qh, stride_qd, mean_base, stride_md, cov_base, stride_ci, stride_cj, GH_X, GH_LOGW, scale,
+    q_head, stride_qh, stride_qd, mean_base, stride_md, cov_base, stride_ci, stride_cj, GH_X, GH_LOGW, scale,
     softcap, n_nodes, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """``[BLOCK_G]`` float32 ``log E[exp(s)]`` of one bulk score of each query head under the lognormal model:
     ``mu_s + sigma_s^2 / 2`` with ``mu_s = scale q·mean`` (eq. 5) and ``sigma_s^2 = scale^2 q^T cov q`` (eq. 6), or
-    under ``SOFTCAP`` ``log E[exp(c tanh(s / c))]`` by Gauss-Hermite. ``qf [BLOCK_G, BLOCK_D]`` the float32
-    queries, also at ``q_head`` (the group's first query head, the others ``stride_qh`` apart), ``mean_base`` /
-    ``cov_base`` the KV head's mean ``[d]`` and covariance ``[d, d]``.
+    under ``SOFTCAP`` ``log E[exp(c tanh(s / c))]`` by Gauss-Hermite. ``q_head``: the group's first query head (the
+    others ``stride_qh`` apart), ``mean_base`` / ``cov_base`` the KV head's mean ``[d]`` and covariance ``[d, d]``.
 
-    ``q^T cov q`` is a float32 sum per query head over ``BLOCK_K`` rows of ``cov`` at a time (the head's queries
-    read again from memory), not a float32 dot: that pads the heads to 16 and, done with FMA instructions, holds
-    both operands' rows in every thread, which cost the fused splits up to 68 B of spilled registers on sm_90."""
+    Both are float32 sums one query head at a time, the head's query read from memory (cached) where it is needed:
+    a float32 dot of the queries and ``cov`` would pad the heads to 16 and, done with FMA instructions, hold both
+    operands' rows in every thread, and queries kept in registers through the decision (``[16, d]`` float32) hold
+    16 to 32 registers per thread; together they cost the fused splits up to 68 B of spilled registers on sm_90."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    mean = tl.load(mean_base + offs_d * stride_md, mask=d_ok, other=0.0)
-    mu = tl.sum(qf * mean.to(tl.float32)[None, :], axis=1) * scale  # [BLOCK_G]
+    mean = tl.load(mean_base + offs_d * stride_md, mask=d_ok, other=0.0).to(tl.float32)
+    mu = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for g in range(G):
+        q_g = tl.load(q_head + g * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
+        mu = tl.where(offs_g == g, tl.sum(q_g * mean, axis=0), mu)
+    mu = mu * scale  # [BLOCK_G]
     var = tl.zeros([BLOCK_G], dtype=tl.float32)  # q^T cov q per head, BLOCK_K rows of cov at a time
     for k0 in range(0, BLOCK_D, BLOCK_K):  # (loops, not unrolled: unrolled, they hold more registers)
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -216,14 +220,14 @@ def qada_fused_split_kernel(
     kv64 = kv_head.to(tl.int64)
     k_base = K + row64 * stride_kb + kv64 * stride_kh
     q_rows = Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh
+    q_head = Q + row64 * stride_qb + (kv64 * G) * stride_qh  # the group's first query head
 
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
     has_bulk = t_bulk > 0
 
     q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    qf = q.to(tl.float32)
     if DOT_FP32:
-        q = qf
+        q = q.to(tl.float32)
 
     # --- log A_local: the window's exact mass (and the sink logit) ---------------------------------------------
     log_local, bad = window_log_local(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
@@ -232,7 +236,7 @@ def qada_fused_split_kernel(
 
     # --- eqs. 5-7: the lognormal estimate of log A_bulk from the KV head's moments ---------------------------
     log_mean_exp = bulk_log_mean_exp(
-        qf, Q + row64 * stride_qb + (kv64 * G) * stride_qh, stride_qh, stride_qd,
+        q_head, stride_qh, stride_qd,
         MEAN + row64 * stride_mb + kv64 * stride_mh, stride_md,
         COV + row64 * stride_cb + kv64 * stride_ch, stride_ci, stride_cj, GH_X, GH_LOGW, scale, softcap, n_nodes,
         G, D, BLOCK_G, BLOCK_D, BLOCK_K, BLOCK_X, SOFTCAP,

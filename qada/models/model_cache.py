@@ -44,26 +44,33 @@ def entry_path(gguf: Path, sha256: str | None = None) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
 
 
-def write_source_record(directory: Path, gguf: Path) -> None:
-    """Record in ``directory`` which file it was made from (its resolved path)."""
-    (directory / SOURCE_RECORD).write_text(json.dumps({"gguf": str(gguf.resolve())}), encoding="utf-8")
+def write_source_record(directory: Path, gguf: Path, sha256: str | None = None) -> None:
+    """Record in ``directory`` which file it was made from (its resolved path) and, for an entry named by content,
+    the ``sha256`` it is named by."""
+    record = {"gguf": str(gguf.resolve()), "sha256": sha256}
+    (directory / SOURCE_RECORD).write_text(json.dumps(record), encoding="utf-8")
 
 
-def _recorded_source(directory: Path) -> Path | None:
+def _recorded_source(directory: Path) -> tuple[Path, bool] | None:
+    """``(source path, named by content)`` from ``directory``'s record; ``None`` without a readable one."""
     try:
-        return Path(json.loads((directory / SOURCE_RECORD).read_text(encoding="utf-8"))["gguf"])
+        record = json.loads((directory / SOURCE_RECORD).read_text(encoding="utf-8"))
+        return Path(record["gguf"]), bool(record.get("sha256"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def stale_entries(gguf: Path, keep: Path, now: float | None = None) -> list[Path]:
-    """The entries besides ``keep`` that were made from a file named like ``gguf`` and that nothing can use:
+def stale_entries(gguf: Path, keep: Path, sha256: str | None = None, now: float | None = None) -> list[Path]:
+    """The entries besides ``keep`` (the entry of ``gguf``, named by ``sha256`` if given) that were made from a file
+    named like ``gguf`` and that nothing can use:
 
     * complete entries whose recorded source no longer exists (a deleted virtual environment), or is ``gguf``
       itself (the file changed since, so its key did);
     * entries without a record (an older qada's, or a stopped write) older than :data:`STALE_AFTER_S`.
 
-    An entry recorded from another file that still exists is kept: it may be another install's current model.
+    An entry recorded from another file that still exists is kept: it may be another install's current model. An
+    entry named by content (an embedded model's) is kept when ``keep`` is not: a GGUF loaded by its path never
+    removes the entry the embedded model's name loads.
     """
     now = time.time() if now is None else now
     parent = keep.parent
@@ -74,18 +81,19 @@ def stale_entries(gguf: Path, keep: Path, now: float | None = None) -> list[Path
     for entry in sorted(parent.glob(f"{gguf.stem}-*")):
         if entry == keep or not entry.is_dir():
             continue
-        source = _recorded_source(entry)
-        if source is not None and (entry / "config.json").is_file():
-            if source == here or not source.exists():
+        record = _recorded_source(entry)
+        if record is not None and (entry / "config.json").is_file():
+            source, by_content = record
+            if (source == here or not source.exists()) and not (by_content and sha256 is None):
                 stale.append(entry)
         elif now - entry.stat().st_mtime > STALE_AFTER_S:
             stale.append(entry)
     return stale
 
 
-def remove_stale_entries(gguf: Path, keep: Path) -> list[Path]:
+def remove_stale_entries(gguf: Path, keep: Path, sha256: str | None = None) -> list[Path]:
     """Remove :func:`stale_entries` and return them; an entry another process removes first is no error."""
-    removed = stale_entries(gguf, keep)
+    removed = stale_entries(gguf, keep, sha256)
     for entry in removed:
         shutil.rmtree(entry, ignore_errors=True)
     if removed:

@@ -92,8 +92,14 @@ def pretend_cuda_triton() -> None:
 
     torch.utils._triton.has_triton = lambda: True
     triton.runtime.driver.set_active(Sm90Driver())
+    real = triton_decode.check_triton_runtime
+
+    def check(*args, **kwargs) -> None:  # eagerly (the prefill: fake CUDA) nothing; traced, the real one
+        if torch.compiler.is_compiling():
+            real(*args, **kwargs)
+
     for module in (fused, triton_decode):
-        module.check_triton_runtime = lambda *args: None
+        module.check_triton_runtime = check
 
 
 class StopAtLayerStep(Exception):
@@ -161,7 +167,8 @@ def trace_layer_step(step: Any, *arg_sets: tuple) -> dict[str, Any]:
     "analysis_fallbacks": [message], "error": None or the compile error's first lines}``, one entry per graph
     compiled: ``writes`` the tensors the write analysis found, ``copies`` those still copied after re-inplacing,
     ``ops`` the graph's operations that are neither launches, views nor allocations, ``constants`` the tensors the
-    step makes from host data (each a copy to the device per call)."""
+    step makes from host data (each a copy to the device per call), ``dtype_views`` the dtypes of its
+    reinterpreting views (``Tensor.view(dtype)``; Inductor cannot lower one to or from bool on torch 2.11)."""
     import torch
     from torch._dynamo.backends.common import aot_autograd
     from torch._guards import detect_fake_mode
@@ -187,7 +194,10 @@ def trace_layer_step(step: Any, *arg_sets: tuple) -> dict[str, Any]:
             reinplace_inplaceable_ops(_fake_tensor_updater(FakeTensorUpdater, graph), graph.graph)
         found: dict[str, Any] = {"launches": [], "ops": dict(_kernel_ops(graph, skip=launches)),
                                  # a tensor made in the step from host data (a copy to the device per call)
-                                 "constants": sum(node.op == "get_attr" for node in graph.graph.nodes)}
+                                 "constants": sum(node.op == "get_attr" for node in graph.graph.nodes),
+                                 # reinterpreted dtypes: Inductor (torch 2.11) cannot lower one to or from bool
+                                 "dtype_views": [str(node.args[1]) for node in graph.graph.nodes
+                                                 if node.target is torch.ops.aten.view.dtype]}
         for node, written in zip(launches, writes, strict=True):
             kernel = triton_kernel_wrap.kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
             found["launches"].append({"kernel": kernel.fn.__name__, "writes": written,

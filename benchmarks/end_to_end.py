@@ -419,7 +419,9 @@ def _agreement(runs: list[dict], reference: dict) -> tuple[float, int, int]:
 
 def _rows(model, T, B, cases, results, errors, steps, reps, warmup, bandwidth_gbs, t_local, model_name, log):
     rows = []
-    measured = {name: res for name, res in results.items() if res and name not in errors}
+    # a configuration that failed after some repetitions keeps them (a failure, e.g. a device error, can stop every
+    # configuration at once: what was measured before it is not lost), its row says so in "error"
+    measured = {name: res for name, res in results.items() if res}
     per_token = {name: Timing.of([t for r in res for t in r["step_s"]]) for name, res in measured.items()}
     first_step = {name: Timing.of([r["first_s"] for r in res]) for name, res in measured.items()}
     dense = measured.get("dense")
@@ -433,6 +435,8 @@ def _rows(model, T, B, cases, results, errors, steps, reps, warmup, bandwidth_gb
         tps = [B / Timing.of(r["step_s"])["median"] for r in res]
         summary = res[0]["summary"]
         ceiling = byte_ceiling(model, T, summary["kv_sparsity"], t_local, bandwidth_gbs, B)
+        if name in errors:
+            head["error"] = f"failed after {len(res)} of {reps} repetitions: {errors[name]}"
         row = head | {
             "steps_timed": steps,
             "warmup_steps": warmup,
@@ -475,7 +479,7 @@ def _rows(model, T, B, cases, results, errors, steps, reps, warmup, bandwidth_gb
         rows.append(row)
     _extra_kernels(rows)
     for row in rows:
-        if "error" in row:
+        if "tokens_per_s_median" not in row:
             continue
         fraction = row["ceiling_fraction"]
         log(

@@ -165,6 +165,42 @@ def test_a_failing_configuration_is_recorded_and_the_others_measured(tiny):
     assert "FAILED: RuntimeError('no such run')" in text and "skipped: needs ~146 GiB" in text
 
 
+def test_a_configuration_failing_at_a_later_repetition_keeps_what_it_measured(tiny):
+    """A failure at the second repetition (on a GPU a device error stops every configuration there) keeps the
+    first repetition's measurements in the row, and the row's error says after how many repetitions it failed."""
+    from qada.models import build_run
+
+    calls = []
+
+    def flaky_run():
+        run = build_run("dense", "none", "sdpa")
+        reset = run.reset_stats
+
+        def reset_stats():
+            calls.append(1)
+            if len(calls) > 1:
+                raise RuntimeError("device lost")
+            reset()
+
+        run.reset_stats = reset_stats
+        return run
+
+    def make():
+        return [(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)) for _ in range(2)], [3]
+
+    configs = {"dense": DecodeConfig(), "flaky": DecodeConfig(make_run=flaky_run)}
+    rows = run_end_to_end(tiny, {(40, 1): make}, lambda B: configs, steps=2, reps=2, device="cpu",
+                          log=lambda *a: None, model_name="tiny")  # fmt: skip
+    by = {r["config"]: r for r in rows}
+    assert by["dense"]["reps"] == 2 and "error" not in by["dense"]
+    flaky = by["flaky"]
+    assert flaky["reps"] == 1 and flaky["tokens_per_s_median"] > 0 and flaky["token_agreement"] == 1.0
+    assert flaky["error"].startswith("failed after 1 of 2 repetitions") and "device lost" in flaky["error"]
+    text = markdown({"suite": "smoke", "command": "x", "machine": {"cpu": "c"}, "end_to_end": rows,
+                     "models": {"tiny": "tiny"}})  # fmt: skip
+    assert "FAILED" not in text and " x1 |" in text
+
+
 def _row(config, T, B, model, tps, **extra):
     return {"config": config, "T": T, "B": B, "model": model, "tokens_per_s_median": tps, "sparsity": 0.5,
             "kv_sparsity": 0.4, "seconds_per_token": {"median": B / tps}, "compiled": "compiled" in config, **extra}

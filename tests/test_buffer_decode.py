@@ -82,8 +82,8 @@ CONFIGS = [
 EXECUTORS = [{"name": "sdpa", "host_skip": False}, "sdpa", "reference"]
 
 
-def prompt():
-    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+def prompt(seed: int = 3):
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding: row 1 holds 15 real tokens
     return ids, mask
@@ -94,9 +94,10 @@ def make_run(criterion, source, executor, reference) -> QAdARun:
                      executor=executor, window=WINDOW)
 
 
-def greedy(model, run: QAdARun, cache_kind: str, steps: int = STEPS, step_context=contextlib.nullcontext):
-    """Greedy decoding of :func:`prompt`: ``(tokens [2, steps], last logits, summary)``."""
-    ids, mask = prompt()
+def greedy(model, run: QAdARun, cache_kind: str, steps: int = STEPS, step_context=contextlib.nullcontext,
+           seed: int = 3):
+    """Greedy decoding of :func:`prompt` (``seed``): ``(tokens [2, steps], last logits, summary)``."""
+    ids, mask = prompt(seed)
     if cache_kind == "static":
         cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 3)
     else:
@@ -303,13 +304,15 @@ def test_a_decode_step_without_a_prefill_is_refused():
         CacheGuard().decode_buffer(0, torch.tensor([21]), first_layer=True)
 
 
-def greedy_compiled(model, run: QAdARun, steps: int, compile_kwargs: dict, device="cpu"):
-    """Eager prefill, then ``steps`` decode steps through ``torch.compile(model.forward, **compile_kwargs)``."""
-    ids, mask = (t.to(device) for t in prompt())
+def greedy_compiled(model, run: QAdARun, steps: int, compile_kwargs: dict, device="cpu", seed: int = 3,
+                    forward=None):
+    """Eager prefill of :func:`prompt` (``seed``), then ``steps`` decode steps through ``forward`` (default: a new
+    ``torch.compile(model.forward, **compile_kwargs)``)."""
+    ids, mask = (t.to(device) for t in prompt(seed))
     capacity = ids.shape[1] + steps + 3
     cache = StaticCache(config=model.config, max_cache_len=capacity)
     full_mask = torch.cat([mask, torch.ones(2, capacity - ids.shape[1], dtype=mask.dtype, device=device)], 1)
-    forward = torch.compile(model.forward, **compile_kwargs)
+    forward = forward or torch.compile(model.forward, **compile_kwargs)
     attach(model, run)
     run.reset_stats()
     try:
@@ -398,6 +401,74 @@ def test_gpu_cuda_graphs_replay_equals_eager(model, reference, executor):
                             {"disable": True}, device="cuda")
     graphs = greedy_compiled(on_gpu, make_run({"name": "qada", "tau": 0.3}, "stored", executor, reference), 8,
                              {"mode": "reduce-overhead", "fullgraph": True}, device="cuda")
+    assert torch.equal(graphs[0], eager[0])
+    for key in ("sparsity", "kv_sparsity", "decode_steps"):
+        assert graphs[1][key] == pytest.approx(eager[1][key])
+
+
+def layer_inputs(run: QAdARun) -> dict[tuple, torch.Tensor]:
+    """Every tensor the run's layer steps read besides their arguments (layer index, moment state, criterion
+    states), by (layer, path)."""
+    flat = {}
+
+    def walk(path, value):
+        if isinstance(value, torch.Tensor):
+            flat[path] = value
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                walk((*path, name), item)
+        elif isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                walk((*path, i), item)
+
+    for layer, (_, inputs) in run._inputs.items():
+        walk((layer,), inputs)
+    return flat
+
+
+@pytest.mark.parametrize("criterion, source", CONFIGS, ids=[f"config{i}" for i in range(len(CONFIGS))])
+def test_a_new_sequence_keeps_the_tensors_a_cuda_graph_reads(model, reference, criterion, source):
+    """A run that decodes a second sequence on a preallocated cache of the same shape writes the new prefill's
+    values into the first sequence's tensors (a CUDA graph recorded then replays on their addresses) and decodes
+    exactly as a fresh run does."""
+    run = make_run(criterion, source, "sdpa", reference)
+    greedy(model, run, "static", steps=4)
+    first = layer_inputs(run)  # held: their memory cannot be reused by the second sequence's tensors
+    tokens, logits, summary = greedy(model, run, "static", steps=4, seed=5)
+    second = layer_inputs(run)
+    assert second.keys() == first.keys() and first
+    moved = [key for key in first if (first[key].data_ptr(), first[key].stride()) != (second[key].data_ptr(),
+                                                                                          second[key].stride())]
+    assert not moved, moved
+    index = getattr(run.criterion, "_index", None)
+    for layer, (_, (_, _, states)) in run._inputs.items():  # the state the steps update is the criterion's own
+        if index is not None:
+            assert all(states[run.criterion.state_key][name] is getattr(index.layers[layer], name)
+                       for name in ("member", "kmin", "kmax", "halves"))
+    fresh_tokens, fresh_logits, fresh_summary = greedy(model, make_run(criterion, source, "sdpa", reference),
+                                                       "static", steps=4, seed=5)
+    assert torch.equal(tokens, fresh_tokens)
+    torch.testing.assert_close(logits, fresh_logits)
+    for key in ("sparsity", "kv_sparsity", "decode_steps", "fail_safe"):
+        assert summary[key] == pytest.approx(fresh_summary[key])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("criterion", [{"name": "qada", "tau": 0.3}, {"name": "qada_tail", "tau": 0.3, "heavy": 4,
+                                                                      "observe": 4, "page_size": 2, "pages": 2}],
+                         ids=["qada", "qada_tail"])
+def test_gpu_cuda_graphs_replay_a_second_sequence(model, reference, criterion):
+    """One compiled forward (CUDA graphs) and one run over two sequences: the graphs recorded during the first
+    replay the second on the tensors the run rewrote in place, and give a fresh eager run's tokens."""
+    on_gpu = copy.deepcopy(model).cuda()
+    torch._dynamo.reset()
+    run = make_run(criterion, "stored", "triton", reference)
+    forward = torch.compile(on_gpu.forward, mode="reduce-overhead", fullgraph=True)
+    greedy_compiled(on_gpu, run, 8, {}, device="cuda", forward=forward)
+    graphs = greedy_compiled(on_gpu, run, 8, {}, device="cuda", seed=5, forward=forward)
+    eager = greedy_compiled(on_gpu, make_run(criterion, "stored", "triton", reference), 8, {"disable": True},
+                            device="cuda", seed=5)
     assert torch.equal(graphs[0], eager[0])
     for key in ("sparsity", "kv_sparsity", "decode_steps"):
         assert graphs[1][key] == pytest.approx(eager[1][key])

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import torch
 
@@ -105,9 +106,9 @@ def check_fused(step, tau, policy="exact", block=16, splits=3, decide_once=False
     eager decision (output) and the block counts of :func:`hand_blocks` (local groups skip their bulk blocks)."""
     decided, local, read, fail_safe, ratio = eager(step, tau, policy)
     executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=decide_once)
-    sums = torch.rand(3, 5, dtype=torch.float64)  # a run's statistics sums: the step adds its row at layer 1
+    sums = torch.rand(3, 5, dtype=torch.float64, device=DEVICE)  # a run's statistics sums: the step adds its row at 1
     before = sums.clone()
-    got = executor.decide_and_attend(fresh(step), tau, policy, add_to=(sums, torch.tensor(1)))
+    got = executor.decide_and_attend(fresh(step), tau, policy, add_to=(sums, torch.tensor(1, device=DEVICE)))
     assert torch.equal(sums[[0, 2]], before[[0, 2]]) and torch.equal(sums[1], before[1] + got.row)
     near = (ratio - tau).abs() <= 1e-4 * tau  # rounding may decide these either way (none with tau_between)
     assert torch.equal(got.decided | near, decided | near) and torch.equal(got.decided & ~near, decided & ~near)
@@ -263,12 +264,12 @@ def reference(model):
     return collect_reference_keys(model, ids, chunk_size=16)
 
 
-def make_run(source, executor, reference, criterion=None):
+def make_run(source, executor, reference, criterion=None, compile=None):
     if source == "stored":
         source = StoredMoments(offset=12, min_bulk_keys=4)
         source.set_reference(reference)
     return build_run(criterion=criterion or {"name": "qada", "tau": 0.3}, moments=source, executor=executor,
-                     window=MODEL_WINDOW)
+                     window=MODEL_WINDOW, compile=compile)
 
 
 def greedy(model, run, cache_kind, steps=6):
@@ -457,13 +458,35 @@ def test_prefill_holds_the_executors_constants_on_the_device(model, reference):
     nodes, log_weights = run.executor._hermite_held
     assert nodes.device == log_weights.device == next(model.parameters()).device and nodes.shape == log_weights.shape
     assert run.executor._hermite_on(nodes.device)[0] is nodes  # held: not made again
+    greedy(model, run, "static", steps=1)  # a new sequence: the same tensors (a recorded CUDA graph reads them)
+    assert run.executor._hermite_held[0] is nodes and run.executor._hermite_held[1] is log_weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("criterion", [{"name": "qada", "tau": 0.3}, {"name": "qada_tail", "tau": 0.3}],
+                         ids=["qada", "qada_tail"])
+def test_gpu_fused_layer_step_compiles_and_decides_as_eager(model, reference, criterion):
+    """On a GPU the ``triton_fused`` layer step compiles with its launches (no eager fallback, which warns: the
+    executor's runtime check is not traced) and gives the eager step's tokens and statistics."""
+    executor = {"name": "triton_fused", "block_size": 16}
+    eager_tokens, eager = greedy(model, make_run("stored", executor, reference, criterion, compile=False), "static")
+    run = make_run("stored", executor, reference, criterion, compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        tokens, compiled = greedy(model, run, "static")
+    assert run.layer_step.compiled, run.layer_step.eager_reason
+    assert torch.equal(tokens, eager_tokens)
+    for key in ("sparsity", "kv_sparsity", "decode_steps"):
+        assert compiled[key] == pytest.approx(eager[key])
 
 
 def test_add_to_must_be_float64_sums_and_one_index():
-    """The combine's ``add_to`` refuses sums of another dtype or width and an index of several elements."""
+    """The combine's ``add_to`` refuses sums of another dtype, width or device and an index of several elements."""
     step = make_step(1, 4, 2, 64, 16, None, None, torch.float32, seed=3)
     executor = FusedTritonExecutor(block_size=16)
     for sums, layer in ((torch.zeros(2, 5), torch.tensor(0)), (torch.zeros(2, 4, dtype=torch.float64), torch.tensor(0)),
-                        (torch.zeros(2, 5, dtype=torch.float64), torch.tensor([0, 1]))):
+                        (torch.zeros(2, 5, dtype=torch.float64), torch.tensor([0, 1])),
+                        (torch.zeros(2, 5, dtype=torch.float64, device="meta"), torch.tensor(0))):  # another device
         with pytest.raises(ValueError, match="add_to"):
             executor.decide_and_attend(fresh(step), 0.5, add_to=(sums, layer))

@@ -38,7 +38,7 @@ def qada_budget_decision_kernel(
     """One program = one row: its ``k`` best heads of ``SCORE [b, H]`` (float32) local, or with ``PER_GROUP`` its
     ``k`` best KV groups (a group's score is its heads' minimum, ``-inf`` when one of them is not finite), then the
     group policy. ``k``: the layer's 0-d int64 ``COUNT``. Writes ``DECIDED, LOCAL, BROKEN [b, H]`` and ``READ [b,
-    H_kv]`` (uint8)."""
+    H_kv]`` (bool, written as bytes 0/1)."""
     row = tl.program_id(0)
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, 0, t_local, HAS_START, HAS_END)
     has_bulk = t_bulk > 0

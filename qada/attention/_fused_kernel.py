@@ -76,7 +76,7 @@ def window_log_local(
 def store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G: tl.constexpr, decided, local,
                    broken, read):  # fmt: skip
     """Store a (row, KV head)'s decision: ``decided, local, broken [BLOCK_G]`` at ``DECIDED, LOCAL, BROKEN [b, H]``
-    and ``read`` (0-d) at ``READ [b, H_kv]``, uint8 0/1. Returns nothing: a store address computed from a call's
+    and ``read`` (0-d) at ``READ [b, H_kv]``, bool (bytes 0/1). Returns nothing: a store address computed from a call's
     result would make torch.compile's write analysis take every input of the call as written."""
     out = row64 * (H_KV * G) + heads.to(tl.int64)
     tl.store(DECIDED + out, decided.to(tl.uint8), mask=g_ok)
@@ -204,8 +204,9 @@ def qada_fused_split_kernel(
     * the group reads its bulk when one of its heads is dense; with ``PROMOTE`` every head of such a group is dense.
 
     Every split computes the decision (it fixes the virtual block list); split 0 stores it: ``DECIDED, LOCAL,
-    BROKEN [b, H]`` and ``READ [b, H_kv]``, uint8 0/1. The attention and what it writes (``ACC, M, L, COUNTS``) are
-    those of :func:`~qada.attention._triton_kernel.qada_decode_split_kernel` with the effective local mask.
+    BROKEN [b, H]`` and ``READ [b, H_kv]``, bool (bytes 0/1). The attention and what it writes (``ACC, M, L,
+    COUNTS``) are those of :func:`~qada.attention._triton_kernel.qada_decode_split_kernel` with the effective local
+    mask.
     """
     pair = tl.program_id(0)
     split = tl.program_id(1)

@@ -257,10 +257,10 @@ def qada_tail_fused_split_kernel(
 
     Reads, besides what :func:`~qada.attention._fused_kernel.qada_fused_split_kernel` reads, the layer's tail index
     (:class:`~qada.criteria.tail_index.LayerTail`): ``HEAVY [b, H_kv, k]`` int64 slots (``n_heavy = k``),
-    ``HEAVY_VALID [b, H_kv, k]`` uint8 (same strides as ``HEAVY``), ``MEMBER [b, H_kv, C']`` uint8 (``C' >= C``),
+    ``HEAVY_VALID [b, H_kv, k]`` bool (same strides as ``HEAVY``), ``MEMBER [b, H_kv, C']`` bool (``C' >= C``),
     ``KMIN, KMAX [b, H_kv, n_pages, d]`` float32 (same strides) and ``HALVES [b, H_kv, n_pages, 2d]`` float32; pages
     of ``PAGE`` slots, ``TOP`` pages per query head. Writes (split 0) the step key's page of ``KMIN, KMAX, HALVES``,
-    ``DECIDED, LOCAL, BROKEN [b, H]`` and ``READ [b, H_kv]`` (uint8), ``LOG_RATIO [b, H]`` float32 (``log A_local -
+    ``DECIDED, LOCAL, BROKEN [b, H]`` and ``READ [b, H_kv]`` (bool), ``LOG_RATIO [b, H]`` float32 (``log A_local -
     logaddexp(log A_local, log Â_bulk)``) and ``N_EXACT [b, H]`` int32 (``|E|``), and as every split ``ACC, M, L,
     COUNTS``.
     ``BLOCK_H``: heavy slots per tile; ``BLOCK_P``: pages per tile; ``BLOCK_S >= PAGE``, ``BLOCK_M >= TOP`` powers

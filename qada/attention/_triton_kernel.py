@@ -261,7 +261,7 @@ def statistics_row(
     TAIL_READS: tl.constexpr, ADD: tl.constexpr,
 ):  # fmt: skip
     """The step's statistics row ``ROW [5]`` float64 (:func:`~qada.models.statistics.step_counts`): the fraction of
-    the ``n_heads = b H`` query heads ``LOCAL`` (``[b, H]`` uint8), of the ``b H_kv`` bulks not ``READ``, 1, the
+    the ``n_heads = b H`` query heads ``LOCAL`` (``[b, H]`` bool), of the ``b H_kv`` bulks not ``READ``, 1, the
     heads ``BROKEN`` (forced dense) and ``kv_read`` (:func:`~qada.attention.group_policy.kv_read`): per (row, KV
     head) ``2 T`` vectors when its bulk is read, else ``2 min(T, T_local)``, ``T = T_bulk + T_local``, plus with
     ``TAIL_READS`` the tail-aware criterion's reads (:func:`~qada.criteria.tail.exact_set_reads`, one level,

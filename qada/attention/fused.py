@@ -43,6 +43,7 @@ import torch
 
 from qada.attention.base import GroupDecision, register_executor
 from qada.attention.triton_decode import StepStatistics, TritonExecutor, _next_pow2, check_triton_runtime, combine
+from qada.stable_tensors import write_into
 from qada.step import DecodeStep
 
 __all__ = ["FusedBudget", "FusedLaunch", "FusedTail", "FusedTritonExecutor"]
@@ -106,8 +107,8 @@ class FusedTail(NamedTuple):
     heavy_reads: int | None = None
 
     def kernel_inputs(self, b: int, H_kv: int, C: int, d: int) -> tuple[torch.Tensor, ...]:
-        """The six tensors as the kernel reads them (bool as uint8 views), after checking their shapes and
-        strides (no host read of a value)."""
+        """The six tensors as the kernel reads them (the bool ones as they are: a kernel reads a bool as a byte),
+        after checking their shapes and strides (no host read of a value)."""
         k, n = self.heavy.shape[2], self.kmin.shape[2]
         shapes = (("heavy", self.heavy, (b, H_kv, k)), ("heavy_valid", self.heavy_valid, (b, H_kv, k)),
                   ("kmax", self.kmax, (b, H_kv, n, d)), ("halves", self.halves, (b, H_kv, n, 2 * d)))
@@ -121,8 +122,7 @@ class FusedTail(NamedTuple):
             raise ValueError("expected heavy / heavy_valid and kmin / kmax of equal strides")
         if self.kmin.dtype != torch.float32 or self.kmax.dtype != torch.float32 or self.halves.dtype != torch.float32:
             raise ValueError("expected float32 page extrema and halves")
-        return (self.heavy, self.heavy_valid.view(torch.uint8), self.member.view(torch.uint8), self.kmin, self.kmax,
-                self.halves)
+        return self.heavy, self.heavy_valid, self.member, self.kmin, self.kmax, self.halves
 
     def kernel_strides(self) -> tuple[int, ...]:
         return (*self.heavy.stride(), *self.member.stride(), *self.kmin.stride(), *self.halves.stride())
@@ -211,8 +211,10 @@ class FusedTritonExecutor(TritonExecutor):
 
     def to_device(self, device: torch.device) -> None:
         """Hold the soft cap's Gauss-Hermite nodes and log weights on ``device``: a compiled step then reads them as
-        tensors it is given instead of making them from host data at every call."""
-        self._hermite_held = _hermite(device)
+        tensors it is given instead of making them from host data at every call (the same tensors from one
+        sequence to the next: a CUDA graph reads them); checks the Triton runtime too."""
+        super().to_device(device)
+        self._hermite_held = write_into(self._hermite_held, _hermite(device))
 
     def _hermite_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The held nodes and log weights (:meth:`to_device`), made now where they are not held on ``device`` (an
@@ -263,8 +265,9 @@ class FusedTritonExecutor(TritonExecutor):
         counts = torch.empty(pairs, S, 2, dtype=torch.int32, device=device)
         # decided, local, broken: three tensors, not views of one (a kernel writing views of a tensor would make
         # torch.compile copy and scatter them back)
-        flags = tuple(torch.empty(b, H, dtype=torch.uint8, device=device) for _ in range(3))
-        read = torch.empty(b, H_kv, dtype=torch.uint8, device=device)
+        # (bool, written by the kernels as bytes: no dtype view, which Inductor cannot lower for bool)
+        flags = tuple(torch.empty(b, H, dtype=torch.bool, device=device) for _ in range(3))
+        read = torch.empty(b, H_kv, dtype=torch.bool, device=device)
         start, end = step.start, step.end
         softcap, sinks = step.softcap, step.sink_logits
         nodes, log_weights = self._hermite_on(device) if softcap else (m, m)
@@ -307,7 +310,6 @@ class FusedTritonExecutor(TritonExecutor):
                                **constants)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)
-        flags, read = tuple(flag.view(torch.bool) for flag in flags), read.view(torch.bool)
         tail_reads = None if tail is None else (tail.page_size, tail.heavy.shape[2] if tail.heavy_reads is None
                                                 else tail.heavy_reads, tail.pages)
         row = torch.empty(5, dtype=torch.float64, device=device)
@@ -329,7 +331,7 @@ class FusedTritonExecutor(TritonExecutor):
     def _rank(self, step: DecodeStep, score: torch.Tensor, budget: FusedBudget, flags: tuple[torch.Tensor, ...],
               read: torch.Tensor, policy: str) -> None:
         """The budget launch: each row's best ``budget.count`` heads (groups) of ``score [b, H]`` local, the group
-        policy, into ``flags`` (decided, local, broken: each ``[b, H]``) and ``read [b, H_kv]`` (uint8)."""
+        policy, into ``flags`` (decided, local, broken: each ``[b, H]``) and ``read [b, H_kv]`` (bool)."""
         from qada.attention import _fused_budget_kernel, _triton_kernel
 
         b, H = score.shape

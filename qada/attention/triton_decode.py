@@ -32,7 +32,13 @@ _LOG2E = 1.4426950408889634  # the kernel works in base 2: exp(x) = exp2(x * log
 
 def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None, executor: str = "triton") -> None:
     """Raise unless ``executor`` (``triton`` or ``triton_fused``) can run on ``device`` (CUDA, or CPU under the
-    interpreter, set before Triton was imported) with inputs of ``dtype`` (float16, bfloat16 or float32)."""
+    interpreter, set before Triton was imported) with inputs of ``dtype`` (float16, bfloat16 or float32).
+
+    Checked eagerly (a run's prefill calls :meth:`TritonExecutor.to_device`); while ``torch.compile`` traces a
+    decode step it checks nothing, since Dynamo cannot trace the package lookup and would run the whole step eagerly.
+    """
+    if torch.compiler.is_compiling():
+        return
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if device.type != "cuda" and not (device.type == "cpu" and interpret):
         raise RuntimeError(
@@ -101,6 +107,11 @@ class TritonExecutor(AttentionExecutor):
                 raise ValueError(f"expected {name} to be a positive int but got {value!r}")
         if self.num_warps & (self.num_warps - 1):  # Triton launches a power of two of warps
             raise ValueError(f"expected num_warps to be a power of two but got {self.num_warps}")
+
+    def to_device(self, device: torch.device) -> None:
+        """Check, eagerly at a run's prefill, that the kernels can run on ``device`` (a compiled step does not)."""
+        name = "triton_fused" if getattr(self, "fuses_decision", False) else "triton"
+        check_triton_runtime(torch.device(device), executor=name)
 
     def splits(self, device: torch.device, pairs: int, T: int) -> int:
         """Number of splits for ``pairs = b * H_kv`` (row, KV head) programs over a buffer of ``T`` slots."""
@@ -205,10 +216,12 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
         if statistics.add_to is not None:
             sums, layer = statistics.add_to
             if sums.dim() != 2 or sums.shape[1] != 5 or sums.dtype != torch.float64 or not sums.is_contiguous() \
-                    or layer.numel() != 1 or layer.dtype != torch.long:
-                raise ValueError(f"expected add_to as (contiguous float64 sums [L, 5], one int64 layer index) but got "
-                                 f"{sums.dtype} {tuple(sums.shape)} and {layer.dtype} {tuple(layer.shape)}")
-    flags = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in (stats.local, stats.read, stats.broken)]
+                    or layer.numel() != 1 or layer.dtype != torch.long or sums.device != query.device \
+                    or layer.device != query.device:
+                raise ValueError(f"expected add_to as (contiguous float64 sums [L, 5], one int64 layer index) on the "
+                                 f"query's device {query.device} but got {sums.dtype} {tuple(sums.shape)} on "
+                                 f"{sums.device} and {layer.dtype} {tuple(layer.shape)} on {layer.device}")
+    flags = (stats.local, stats.read, stats.broken)  # bool read as bytes (a dtype view would not lower in Inductor)
     page_size, heavy, pages = stats.tail_reads or (1, 0, 0)
     sums, layer = stats.add_to or (stats.row, stats.row)
     _triton_kernel.run(

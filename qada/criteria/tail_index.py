@@ -17,12 +17,13 @@ whose arrays then grow with it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from qada.functional.tail import heavy_votes, page_extrema, page_halves, update_page_extrema
 from qada.functional.window import bulk_mask
+from qada.stable_tensors import same_layout, write_into
 from qada.window import Window
 
 __all__ = ["LAYER_FIELDS", "LayerTail", "TailIndex", "append_step_key"]
@@ -52,6 +53,10 @@ class LayerTail:
     @property
     def slots(self) -> int:
         return self.member.shape[2]
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """Every field, in order (the tensors themselves, not copies)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
 
 
 class TailIndex:
@@ -99,8 +104,13 @@ class TailIndex:
                 heavy = torch.cat([heavy, heavy.new_zeros(b, H_kv, pad)], -1)
                 valid = torch.cat([valid, valid.new_zeros(b, H_kv, pad)], -1)
             member.scatter_(2, heavy, valid)
-        self.layers[layer] = LayerTail(heavy, valid, member, kmin, kmax, page_halves(kmin, kmax), *supers,
-                                       None if supers[0] is None else page_halves(*supers))
+        state = LayerTail(heavy, valid, member, kmin, kmax, page_halves(kmin, kmax), *supers,
+                          None if supers[0] is None else page_halves(*supers))
+        kept = self.layers.get(layer)
+        if kept is not None and same_layout(kept.tensors(), state.tensors()):
+            write_into(kept.tensors(), state.tensors())  # an earlier sequence's tensors: a CUDA graph reads them
+        else:
+            self.layers[layer] = state
 
     @property
     def super_slots(self) -> int:

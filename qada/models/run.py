@@ -29,6 +29,7 @@ from qada.models.masks import RowBounds
 from qada.models.observers import Observer, ObserverFanout
 from qada.models.statistics import DecodeStatistics, all_layer_sparsity
 from qada.moments.base import MomentSource
+from qada.stable_tensors import write_into
 from qada.step import DecodeStep
 from qada.window import Window
 
@@ -71,6 +72,7 @@ class QAdARun:
         self._last_layer: int | None = None  # the last one: its step drops the per-step bounds
         self._step: LayerStep | None = None
         self._inputs: dict[int, tuple] = {}  # layer -> (slots, the layer step's per-layer arguments)
+        self._kept_inputs: dict[int, tuple] = {}  # layer -> the last arguments, kept across sequences
         if getattr(executor, "fuses_decision", False):  # the decision is made in the executor's kernel: said now
             from qada.models.fused_step import check_fusable
 
@@ -205,7 +207,9 @@ class QAdARun:
         moments = self.layer_step.moments
         moment_state = None if moments is None else _on(moments.step_state(layer), device)
         states = {name: _on(state, device) for name, state in self.criterion.layer_states(layer, slots).items()}
-        inputs = (torch.tensor(layer, device=device), moment_state, states)
+        # an earlier sequence's tensors keep their addresses (new values written in): a CUDA graph reads them
+        inputs = write_into(self._kept_inputs.get(layer), (torch.tensor(layer, device=device), moment_state, states))
+        self._kept_inputs[layer] = inputs
         self._inputs[layer] = (slots, inputs)
         return inputs
 

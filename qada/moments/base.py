@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from qada.registry import Component, Registry
+from qada.stable_tensors import same_layout, write_into
 from qada.step import BulkMoments
 from qada.window import Window
 
@@ -78,12 +79,8 @@ class MomentSource(Component, abc.ABC):
         the new values are written into them instead of replacing them: a captured CUDA graph keeps updating the
         tensors it recorded. Returns the layer's state (what :meth:`step_state` gives)."""
         kept = self._kept_state().get(layer)
-        if kept is not None and kept.keys() == tensors.keys() and all(
-            kept[name].shape == value.shape and kept[name].dtype == value.dtype and kept[name].device == value.device
-            for name, value in tensors.items()
-        ):
-            for name, value in tensors.items():
-                kept[name].copy_(value)
+        if kept is not None and same_layout(kept, tensors):
+            write_into(kept, tensors)
         else:
             kept = {name: value.clone() for name, value in tensors.items()}
             self._kept_state()[layer] = kept

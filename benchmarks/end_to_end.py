@@ -240,6 +240,8 @@ def _decode(model, cache, base_length: int, first: torch.Tensor, run, forward, w
         tokens = stepper.tokens()
         summary = run.summary() if run is not None else {"sparsity": 0.0, "kv_sparsity": 0.0, "fail_safe": 0}
         components = run.describe() if run is not None else None
+        # a layer step that fell back to eager (it warns once): the row must not pass for a compiled one
+        eager_reason = run.layer_step.eager_reason if run is not None else None
         counters = None
         if count_steps:
             counters = count_step_events(model, cache, stepper.ids, stepper.position, forward, count_steps, cudagraphs)
@@ -248,7 +250,7 @@ def _decode(model, cache, base_length: int, first: torch.Tensor, run, forward, w
             run.remove()
     return {"first_s": times[0], "warmup_s": sum(times[:warmup]), "step_s": times[warmup:], "tokens": tokens,
             "first_logits": first_logits, "summary": summary, "components": components,
-            "counters": counters}  # fmt: skip
+            "counters": counters, "eager_reason": eager_reason}  # fmt: skip
 
 
 def kv_bytes_per_token(model: Any) -> int:
@@ -456,6 +458,9 @@ def _rows(model, T, B, cases, results, errors, steps, reps, warmup, bandwidth_gb
             "fail_safe": summary["fail_safe"],
             "run": res[0]["components"],  # criterion, executor, moments (a stored reference's file and fingerprint)
         }
+        eager_reasons = sorted({r["eager_reason"] for r in res if r.get("eager_reason")})
+        if eager_reasons:  # qada's layer step ran eagerly (it could not compile): said in the row and the report
+            row["layer_step_eager"] = "; ".join(eager_reasons)[:400]
         if dense:
             agreement, prefix, compared = _agreement(res, dense[0])
             row.update(

@@ -368,7 +368,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def _e2e_cells(r: dict[str, Any]) -> list[Any]:
-    head = [r["T"], r.get("B", 1), r["config"], r.get("cache", "")]
+    config = r["config"] + (" (layer step eager!)" if r.get("layer_step_eager") else "")
+    head = [r["T"], r.get("B", 1), config, r.get("cache", "")]
     if "skipped" in r:
         return head + ["skipped: " + r["skipped"]] + [""] * 13
     if "tokens_per_s_median" not in r:

@@ -201,6 +201,33 @@ def test_a_configuration_failing_at_a_later_repetition_keeps_what_it_measured(ti
     assert "FAILED" not in text and " x1 |" in text
 
 
+def test_a_layer_step_that_fell_back_to_eager_is_said_in_its_row(tiny):
+    """A configuration asked to compile whose layer step cannot (here: streaming moments in blocks read the host)
+    runs eagerly; its row says so, with the reason, and the report marks it."""
+    import warnings
+
+    from qada.models import build_run
+
+    def make():
+        return [(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)) for _ in range(2)], [3]
+
+    configs = {"dense": DecodeConfig(),
+               "qada blocks": DecodeConfig(make_run=lambda: build_run(
+                   {"name": "qada", "tau": 0.3}, {"name": "current", "update_every": 4}, "sdpa", compile="eager")),
+               "qada eager": DecodeConfig(make_run=lambda: build_run({"name": "qada", "tau": 0.3}, "current", "sdpa",
+                                                                     compile=False))}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's own warning
+        rows = run_end_to_end(tiny, {(40, 1): make}, lambda B: configs, steps=2, reps=1, device="cpu",
+                              log=lambda *a: None, model_name="tiny")  # fmt: skip
+    by = {r["config"]: r for r in rows}
+    assert by["qada blocks"].get("layer_step_eager")  # the reason (Dynamo's words)
+    assert "layer_step_eager" not in by["qada eager"] and "layer_step_eager" not in by["dense"]  # not asked to compile
+    text = markdown({"suite": "smoke", "command": "x", "machine": {"cpu": "c"}, "end_to_end": rows,
+                     "models": {"tiny": "tiny"}})  # fmt: skip
+    assert "qada blocks (layer step eager!)" in text and "qada eager (layer step eager!)" not in text
+
+
 def _row(config, T, B, model, tps, **extra):
     return {"config": config, "T": T, "B": B, "model": model, "tokens_per_s_median": tps, "sparsity": 0.5,
             "kv_sparsity": 0.4, "seconds_per_token": {"median": B / tps}, "compiled": "compiled" in config, **extra}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Stages of a GPU measurement session on a lent machine (see ../shared/GPU.md): one device call runs several,
-# each under its own time limit, everything it prints kept under $OUT (the files that come back).
-#   bash scripts/gpu-run.sh env tests attention      # no model needed (the first call, with .gpu/a)
-#   bash scripts/gpu-run.sh smollm2                  # the embedded model (after .gpu/b: "model ready")
+# Stages of a GPU measurement session on a lent machine: one device call runs several, each under its own time limit,
+# everything it prints kept under $OUT (the files that come back). The embedded model travels in parts packed by
+# scripts/gpu-bundle.sh (.gpu/p0, p1, ...: one call per part, each sourcing its setup.sh, the last says "model ready").
+#   bash scripts/gpu-run.sh env tests attention      # no model needed (the first call, with .gpu/p0)
+#   bash scripts/gpu-run.sh smollm2                  # the embedded model (after the last part: "model ready")
 #   bash scripts/gpu-run.sh llama                    # Llama-3-8B shapes, random weights
 #   bash scripts/gpu-run.sh fused parity                # issue 33: the fused kernels on CUDA, CPU-vs-CUDA decisions
 #   bash scripts/gpu-run.sh goals-smollm2 goals-llama   # issue 33's speed goals only: the graph-captured rows they name

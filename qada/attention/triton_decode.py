@@ -34,9 +34,12 @@ def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None,
     """Raise unless ``executor`` (``triton`` or ``triton_fused``) can run on ``device`` (CUDA, or CPU under the
     interpreter, set before Triton was imported) with inputs of ``dtype`` (float16, bfloat16 or float32).
 
-    Checked eagerly (a run's prefill calls :meth:`TritonExecutor.to_device`); while ``torch.compile`` traces a
-    decode step it checks nothing, since Dynamo cannot trace the package lookup and would run the whole step eagerly.
+    The device and installation are checked eagerly (a run's prefill calls :meth:`TritonExecutor.to_device`); while
+    ``torch.compile`` traces a decode step only the dtype is, since Dynamo cannot trace the package lookup and would
+    run the whole step eagerly.
     """
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"expected float16, bfloat16 or float32 inputs for '{executor}' but got {dtype}")
     if torch.compiler.is_compiling():
         return
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -48,8 +51,6 @@ def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None,
         )
     if importlib.util.find_spec("triton") is None:
         raise ImportError(f"the '{executor}' executor needs triton installed: pip install 'qada[triton]'")
-    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"expected float16, bfloat16 or float32 inputs for '{executor}' but got {dtype}")
     from qada.attention import _triton_kernel
 
     if device.type == "cpu" and not _triton_kernel.INTERPRETED:

@@ -470,11 +470,13 @@ def test_gpu_fused_layer_step_compiles_and_decides_as_eager(model, reference, cr
     """On a GPU the ``triton_fused`` layer step compiles with its launches (no eager fallback, which warns: the
     executor's runtime check is not traced) and gives the eager step's tokens and statistics."""
     executor = {"name": "triton_fused", "block_size": 16}
-    eager_tokens, eager = greedy(model, make_run("stored", executor, reference, criterion, compile=False), "static")
-    run = make_run("stored", executor, reference, criterion, compile=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        tokens, compiled = greedy(model, run, "static")
+    with torch.no_grad():  # as decoding runs (generate, the evaluations, the benchmarks)
+        eager_tokens, eager = greedy(model, make_run("stored", executor, reference, criterion, compile=False),
+                                     "static")
+        run = make_run("stored", executor, reference, criterion, compile=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            tokens, compiled = greedy(model, run, "static")
     assert run.layer_step.compiled, run.layer_step.eager_reason
     assert torch.equal(tokens, eager_tokens)
     for key in ("sparsity", "kv_sparsity", "decode_steps"):

@@ -2,7 +2,8 @@
 
 Lowest layer first (docs/architecture.rst draws the same picture)::
 
-    base       qada.functional, qada.window, qada.registry, qada.cache, qada.version, qada.artifacts
+    base       qada.functional, qada.window, qada.registry, qada.cache, qada.version, qada.artifacts,
+               qada.stable_tensors
     step       qada.step                                  (the decode step of one layer, BulkMoments)
     criteria | moments | attention                        (siblings: none imports another)
     models     the transformers wrapper, model loading
@@ -33,7 +34,7 @@ PACKAGE = ROOT / "qada"
 # different names are siblings that may not import each other.
 LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "functional": (0, ("functional",)),
-    "base": (0, ("window", "registry", "cache", "version", "artifacts")),
+    "base": (0, ("window", "registry", "cache", "version", "artifacts", "stable_tensors")),
     "step": (1, ("step",)),
     "criteria": (2, ("criteria",)),
     "moments": (2, ("moments",)),

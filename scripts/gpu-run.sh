@@ -7,6 +7,9 @@
 #   bash scripts/gpu-run.sh llama                    # Llama-3-8B shapes, random weights
 #   bash scripts/gpu-run.sh fused parity                # issue 33: the fused kernels on CUDA, CPU-vs-CUDA decisions
 #   bash scripts/gpu-run.sh goals-smollm2 goals-llama   # issue 33's speed goals only: the graph-captured rows they name
+#   bash scripts/gpu-run.sh goals-smollm2-b1            # the same SmolLM2 rows at one batch size (b1 or b32): each
+#                                                       # compiled row compiles ~35 s on an H200, so both at once may
+#                                                       # not fit one 10-minute call
 # Stages: env, tests, fused (the triton_fused tests, on CUDA), parity (every layer's decisions on the CPU and on CUDA,
 # needs the model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the
 # compiled ones), smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, qada, qada fused, qada_tail fused
@@ -42,6 +45,9 @@ for s in "$@"; do
     eager) stage eager 400 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --configs "qada,qada eager,qada_tail,qada_tail eager,qada_tail_budget,qada_tail_budget eager" ;;
     goals-smollm2) stage goals-smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
+             --configs "dense compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled" ;;
+    goals-smollm2-b1|goals-smollm2-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end \
+             --models smollm2 --batches "${s#goals-smollm2-b}" \
              --configs "dense compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \
              --lengths 131072 --batches 1 --configs "dense compiled,qada dense compiled,qada_tail_budget fused compiled" ;;

@@ -23,7 +23,7 @@ import torch
 
 from qada.functional.tail import heavy_votes, page_extrema, page_halves, update_page_extrema
 from qada.functional.window import bulk_mask
-from qada.stable_tensors import same_layout, write_into
+from qada.stable_tensors import write_into
 from qada.window import Window
 
 __all__ = ["LAYER_FIELDS", "LayerTail", "TailIndex", "append_step_key"]
@@ -106,10 +106,9 @@ class TailIndex:
             member.scatter_(2, heavy, valid)
         state = LayerTail(heavy, valid, member, kmin, kmax, page_halves(kmin, kmax), *supers,
                           None if supers[0] is None else page_halves(*supers))
-        kept = self.layers.get(layer)
-        if kept is not None and same_layout(kept.tensors(), state.tensors()):
-            write_into(kept.tensors(), state.tensors())  # an earlier sequence's tensors: a CUDA graph reads them
-        else:
+        kept = self.layers.get(layer)  # an earlier sequence's tensors are rewritten in place: a CUDA graph reads them
+        held = None if kept is None else kept.tensors()
+        if write_into(held, state.tensors()) is not held:  # nothing of this layout kept
             self.layers[layer] = state
 
     @property

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from qada.registry import Component, Registry
-from qada.stable_tensors import same_layout, write_into
+from qada.stable_tensors import write_into
 from qada.step import BulkMoments
 from qada.window import Window
 
@@ -79,9 +79,7 @@ class MomentSource(Component, abc.ABC):
         the new values are written into them instead of replacing them: a captured CUDA graph keeps updating the
         tensors it recorded. Returns the layer's state (what :meth:`step_state` gives)."""
         kept = self._kept_state().get(layer)
-        if kept is not None and same_layout(kept, tensors):
-            write_into(kept, tensors)
-        else:
+        if kept is None or write_into(kept, tensors) is not kept:  # nothing of this layout to write into
             kept = {name: value.clone() for name, value in tensors.items()}
             self._kept_state()[layer] = kept
         self._live_layers().add(layer)

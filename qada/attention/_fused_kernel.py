@@ -95,6 +95,13 @@ def logaddexp(a, b):
 
 
 @triton.jit
+def head_query(q_head, g, stride_qh, stride_qd, offs, ok):
+    """Features ``offs`` (where ``ok``) of the group's query head ``g`` as float32: the group's first query head at
+    ``q_head``, the others ``stride_qh`` apart."""
+    return tl.load(q_head + g * stride_qh + offs * stride_qd, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def bulk_log_mean_exp(
     q_head, stride_qh, stride_qd, mean_base, stride_md, cov_base, stride_ci, stride_cj, GH_X, GH_LOGW, scale,
     softcap, n_nodes, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -115,7 +122,7 @@ def bulk_log_mean_exp(
     mean = tl.load(mean_base + offs_d * stride_md, mask=d_ok, other=0.0).to(tl.float32)
     mu = tl.zeros([BLOCK_G], dtype=tl.float32)
     for g in range(G):
-        q_g = tl.load(q_head + g * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
+        q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
         mu = tl.where(offs_g == g, tl.sum(q_g * mean, axis=0), mu)
     mu = mu * scale  # [BLOCK_G]
     var = tl.zeros([BLOCK_G], dtype=tl.float32)  # q^T cov q per head, BLOCK_K rows of cov at a time
@@ -125,9 +132,8 @@ def bulk_log_mean_exp(
         cov_k = tl.load(cov_base + offs_k[:, None].to(tl.int64) * stride_ci + offs_d[None, :] * stride_cj,
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
         for g in range(G):
-            q_row = q_head + g * stride_qh
-            q_gk = tl.load(q_row + offs_k * stride_qd, mask=k_ok, other=0.0).to(tl.float32)
-            q_g = tl.load(q_row + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
+            q_gk = head_query(q_head, g, stride_qh, stride_qd, offs_k, k_ok)
+            q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
             part = tl.sum(tl.sum(cov_k * q_gk[:, None], axis=0) * q_g, axis=0)
             var = tl.where(offs_g == g, var + part, var)
     var = var * scale * scale

@@ -37,6 +37,7 @@ import triton.language as tl
 from qada.attention._fused_kernel import (
     bulk_log_mean_exp,
     cap,
+    head_query,
     logaddexp,
     store_decision,
     threshold_decision,
@@ -166,7 +167,7 @@ def page_top(q_head, stride_qh, stride_qd, halves_base, stride_fp, stride_fx, p_
         bound = tl.zeros([BLOCK_G, BLOCK_P], dtype=tl.float32)
         for g in tl.static_range(G):
             is_g = offs_g == g
-            q_g = tl.load(q_head + g * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
+            q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
             bound_g = tl.sum(centre * q_g[None, :], axis=1) + tl.sum(radius * tl.abs(q_g)[None, :], axis=1)
             bound = tl.where(is_g[:, None], bound_g[None, :], bound)
         bound = bound * scale  # [BLOCK_G, BLOCK_P]
@@ -347,7 +348,7 @@ def qada_tail_fused_split_kernel(
     member_base = MEMBER + row64 * stride_ub + kv64 * stride_uh
     for g in range(G):
         is_g = offs_g == g
-        q_g = tl.load(q_head + g * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
+        q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
         for r in range(TOP):
             pick = is_g[:, None] & (offs_m == r)[None, :]
             page = tl.sum(tl.where(pick, ids, 0))

@@ -131,7 +131,9 @@ def stored_moment_step_kernel(
     hit = jump >= 0
     at = (row.to(tl.int64) * num_jumps + tl.maximum(jump, 0)) * H_kv + head  # the jump's (row, k, head), or k = 0
     count = tl.where(hit, tl.load(JUMP_COUNT + at), tl.load(COUNT + pair) + w)
-    s1 = tl.where(hit, tl.load(JUMP_S1 + at * D + offs_d, mask=d_ok, other=0.0),
+    # the prepared sums are read only at a jump (``JUMP_S2`` is as large as the state; ``tl.where``, as ``d_ok & hit``
+    # with the 0-d ``hit`` is int32 in Triton's interpreter)
+    s1 = tl.where(hit, tl.load(JUMP_S1 + at * D + offs_d, mask=tl.where(hit, d_ok, False), other=0.0),
                   tl.load(S1 + pair * D + offs_d, mask=d_ok, other=0.0) + w * x)  # fmt: skip
     s2 = S2 + pair * D * D
     for r0 in range(0, D, BLOCK_R):  # pass 1: S2 += w x xᵀ (or the jump's), row tile by row tile
@@ -142,7 +144,8 @@ def stored_moment_step_kernel(
                                                                                                   mask=r_ok)
         tile = tl.load(s2 + rows[:, None] * D + offs_d[None, :], mask=ok, other=0.0) + w * (x_rows[:, None]
                                                                                               * x[None, :])
-        jumped = tl.load(JUMP_S2 + at * D * D + rows[:, None] * D + offs_d[None, :], mask=ok, other=0.0)
+        jumped = tl.load(JUMP_S2 + at * D * D + rows[:, None] * D + offs_d[None, :], mask=tl.where(hit, ok, False),
+                         other=0.0)  # fmt: skip
         tl.store(s2 + rows[:, None] * D + offs_d[None, :], tl.where(hit, jumped, tile), mask=ok)
     tl.store(COUNT + pair, count)
     tl.store(S1 + pair * D + offs_d, s1, mask=d_ok)

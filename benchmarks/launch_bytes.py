@@ -1,0 +1,321 @@
+"""The bytes each Triton launch of one decode step reads and writes, counted in Triton's interpreter on the CPU.
+
+    python benchmarks/launch_bytes.py                    # SmolLM2 bf16, a 4,096-token pass-key prompt
+    python benchmarks/launch_bytes.py --length 1024 --out /tmp/bytes
+
+A decode step at long context is bound by the bytes it moves, and sparsity (the share of heads that are local) is
+not that number: the criterion reads what it decides from (the window's keys, the moments, the state that updates
+them), and a kernel can read the same bytes many times. This script runs each configuration's decode step eagerly
+with its kernels in Triton's interpreter and records every element a ``tl.load`` or ``tl.store`` touches (masked-off
+lanes excluded), attributed to the launch's tensor arguments. Per launch and argument it reports
+
+* **unique** bytes: the distinct bytes read (written); on a GPU, what comes from (goes to) memory at least once,
+  the floor of the DRAM traffic when a kernel re-reads what it read before out of its caches;
+* **accessed** bytes: every load (store) counted, re-reads included: what the caches serve.
+
+It compares them with **dense K/V**: the K/V bytes a dense decode reads at the same step (every real token of every
+KV head of every layer, once). ``qada dense`` is qada's all-dense Triton path (its overhead beyond the ideal dense
+read is the split partials); the others decide with stored moments, as the GPU suite's rows. A mask per element
+makes the counts exact for these kernels (they read through pointer tensors; none uses block pointers or TMA).
+This counts bytes, not time: the GPU suite (``benchmarks/run.py --gpu``) times them.
+
+Writes ``<out>/launch-bytes-cpu.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, moments, executor)
+    "qada dense": ("dense", "none", {"name": "triton"}),
+    "qada fused": ({"name": "qada", "tau": 0.6}, "stored", {"name": "triton_fused"}),
+    "qada fused once": ({"name": "qada", "tau": 0.6}, "stored", {"name": "triton_fused", "decide_once": True}),
+    "qada_tail fused": ({"name": "qada_tail", "tau": 0.3}, "stored", {"name": "triton_fused"}),
+    "qada_tail_budget fused": ({"name": "qada_tail_budget", "sparsity": 0.85}, "stored", {"name": "triton_fused"}),
+}
+"""Every configuration whose whole decode step runs in Triton launches (the ``triton`` executor with a criterion
+decides in torch operations, which this does not count)."""
+
+KV_ARGS = {"K", "V"}
+"""The arguments that are the KV cache in every launch that reads it."""
+
+
+class ArgumentSpans:
+    """The memory spans ``[start, end)`` of one launch's tensor arguments, to attribute an address to its argument."""
+
+    def __init__(self, names: list[str], tensors: list[Any]) -> None:
+        import numpy as np
+
+        spans = []
+        for name, tensor in zip(names, tensors, strict=True):
+            if tensor.numel() == 0:
+                continue
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+            start = tensor.data_ptr()
+            spans.append((start, start + extent * tensor.element_size(), name))
+        spans.sort()
+        self.starts = np.array([s for s, _, _ in spans], dtype=np.uint64)
+        self.ends = np.array([e for _, e, _ in spans], dtype=np.uint64)
+        self.names = [n for _, _, n in spans]
+
+    def split(self, addresses: Any) -> dict[str, Any]:
+        """``addresses [n]`` (uint64) grouped by the argument they fall in (``"?"``: none of them)."""
+        import numpy as np
+
+        at = np.searchsorted(self.starts, addresses, side="right") - 1
+        inside = (at >= 0) & (addresses < self.ends[np.maximum(at, 0)])
+        groups = {}
+        for index in np.unique(at[inside]):
+            groups[self.names[index]] = addresses[inside & (at == index)]
+        if not inside.all():
+            groups["?"] = addresses[~inside]
+        return groups
+
+
+class ByteRecorder:
+    """While :meth:`recording`, every launch through qada's launcher (in Triton's interpreter) is recorded while
+    ``on``: ``launches``, one ``{"kernel", "read": {arg: [address arrays]}, "written": ..., "itemsize": {arg: n}}``
+    each, from the interpreter's masked loads and stores (an unmasked one is a masked one with every lane on)."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict[str, Any]] = []
+        self.on = True
+        self._current: dict[str, Any] | None = None
+        self._spans: ArgumentSpans | None = None
+
+    def _record(self, kind: str, ptrs: Any, mask: Any) -> None:
+        import numpy as np
+        from triton.runtime.interpreter import _get_np_dtype
+
+        if self._current is None:
+            return
+        addresses = ptrs.data
+        if mask is not None:
+            addresses = addresses[np.broadcast_to(mask.data, addresses.shape)]
+        addresses = np.asarray(addresses, dtype=np.uint64).ravel()
+        itemsize = np.dtype(_get_np_dtype(ptrs.get_element_ty())).itemsize
+        for name, part in self._spans.split(addresses).items():
+            self._current[kind].setdefault(name, []).append(part)
+            self._current["itemsize"][name] = itemsize
+
+    def _launch(self, original: Any, kernel: Any, grid: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        import torch
+
+        if not self.on:
+            return original(kernel, grid, *args, **kwargs)
+        bound = dict(zip(kernel.arg_names, args, strict=False)) | kwargs  # (the rest are defaults)
+        tensors = {n: t for n, t in bound.items() if isinstance(t, torch.Tensor)}
+        self._spans = ArgumentSpans(list(tensors), list(tensors.values()))
+        self._current = {"kernel": kernel.fn.__name__, "read": {}, "written": {}, "itemsize": {}}
+        try:
+            return original(kernel, grid, *args, **kwargs)
+        finally:
+            self.launches.append(self._current)
+            self._current = None
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Patch qada's launcher and the interpreter's masked load and store while entered (needs
+        ``TRITON_INTERPRET=1`` before triton was first imported)."""
+        from triton.runtime.interpreter import InterpreterBuilder
+
+        from qada.attention import _triton_kernel
+
+        if not _triton_kernel.INTERPRETED:
+            raise RuntimeError("counting bytes needs the kernels interpreted: set TRITON_INTERPRET=1 before importing")
+        load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+        launcher = _triton_kernel.run
+        recorder = self
+
+        def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):  # noqa: ANN001, ANN202
+            recorder._record("read", ptrs, mask)
+            return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+        def masked_store(self, ptrs, value, mask, cache_policy):  # noqa: ANN001, ANN202
+            recorder._record("written", ptrs, mask)
+            return store(self, ptrs, value, mask, cache_policy)
+
+        def launch(kernel, grid, *args, **kwargs):  # noqa: ANN001, ANN202
+            return recorder._launch(launcher, kernel, grid, args, kwargs)
+
+        InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = masked_load, masked_store
+        _triton_kernel.run = launch
+        try:
+            yield self
+        finally:
+            InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = load, store
+            _triton_kernel.run = launcher
+
+
+def summarise(launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per kernel and argument: unique and accessed bytes read and written over all ``launches`` of one step (a
+    kernel's launches in different layers touch different tensors, so their unique bytes add up)."""
+    import numpy as np
+
+    kernels: dict[str, dict[str, Any]] = {}
+    for launch in launches:
+        entry = kernels.setdefault(launch["kernel"], {"launches": 0, "read": {}, "written": {}})
+        entry["launches"] += 1
+        for kind in ("read", "written"):
+            for name, parts in launch[kind].items():
+                size = launch["itemsize"][name]
+                everything = np.concatenate(parts)
+                counts = entry[kind].setdefault(name, {"unique": 0, "accessed": 0})
+                counts["unique"] += int(np.unique(everything).size) * size
+                counts["accessed"] += int(everything.size) * size
+    return kernels
+
+
+def totals(kernels: dict[str, Any]) -> dict[str, int]:
+    """Bytes of one step over every kernel: ``read_unique``, ``read_accessed``, ``kv_unique`` (the KV cache read),
+    ``other_read_unique`` (everything else read), ``written_unique``, ``written_accessed``."""
+    out = collections.Counter()
+    for entry in kernels.values():
+        for name, counts in entry["read"].items():
+            out["read_unique"] += counts["unique"]
+            out["read_accessed"] += counts["accessed"]
+            out["kv_unique" if name in KV_ARGS else "other_read_unique"] += counts["unique"]
+        for counts in entry["written"].values():
+            out["written_unique"] += counts["unique"]
+            out["written_accessed"] += counts["accessed"]
+    return dict(out)
+
+
+def count_step(model: Any, run: Any, ids: Any) -> dict[str, Any]:
+    """Prefill ``ids [1, T]`` into a static cache with ``run`` attached, decode one step, record the next one's
+    launches: ``{"kernels": summarise(...), "totals": ..., "launches": n, "summary": run.summary()}``."""
+    import torch
+    from transformers import StaticCache
+
+    from qada.models import attach
+
+    recorder = ByteRecorder()
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    attach(model, run)
+    try:
+        with torch.no_grad(), recorder.recording():
+            mask = torch.ones_like(ids)
+            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            for step in range(2):
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                mask = torch.cat([mask, torch.ones_like(token)], 1)
+                recorder.on = step == 1
+                out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        summary = run.summary()
+    finally:
+        run.remove()
+    kernels = summarise(recorder.launches)
+    return {"kernels": kernels, "totals": totals(kernels), "launches": len(recorder.launches),
+            "sparsity": summary.get("sparsity"), "kv_sparsity": summary.get("kv_sparsity")}
+
+
+def dense_kv_bytes(model: Any, tokens: int, itemsize: int) -> int:
+    """The K/V bytes a dense decode step reads: ``tokens`` keys and values of every KV head of every layer."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * tokens * config.num_key_value_heads * head_dim * itemsize * config.num_hidden_layers
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+def report(results: dict[str, Any]) -> str:
+    """The markdown report of :func:`main`'s results."""
+    from benchmarks.common import table
+
+    dense = results["dense_kv_bytes"]
+    lines = [f"# Bytes per decode step, counted in Triton's interpreter: {results['model']}, "
+             f"{results['layers']} layers",
+             "", f"Command: `{results['command']}`; torch {results['machine']['torch']}, triton "
+             f"{results['triton']}, stored moments, a static cache, the second decode step after a "
+             f"{results['prompt_tokens']:,}-token pass-key prompt, split grids sized for {results['sms']} SMs (an "
+             "H100's or H200's count). *unique*: distinct bytes (the floor of the "
+             "memory traffic on a GPU); *accessed*: every load counted, re-reads included (what caches serve); "
+             f"*dense K/V*: the K/V bytes a dense step reads, **{_mb(dense)} MB** here. *K/V unique* is the cache "
+             "read by every launch together; *other read* everything else (moments, moment state, decision inputs, "
+             "split partials). kv_sparsity: the run's share of KV-group bulks skipped.", "",
+             table(["configuration", "launches", "kv_sparsity", "read unique MB", "/ dense K/V", "K/V unique MB",
+                    "other read unique MB", "read accessed MB", "accessed / unique", "written unique MB"],
+                   [[name, row["launches"], "n/a" if row["kv_sparsity"] is None else f"{row['kv_sparsity']:.3f}",
+                     _mb(row["totals"].get("read_unique", 0)), f"{row['totals'].get('read_unique', 0) / dense:.3f}",
+                     _mb(row["totals"].get("kv_unique", 0)), _mb(row["totals"].get("other_read_unique", 0)),
+                     _mb(row["totals"].get("read_accessed", 0)),
+                     f"{row['totals'].get('read_accessed', 0) / max(row['totals'].get('read_unique', 0), 1):.2f}",
+                     _mb(row["totals"].get("written_unique", 0))]
+                    for name, row in results["rows"].items()]), "",
+             "Per kernel (all layers of the step): MB read unique / accessed per argument, then written unique.", ""]
+    for name, row in results["rows"].items():
+        lines.append(f"- **{name}**")
+        for kernel, entry in row["kernels"].items():
+            reads = ", ".join(f"{arg} {_mb(c['unique'])}/{_mb(c['accessed'])}" for arg, c in
+                              sorted(entry["read"].items(), key=lambda item: -item[1]["accessed"]))
+            writes = ", ".join(f"{arg} {_mb(c['unique'])}" for arg, c in
+                               sorted(entry["written"].items(), key=lambda item: -item[1]["unique"]))
+            lines.append(f"  - `{kernel}` x{entry['launches']}: read {reads or 'nothing'}; wrote {writes or 'nothing'}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
+    parser.add_argument("--sms", type=int, default=132,
+                        help="SMs the executors size their split grid for (an H100 or H200 has 132; the "
+                        "interpreter's own count is 1)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the executors' kernels on the CPU
+    os.environ["QADA_COMPILE"] = "0"  # the interpreter cannot be compiled: eager steps
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; known: {list(CONFIGS)}")
+
+    import torch
+    import triton
+
+    from benchmarks.common import machine_info, write_results
+    from qada.attention import triton_decode
+    from qada.eval.passkey import passkey_prompt
+    from qada.models import build_run, load_default_model, prepare_run
+
+    triton_decode._num_sms = lambda device: args.sms  # the grid a GPU launches: its splits re-read what they decide
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    dtype = getattr(torch, args.dtype)
+    model, tokenizer = load_default_model(dtype=dtype)
+    ids = passkey_prompt(tokenizer, length=args.length, depth=0.5).input_ids
+    tokens = ids.shape[1] + 2  # the recorded step's keys: the prompt, the first decoded token and its own
+    rows = {}
+    for name in names:
+        criterion, moments, executor = CONFIGS[name]
+        run = prepare_run(build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer)
+        rows[name] = count_step(model, run, ids)
+        print(f"{name}: {rows[name]['launches']} launches, {_mb(rows[name]['totals'].get('read_unique', 0))} MB "
+              "read (unique)", flush=True)
+    flags = "".join(f" --{flag} {value}" for flag, value, default in
+                    (("length", args.length, 4096), ("dtype", args.dtype, "bfloat16"), ("sms", args.sms, 132))
+                    if value != default)  # fmt: skip
+    results = {"command": f"python benchmarks/launch_bytes.py{flags}", "sms": args.sms,
+               "machine": machine_info("cpu"), "triton": triton.__version__,
+               "model": f"SmolLM2-135M (embedded, {args.dtype})", "layers": model.config.num_hidden_layers,
+               "prompt_tokens": int(ids.shape[1]), "dense_kv_bytes": dense_kv_bytes(model, tokens, dtype.itemsize),
+               "rows": rows}
+    paths = write_results(args.out, "launch-bytes-cpu", results, report(results))
+    print(paths[1].read_text())
+    return paths[1]
+
+
+if __name__ == "__main__":
+    main()

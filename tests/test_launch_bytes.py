@@ -1,0 +1,121 @@
+"""``benchmarks/launch_bytes.py``: the bytes each Triton launch reads and writes, counted in Triton's interpreter,
+and what it found in the moment step (the prepared jump sums are read only at a jump)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must happen before triton is imported anywhere
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+import triton.language as tl  # noqa: E402
+
+from benchmarks.launch_bytes import ArgumentSpans, ByteRecorder, summarise, totals  # noqa: E402
+from qada.attention import _triton_kernel  # noqa: E402
+from tests.test_fused_decision import make_run, model, reference  # noqa: E402, F401 - the tiny model's fixtures
+
+pytestmark = pytest.mark.skipif(not _triton_kernel.INTERPRETED, reason="counts bytes in Triton's interpreter")
+
+
+@triton.jit
+def _gather_twice(X, IDX, OUT, n, BLOCK: tl.constexpr):
+    """``OUT[i] = X[IDX[i]] + X[IDX[i]]`` for ``i < n``, loading ``X`` twice."""
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    idx = tl.load(IDX + offs, mask=ok, other=0)
+    a = tl.load(X + idx, mask=ok, other=0.0)
+    b = tl.load(X + idx, mask=ok, other=0.0)
+    tl.store(OUT + offs, a + b, mask=ok)
+
+
+def test_recorder_counts_each_masked_lane_and_each_distinct_byte():
+    x = torch.arange(10, dtype=torch.float64)
+    idx = torch.tensor([3, 3, 7, 1, 9, 0, 0, 0], dtype=torch.int32)  # 5 lanes on: 4 distinct elements of x
+    out = torch.zeros(8, dtype=torch.float64)
+    with ByteRecorder().recording() as recorder:
+        _triton_kernel.run(_gather_twice, (1,), x, idx, out, 5, BLOCK=8)
+    torch.testing.assert_close(out[:5], 2 * x[[3, 3, 7, 1, 9]])
+    [launch] = recorder.launches
+    assert launch["kernel"] == "_gather_twice"
+    kernels = summarise(recorder.launches)
+    entry = kernels["_gather_twice"]
+    assert entry["read"]["X"] == {"unique": 4 * 8, "accessed": 2 * 5 * 8}
+    assert entry["read"]["IDX"] == {"unique": 5 * 4, "accessed": 5 * 4}
+    assert entry["written"] == {"OUT": {"unique": 5 * 8, "accessed": 5 * 8}}
+    assert totals(kernels) == {"read_unique": 52, "read_accessed": 100, "other_read_unique": 52,
+                               "written_unique": 40, "written_accessed": 40}
+
+
+def test_recorder_is_off_outside_and_when_told():
+    x, idx, out = torch.ones(4), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
+    recorder = ByteRecorder()
+    _triton_kernel.run(_gather_twice, (1,), x, idx, out, 4, BLOCK=4)  # not recording
+    with recorder.recording():
+        recorder.on = False
+        _triton_kernel.run(_gather_twice, (1,), x, idx, out, 4, BLOCK=4)
+    assert recorder.launches == []
+    assert _triton_kernel.run.__name__ != "launch"  # the launcher is restored
+
+
+def test_spans_attribute_addresses_to_views_and_strided_tensors():
+    import numpy as np
+
+    base = torch.zeros(4, 6, dtype=torch.float32)
+    column = base[:, 2]  # strided: elements 2, 8, 14, 20
+    other = torch.zeros(3, dtype=torch.float64)
+    spans = ArgumentSpans(["COLUMN", "OTHER"], [column, other])
+    inside = np.array([column.data_ptr() + 4 * 6 * 3, other.data_ptr() + 16], dtype=np.uint64)
+    outside = np.array([column.data_ptr() + 4 * 19], dtype=np.uint64)  # past the column's last element (20)
+    groups = spans.split(np.concatenate([inside, outside]))
+    assert groups["COLUMN"].tolist() == [inside[0]]
+    assert groups["OTHER"].tolist() == [inside[1]]
+    assert groups["?"].tolist() == [outside[0]]  # one past the column's extent: no argument's
+
+
+def test_stored_moment_step_reads_the_jump_sums_only_at_a_jump():
+    """The stored source's prepared sums (``JUMP_S2``: one ``[d, d]`` float64 matrix per row and KV head, as large as
+    the state) are read by a (row, KV head) only at the step where its range jumps; before, every step read them."""
+    from qada.models.fused_step import fused_moment_step
+    from tests.test_moment_step_kernel import STARTS, WINDOW, prefilled
+
+    d = 16
+    moments, keys, _, state = prefilled("stored", d)
+    jump_lengths = state["jump_n"]  # [b, K]: the row lengths at which a row's range jumps (-1: none)
+    start = STARTS.to(keys.device)
+    hits = 0
+    for end in range(16, 28):
+        rows_jumping = int(((jump_lengths == (end - start)[:, None]).any(dim=1)).sum())
+        with ByteRecorder().recording() as recorder:
+            fused_moment_step(moments, state, keys, start, torch.full((2,), end, device=keys.device), WINDOW)
+        [launch] = summarise(recorder.launches).values()
+        read = launch["read"].get("JUMP_S2", {"unique": 0})["unique"]
+        assert read == rows_jumping * 2 * d * d * 8, f"end {end}"
+        hits += rows_jumping
+    assert hits == 2  # both rows jumped once in these steps
+
+
+
+def test_count_step_on_a_model_reads_every_kv_byte_once_dense_and_less_when_sparse(model, reference):  # noqa: F811
+    """:func:`count_step` on the tiny model: qada's all-dense Triton path reads the K/V of every real token of every
+    layer exactly once (:func:`dense_kv_bytes`); the fused QAdA step reads fewer K/V bytes where it skips bulks,
+    and the moment step's float64 state is in its count, read and written."""
+    from benchmarks.launch_bytes import count_step, dense_kv_bytes
+    from qada.models import build_run
+
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(5)).to(model.device)
+    dense_run = build_run(criterion="dense", moments="none", executor={"name": "triton", "block_size": 16})
+    dense = count_step(model, dense_run, ids)
+    kv = dense["totals"]["kv_unique"]
+    assert kv == dense_kv_bytes(model, ids.shape[1] + 2, 4)
+    assert dense["kernels"]["qada_decode_split_kernel"]["read"]["K"]["accessed"] == kv // 2
+    fused = count_step(model, make_run("stored", {"name": "triton_fused", "block_size": 16}, reference,
+                                       criterion={"name": "qada", "tau": 0.05}), ids)  # fmt: skip
+    assert fused["kv_sparsity"] > 0
+    assert 0 < fused["totals"]["kv_unique"] < kv
+    moment = fused["kernels"]["stored_moment_step_kernel"]
+    assert moment["read"]["S2"]["unique"] == moment["written"]["S2"]["unique"] > 0

@@ -1,7 +1,7 @@
 """The bytes each Triton launch of one decode step reads and writes, counted in Triton's interpreter on the CPU.
 
-    python benchmarks/launch_bytes.py                    # SmolLM2 bf16, a 4,096-token pass-key prompt
-    python benchmarks/launch_bytes.py --length 1024 --out /tmp/bytes
+    python benchmarks/launch_bytes.py                    # SmolLM2 bf16, a 2,048-token pass-key prompt (~40 min)
+    python benchmarks/launch_bytes.py --length 512 --configs "qada fused" --out /tmp/bytes
 
 A decode step at long context is bound by the bytes it moves, and sparsity (the share of heads that are local) is
 not that number: the criterion reads what it decides from (the window's keys, the moments, the state that updates
@@ -51,19 +51,21 @@ KV_ARGS = {"K", "V"}
 
 
 class ArgumentSpans:
-    """The memory spans ``[start, end)`` of one launch's tensor arguments, to attribute an address to its argument."""
+    """The memory spans ``[start, end)`` of one launch's tensor arguments, to attribute an address to its argument
+    (``"Q=SINKS"``: one tensor passed as both). A span is a tensor's extent, from its first to its last element."""
 
     def __init__(self, names: list[str], tensors: list[Any]) -> None:
         import numpy as np
 
-        spans = []
+        found: dict[tuple[int, int], list[str]] = {}
         for name, tensor in zip(names, tensors, strict=True):
             if tensor.numel() == 0:
                 continue
             extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
             start = tensor.data_ptr()
-            spans.append((start, start + extent * tensor.element_size(), name))
-        spans.sort()
+            found.setdefault((start, start + extent * tensor.element_size()), []).append(name)
+        # one tensor passed as several arguments (a placeholder for one not given) is named after all of them
+        spans = sorted((start, end, "=".join(names)) for (start, end), names in found.items())
         self.starts = np.array([s for s, _, _ in spans], dtype=np.uint64)
         self.ends = np.array([e for _, e, _ in spans], dtype=np.uint64)
         self.names = [n for _, _, n in spans]
@@ -184,7 +186,8 @@ def totals(kernels: dict[str, Any]) -> dict[str, int]:
         for name, counts in entry["read"].items():
             out["read_unique"] += counts["unique"]
             out["read_accessed"] += counts["accessed"]
-            out["kv_unique" if name in KV_ARGS else "other_read_unique"] += counts["unique"]
+            is_kv = bool(KV_ARGS & set(name.split("=")))
+            out["kv_unique" if is_kv else "other_read_unique"] += counts["unique"]
         for counts in entry["written"].values():
             out["written_unique"] += counts["unique"]
             out["written_accessed"] += counts["accessed"]
@@ -268,7 +271,7 @@ def report(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
+    parser.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     parser.add_argument("--sms", type=int, default=132,
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"{name}: {rows[name]['launches']} launches, {_mb(rows[name]['totals'].get('read_unique', 0))} MB "
               "read (unique)", flush=True)
     flags = "".join(f" --{flag} {value}" for flag, value, default in
-                    (("length", args.length, 4096), ("dtype", args.dtype, "bfloat16"), ("sms", args.sms, 132))
+                    (("length", args.length, 2048), ("dtype", args.dtype, "bfloat16"), ("sms", args.sms, 132))
                     if value != default)  # fmt: skip
     results = {"command": f"python benchmarks/launch_bytes.py{flags}", "sms": args.sms,
                "machine": machine_info("cpu"), "triton": triton.__version__,

@@ -419,7 +419,8 @@ COMPILE = textwrap.dedent(
         pointers = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, MEAN="*fp32", COV="*fp32",
                         START="*i64" if rows else "*" + dtype, END="*i64" if rows else "*" + dtype,
                         SINKS="*fp32" if features else "*" + dtype, GH_X="*fp32", GH_LOGW="*fp32",
-                        HEAVY="*i64", HEAVY_VALID="*u8", MEMBER="*u8", KMIN="*fp32", KMAX="*fp32", HALVES="*fp32",
+                        HEAVY="*i64", HEAVY_VALID="*u8", MEMBER="*u8", KMIN="*" + dtype, KMAX="*" + dtype,
+                        HALVES="*fp32",
                         ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", DECIDED="*u8", LOCAL="*u8", READ="*u8",
                         BROKEN="*u8", LOG_RATIO="*fp32", N_EXACT="*i32", CAND_VALS="*fp32", CAND_IDS="*i32",
                         CAND_OKS="*i32")
@@ -442,9 +443,9 @@ COMPILE = textwrap.dedent(
 
 def test_fused_tail_kernel_compiles_for_the_gpu():
     """The ``qada_tail`` split kernel compiles (TTIR .. cubin) for sm_90 without a GPU, at the benchmarks' sizes
-    (32 heavy tokens, 8 pages of 16): with bfloat16 inputs, rows, a soft cap, sink logits and ``promote`` in the
-    budget's score mode (no attention) merging page lists, and with float32 inputs and none of them, attending;
-    and the page-top kernel alike."""
+    (32 heavy tokens, 8 pages of 16): with bfloat16 inputs (and page extrema), rows, a soft cap, sink logits and
+    ``promote`` in the budget's score mode (no attention) merging page lists, and with float32 inputs and none of
+    them, attending; and the page-top kernel alike."""
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:

@@ -3,6 +3,7 @@ and what it found in the moment step (the prepared jump sums are read only at a 
 
 from __future__ import annotations
 
+import collections
 import os
 
 import torch
@@ -119,3 +120,41 @@ def test_count_step_on_a_model_reads_every_kv_byte_once_dense_and_less_when_spar
     assert 0 < fused["totals"]["kv_unique"] < kv
     moment = fused["kernels"]["stored_moment_step_kernel"]
     assert moment["read"]["S2"]["unique"] == moment["written"]["S2"]["unique"] > 0
+
+
+@pytest.mark.parametrize("decide_once,pages_per_program", [(False, 256), (True, 5)], ids=["split", "page_top"])
+def test_fused_tail_bounds_pages_from_extrema_in_the_cache_dtype(decide_once, pages_per_program):
+    """In a bfloat16 cache the page extrema are bfloat16 (exact: each is one of the keys) and the fused ``qada_tail``
+    step bounds every page from them: 2 x d x 2 bytes a page, where the float32 halves it read before are
+    2 x d x 4; of the halves it writes only the step key's page and reads none. The decisions and the state stay
+    the eager criterion's (:func:`tests.test_fused_tail.check_tail`)."""
+    from tests.test_fused_tail import CASES, check_tail, make_step, prepared, tail_tau
+
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits, sizes = CASES[2]
+    assert dtype == torch.bfloat16  # (45 pages of 8: with 5 pages per program, 9 page-top programs per pair)
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C, softcap=softcap, sinks=sinks)
+    criterion, state = prepared(step, C, **sizes)
+    assert state["kmin"].dtype == state["kmax"].dtype == torch.bfloat16 and state["halves"].dtype == torch.float32
+    tau = tail_tau(criterion, step, state, H // H_kv, policy)
+    with ByteRecorder().recording() as recorder:
+        check_tail(criterion, step, state, tau, policy, block, splits, decide_once, pages_per_program)
+    kernels = summarise(recorder.launches)
+    reads = collections.Counter()
+    for entry in kernels.values():
+        for name, counts in entry["read"].items():
+            reads[name] += counts["unique"]
+    assert reads["HALVES"] == 0
+    if decide_once:  # the page bounds spread over programs of their own
+        assert kernels["qada_tail_page_top_kernel"]["read"]["KMIN"]["unique"] > 0
+    pages = state["kmin"].shape[2]
+    assert 0 < reads["KMIN"] == reads["KMAX"] <= b * H_kv * pages * d * 2
+    written = sum(entry["written"].get("HALVES", {"unique": 0})["unique"] for entry in kernels.values())
+    assert written == b * H_kv * 2 * d * 4  # one page per (row, KV head)
+
+
+def test_spans_name_one_tensor_passed_twice_after_both_arguments():
+    import numpy as np
+
+    q = torch.zeros(4)
+    spans = ArgumentSpans(["Q", "SINKS", "K"], [q, q, torch.zeros(2)])
+    assert list(spans.split(np.array([q.data_ptr() + 4], dtype=np.uint64))) == ["Q=SINKS"]

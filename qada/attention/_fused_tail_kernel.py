@@ -9,7 +9,8 @@ What it computes is :class:`~qada.criteria.TailCriterion`'s decision with one-le
   (:func:`~qada.criteria.tail_index.append_step_key`): ``low = key`` on a page's first slot, else ``min(kmin, key)``
   (``high`` alike) and the page's halves ``((low + high) / 2, (high - low) / 2)``; split 0 writes them back;
 * the heavy set: the KV head's heavy slots that are valid and inside the bulk, scored by every query head;
-* per query head the ``TOP`` pages overlapping the bulk with the highest bound ``scale [q, |q|]·halves``
+* per query head the ``TOP`` pages overlapping the bulk with the highest bound ``scale [q, |q|]·halves`` (the halves
+  made from the extrema, which a 16-bit cache keeps in its own dtype: half the bytes of the float32 halves)
   (:func:`~qada.functional.tail.top_pages`; a NaN bound ranks first and marks its page invalid, as ``topk`` does),
   chosen by repeated max-extraction over tiles of ``BLOCK_P`` pages, and their tokens inside the bulk that are not
   heavy (``MEMBER``);
@@ -21,7 +22,7 @@ What it computes is :class:`~qada.criteria.TailCriterion`'s decision with one-le
 Every split computes the decision (its block list depends on it) and the step key's page extrema; split 0 writes
 them back before it decides, so that they hold no registers through the decision. The update is idempotent (a split
 that reads the page after split 0 wrote it computes the same extrema), and every split bounds that page with the new
-extrema from its registers, never with the stored halves it may race with.
+extrema from its registers, never with the stored ones it may race with.
 
 Where the decision is a launch of its own over a long row, :func:`qada_tail_page_top_kernel` first spreads the page
 bounds over programs of a stretch of pages each (their top pages per head, read-only), and the decision merges those
@@ -99,7 +100,7 @@ def step_key_page(KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_k
                   stride_ed, C, n_pages, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                   HAS_END: tl.constexpr):  # fmt: skip
     """The step's key joins its page (:func:`~qada.criteria.tail_index.append_step_key`), in registers: ``(page,
-    low, high, centre, radius)`` (nothing is written: :func:`store_step_key_page` does, from the same values)."""
+    low, high)`` float32 (nothing is written: :func:`store_step_key_page` does, from the same values)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     if HAS_END:
@@ -110,20 +111,21 @@ def step_key_page(KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_k
     fresh = (slot % PAGE) == 0
     key = tl.load(k_base + slot.to(tl.int64) * stride_kt + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float32)
     extrema = row64 * stride_eb + kv64 * stride_eh + new_page.to(tl.int64) * stride_ep + offs_d * stride_ed
-    low = tl.where(fresh, key, tl.minimum(tl.load(KMIN + extrema, mask=d_ok, other=0.0), key))
-    high = tl.where(fresh, key, tl.maximum(tl.load(KMAX + extrema, mask=d_ok, other=0.0), key))
-    return new_page, low, high, (low + high) * 0.5, (high - low) * 0.5
+    low = tl.where(fresh, key, tl.minimum(tl.load(KMIN + extrema, mask=d_ok, other=0.0).to(tl.float32), key))
+    high = tl.where(fresh, key, tl.maximum(tl.load(KMAX + extrema, mask=d_ok, other=0.0).to(tl.float32), key))
+    return new_page, low, high
 
 
 @triton.jit
-def store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, centre, radius, stride_eb, stride_eh,
-                        stride_ep, stride_ed, stride_fb, stride_fh, stride_fp, stride_fx, C, n_pages,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_END: tl.constexpr):  # fmt: skip
-    """Write what :func:`step_key_page` computed: the page's extrema ``low, high`` into ``KMIN, KMAX`` and its halves
-    ``centre, radius`` into ``HALVES``. The page is found again from ``END`` here, not taken from
-    :func:`step_key_page`'s result: torch.compile's analysis of which tensors a kernel writes follows a store's
-    address back through the arguments of every call it comes from, so an address computed from a call's result
-    would mark that call's inputs (the keys, ``END``) written and have them copied before every launch."""
+def store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, stride_eb, stride_eh, stride_ep,
+                        stride_ed, stride_fb, stride_fh, stride_fp, stride_fx, C, n_pages, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_END: tl.constexpr):  # fmt: skip
+    """Write what :func:`step_key_page` computed: the page's extrema ``low, high`` into ``KMIN, KMAX`` (exactly in a
+    16-bit cache's dtype: each is one of the page's keys) and its halves ``((low + high) / 2, (high - low) / 2)``
+    into ``HALVES`` (:func:`~qada.functional.tail.page_halves`). The page is found again from ``END`` here, not
+    taken from :func:`step_key_page`'s result: torch.compile's analysis of which tensors a kernel writes follows a
+    store's address back through the arguments of every call it comes from, so an address computed from a call's
+    result would mark that call's inputs (the keys, ``END``) written and have them copied before every launch."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     if HAS_END:
@@ -135,19 +137,23 @@ def store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, ce
     tl.store(KMIN + extrema, low, mask=d_ok)
     tl.store(KMAX + extrema, high, mask=d_ok)
     halves = HALVES + row64 * stride_fb + kv64 * stride_fh + page64 * stride_fp
-    tl.store(halves + offs_d * stride_fx, centre, mask=d_ok)
-    tl.store(halves + (D + offs_d) * stride_fx, radius, mask=d_ok)
+    tl.store(halves + offs_d * stride_fx, (low + high) * 0.5, mask=d_ok)
+    tl.store(halves + (D + offs_d) * stride_fx, (high - low) * 0.5, mask=d_ok)
 
 
 @triton.jit
-def page_top(q_head, stride_qh, stride_qd, halves_base, stride_fp, stride_fx, p_begin, p_end, new_page, centre_new,
-             radius_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """Each query head's ``TOP`` pages of ``[p_begin, p_end)`` by bound ``scale [q, |q|]·halves`` (the step key's
-    page with its new halves from registers): ``(vals, ids, oks [BLOCK_G, BLOCK_M])``, by tiles of ``BLOCK_P``.
-    ``q_head``: the group's first query head (the others ``stride_qh`` apart), read one head at a time.
+def page_top(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stride_ed, p_begin, p_end, new_page,
+             low_new, high_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Each query head's ``TOP`` pages of ``[p_begin, p_end)`` by bound ``scale sum_d max(q_d kmin_d, q_d kmax_d)``
+    (:func:`~qada.functional.tail.page_bounds`; the step key's page with its new extrema ``low_new, high_new`` from
+    registers): ``(vals, ids, oks [BLOCK_G, BLOCK_M])``, by tiles of ``BLOCK_P``. ``q_head``: the group's first
+    query head (the others ``stride_qh`` apart), read one head at a time; the extrema at ``kmin_base`` /
+    ``kmax_base``, one page ``stride_ep`` apart: in a 16-bit cache's dtype, half the bytes of the float32 halves the
+    eager criterion multiplies with (``[q, |q|]·[c, r]``, the same bound; the two differ by float32 rounding only).
     The bounds are float32 sums, one query head at a time (not a float32 ``ieee`` dot: that holds whole rows of
-    both tiles per thread, hundreds of registers on a GPU)."""
+    both tiles per thread, hundreds of registers on a GPU). An empty page (``+inf``, ``-inf``) bounds to ``+inf``
+    or NaN, where the halves give NaN: ranked first and marked invalid alike."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -157,18 +163,17 @@ def page_top(q_head, stride_qh, stride_qd, halves_base, stride_fp, stride_fx, p_
     for p0 in range(p_begin, p_end, BLOCK_P):
         pages = p0 + tl.arange(0, BLOCK_P)
         p_ok = pages < p_end
-        at = halves_base + pages[:, None].to(tl.int64) * stride_fp + offs_d[None, :] * stride_fx
+        at = pages[:, None].to(tl.int64) * stride_ep + offs_d[None, :] * stride_ed
         both = p_ok[:, None] & d_ok[None, :]
-        centre = tl.load(at, mask=both, other=0.0).to(tl.float32)
-        radius = tl.load(at + D * stride_fx, mask=both, other=0.0).to(tl.float32)
-        is_new = (pages == new_page)[:, None]  # the step key's page: its new halves, from registers
-        centre = tl.where(is_new, centre_new[None, :], centre)
-        radius = tl.where(is_new, radius_new[None, :], radius)
+        is_new = (pages == new_page)[:, None]  # the step key's page: its new extrema, from registers
+        low = tl.where(is_new, low_new[None, :], tl.load(kmin_base + at, mask=both, other=0.0).to(tl.float32))
+        high = tl.where(is_new, high_new[None, :], tl.load(kmax_base + at, mask=both, other=0.0).to(tl.float32))
         bound = tl.zeros([BLOCK_G, BLOCK_P], dtype=tl.float32)
         for g in tl.static_range(G):
             is_g = offs_g == g
             q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
-            bound_g = tl.sum(centre * q_g[None, :], axis=1) + tl.sum(radius * tl.abs(q_g)[None, :], axis=1)
+            bound_g = (tl.sum((low + high) * 0.5 * q_g[None, :], axis=1)
+                       + tl.sum((high - low) * 0.5 * tl.abs(q_g)[None, :], axis=1))  # fmt: skip
             bound = tl.where(is_g[:, None], bound_g[None, :], bound)
         bound = bound * scale  # [BLOCK_G, BLOCK_P]
         rank = tl.where(p_ok[None, :], tl.where(bound != bound, float("inf"), bound), float("-inf"))
@@ -187,11 +192,10 @@ def page_range(bulk_lo, bulk_hi, has_bulk, PAGE: tl.constexpr):
 
 @triton.jit
 def qada_tail_page_top_kernel(
-    Q, K, START, END, KMIN, KMAX, HALVES, CAND_VALS, CAND_IDS, CAND_OKS,
+    Q, K, START, END, KMIN, KMAX, CAND_VALS, CAND_IDS, CAND_OKS,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_eb, stride_eh, stride_ep, stride_ed,
-    stride_fb, stride_fh, stride_fp, stride_fx,
     C, H_KV, t_sink, t_local, scale, n_pages, pages_per_program,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
@@ -211,14 +215,15 @@ def qada_tail_page_top_kernel(
     q_head = Q + row64 * stride_qb + (kv64 * G) * stride_qh  # the group's first query head
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
     p_lo, p_hi = page_range(bulk_lo, bulk_hi, t_bulk > 0, PAGE)
-    new_page, low, high, centre_new, radius_new = step_key_page(
+    new_page, low, high = step_key_page(
         KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_eb, stride_eh, stride_ep, stride_ed,
         C, n_pages, D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
     p_begin = tl.minimum(p_lo + stretch * pages_per_program, p_hi)
     p_end = tl.minimum(p_begin + pages_per_program, p_hi)
-    vals, ids, oks = page_top(q_head, stride_qh, stride_qd, HALVES + row64 * stride_fb + kv64 * stride_fh, stride_fp,
-                              stride_fx, p_begin, p_end, new_page, centre_new, radius_new, scale, G, D, BLOCK_G,
-                              BLOCK_D, BLOCK_P, TOP, BLOCK_M)  # fmt: skip
+    extrema = row64 * stride_eb + kv64 * stride_eh
+    vals, ids, oks = page_top(q_head, stride_qh, stride_qd, KMIN + extrema, KMAX + extrema, stride_ep, stride_ed,
+                              p_begin, p_end, new_page, low, high, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P, TOP,
+                              BLOCK_M)  # fmt: skip
     at = ((pair.to(tl.int64) * tl.num_programs(1) + stretch) * BLOCK_G + offs_g[:, None]) * BLOCK_M \
         + tl.arange(0, BLOCK_M)[None, :]
     tl.store(CAND_VALS + at, vals)
@@ -259,7 +264,8 @@ def qada_tail_fused_split_kernel(
     Reads, besides what :func:`~qada.attention._fused_kernel.qada_fused_split_kernel` reads, the layer's tail index
     (:class:`~qada.criteria.tail_index.LayerTail`): ``HEAVY [b, H_kv, k]`` int64 slots (``n_heavy = k``),
     ``HEAVY_VALID [b, H_kv, k]`` bool (same strides as ``HEAVY``), ``MEMBER [b, H_kv, C']`` bool (``C' >= C``),
-    ``KMIN, KMAX [b, H_kv, n_pages, d]`` float32 (same strides) and ``HALVES [b, H_kv, n_pages, 2d]`` float32; pages
+    ``KMIN, KMAX [b, H_kv, n_pages, d]`` float32 or the cache's 16-bit dtype (same strides; the bounds read them) and
+    ``HALVES [b, H_kv, n_pages, 2d]`` float32 (only the step key's page is written); pages
     of ``PAGE`` slots, ``TOP`` pages per query head. Writes (split 0) the step key's page of ``KMIN, KMAX, HALVES``,
     ``DECIDED, LOCAL, BROKEN [b, H]`` and ``READ [b, H_kv]`` (bool), ``LOG_RATIO [b, H]`` float32 (``log A_local -
     logaddexp(log A_local, log Â_bulk)``) and ``N_EXACT [b, H]`` int32 (``|E|``), and as every split ``ACC, M, L,
@@ -295,17 +301,16 @@ def qada_tail_fused_split_kernel(
                                       HAS_SINKS, INPUT_PRECISION, DOT_FP32)  # fmt: skip
 
     # --- the step's key joins its page (append_step_key) ------------------------------------------------------
-    new_page, low, high, centre_new, radius_new = step_key_page(
+    new_page, low, high = step_key_page(
         KMIN, KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_eb, stride_eh, stride_ep, stride_ed,
         C, n_pages, D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
-    halves_base = HALVES + row64 * stride_fb + kv64 * stride_fh
     # The step key's page, as append_step_key leaves it, written first so that its extrema hold no registers
-    # through the rest of the decision. Any order is safe: every split takes the page's halves from registers, and
+    # through the rest of the decision. Any order is safe: every split takes the page's extrema from registers, and
     # a split reading the extrema after this write gets the same min / max again.
     if split == 0:
-        store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, centre_new, radius_new, stride_eb,
-                            stride_eh, stride_ep, stride_ed, stride_fb, stride_fh, stride_fp, stride_fx, C, n_pages,
-                            D, BLOCK_D, PAGE, HAS_END)  # fmt: skip
+        store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, stride_eb, stride_eh, stride_ep,
+                            stride_ed, stride_fb, stride_fh, stride_fp, stride_fx, C, n_pages, D, BLOCK_D, PAGE,
+                            HAS_END)  # fmt: skip
 
     # --- the exact set E: the heavy set ----------------------------------------------------------------------
     m_e = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -339,9 +344,10 @@ def qada_tail_fused_split_kernel(
                                        tl.load(CAND_OKS + at), TOP, BLOCK_M, BLOCK_M)  # fmt: skip
     else:
         p_lo, p_hi = page_range(bulk_lo, bulk_hi, has_bulk, PAGE)
-        vals, ids, oks = page_top(q_head, stride_qh, stride_qd, halves_base, stride_fp, stride_fx, p_lo, p_hi,
-                                  new_page, centre_new, radius_new, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P, TOP,
-                                  BLOCK_M)  # fmt: skip
+        extrema = row64 * stride_eb + kv64 * stride_eh
+        vals, ids, oks = page_top(q_head, stride_qh, stride_qd, KMIN + extrema, KMAX + extrema, stride_ep, stride_ed,
+                                  p_lo, p_hi, new_page, low, high, scale, G, D, BLOCK_G, BLOCK_D,
+                                  BLOCK_P, TOP, BLOCK_M)  # fmt: skip
 
     # --- the top pages' tokens: in the bulk, not heavy (one query head and page at a time: [BLOCK_S, BLOCK_D]) --
     offs_s = tl.arange(0, BLOCK_S)

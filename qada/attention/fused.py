@@ -43,6 +43,7 @@ import torch
 
 from qada.attention.base import GroupDecision, register_executor
 from qada.attention.triton_decode import StepStatistics, TritonExecutor, _next_pow2, check_triton_runtime, combine
+from qada.functional.tail import EXTREMA_DTYPES
 from qada.stable_tensors import write_into
 from qada.step import DecodeStep
 
@@ -89,8 +90,10 @@ class FusedTail(NamedTuple):
     Attributes:
         heavy: ``[b, H_kv, k]`` int64 heavy slots; ``heavy_valid``: ``[b, H_kv, k]`` bool (same strides).
         member: ``[b, H_kv, C']`` bool (``C' >= C``), the heavy slots.
-        kmin, kmax: ``[b, H_kv, n_pages, d]`` float32 page extrema (same strides); ``halves``: ``[b, H_kv, n_pages,
-            2d]`` float32 (:func:`~qada.functional.tail.page_halves`).
+        kmin, kmax: ``[b, H_kv, n_pages, d]`` page extrema (same strides and dtype: float32, or a 16-bit cache's
+            dtype, :func:`~qada.criteria.tail_index.extrema_dtype`); ``halves``: ``[b, H_kv, n_pages, 2d]`` float32
+            (:func:`~qada.functional.tail.page_halves`; the kernels bound pages from the extrema and write only the
+            step key's page of it).
         page_size: slots per page ``P``; pages: top pages per query head (``m``).
         heavy_reads: the heavy tokens per KV head the step's ``kv_read`` counts (``None``: ``heavy``'s ``k``; a
             criterion without a heavy set keeps a placeholder slot and counts 0).
@@ -120,8 +123,11 @@ class FusedTail(NamedTuple):
                              f"and {n} pages of {self.page_size}")
         if self.heavy_valid.stride() != self.heavy.stride() or self.kmin.stride() != self.kmax.stride():
             raise ValueError("expected heavy / heavy_valid and kmin / kmax of equal strides")
-        if self.kmin.dtype != torch.float32 or self.kmax.dtype != torch.float32 or self.halves.dtype != torch.float32:
-            raise ValueError("expected float32 page extrema and halves")
+        if self.kmin.dtype != self.kmax.dtype or self.kmin.dtype not in EXTREMA_DTYPES:
+            raise ValueError(f"expected page extrema of one dtype of {EXTREMA_DTYPES} but got {self.kmin.dtype} and "
+                             f"{self.kmax.dtype}")
+        if self.halves.dtype != torch.float32:
+            raise ValueError(f"expected float32 page halves but got {self.halves.dtype}")
         return self.heavy, self.heavy_valid, self.member, self.kmin, self.kmax, self.halves
 
     def kernel_strides(self) -> tuple[int, ...]:
@@ -365,11 +371,11 @@ class FusedTritonExecutor(TritonExecutor):
         ids = torch.empty(shape, dtype=torch.int32, device=query.device)
         oks = torch.empty(shape, dtype=torch.int32, device=query.device)
         start, end = step.start, step.end
-        _, _, _, kmin, kmax, halves = tail_inputs
+        _, _, _, kmin, kmax, _ = tail_inputs
         _triton_kernel.run(
             _fused_tail_kernel.qada_tail_page_top_kernel, (pairs, stretches),
-            query, key, query if start is None else start, query if end is None else end, kmin, kmax, halves,
-            vals, ids, oks, *query.stride(), *key.stride(), *kmin.stride(), *halves.stride(),
+            query, key, query if start is None else start, query if end is None else end, kmin, kmax,
+            vals, ids, oks, *query.stride(), *key.stride(), *kmin.stride(),
             C, H_kv, step.window.t_sink, step.window.t_local, float(step.scale), kmin.shape[2], self.pages_per_program,
             G=H // H_kv, D=d, BLOCK_G=common["BLOCK_G"], BLOCK_D=common["BLOCK_D"], BLOCK_P=constants["BLOCK_P"],
             PAGE=constants["PAGE"], TOP=constants["TOP"], BLOCK_M=constants["BLOCK_M"],

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from qada.functional.tail import heavy_votes, page_extrema, page_halves, update_page_extrema
+from qada.functional.tail import extrema_dtype, heavy_votes, page_extrema, page_halves, update_page_extrema
 from qada.functional.window import bulk_mask
 from qada.stable_tensors import write_into
 from qada.window import Window
@@ -36,7 +36,8 @@ LAYER_FIELDS = ("heavy", "heavy_valid", "member", "kmin", "kmax", "halves", "sup
 @dataclass
 class LayerTail:
     """One layer's state: ``heavy [b, H_kv, k]`` long slots, ``heavy_valid [b, H_kv, k]``, ``member [b, H_kv, C]``
-    bool, ``kmin / kmax [b, H_kv, n_pages, d]`` float32 and their ``halves [b, H_kv, n_pages, 2d]``
+    bool, ``kmin / kmax [b, H_kv, n_pages, d]`` (float32, or a 16-bit cache's dtype:
+    :func:`~qada.functional.tail.extrema_dtype`) and their float32 ``halves [b, H_kv, n_pages, 2d]``
     (:func:`~qada.functional.tail.page_halves`: what a step's page bounds read); with a hierarchy the super-pages'
     ``super_kmin / super_kmax [b, H_kv, n_super, d]`` and ``super_halves [b, H_kv, n_super, 2d]`` (else ``None``)."""
 
@@ -145,8 +146,9 @@ class TailIndex:
 
 
 def _grown_extrema(keys: torch.Tensor, page_size: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~qada.functional.tail.page_extrema` of ``keys`` padded to the pages of ``slots`` slots."""
-    kmin, kmax = page_extrema(keys, page_size)
+    """:func:`~qada.functional.tail.page_extrema` of ``keys`` padded to the pages of ``slots`` slots, in
+    :func:`~qada.functional.tail.extrema_dtype`."""
+    kmin, kmax = (x.to(extrema_dtype(keys.dtype)) for x in page_extrema(keys, page_size))
     n_pages = -(-slots // page_size)
     return _grow(kmin, n_pages, float("inf")), _grow(kmax, n_pages, float("-inf"))
 

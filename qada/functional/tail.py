@@ -19,7 +19,9 @@ import torch
 from qada.functional.capping import log_mean_exp_score
 
 __all__ = [
+    "EXTREMA_DTYPES",
     "bounds_from_halves",
+    "extrema_dtype",
     "heavy_votes",
     "page_bounds",
     "page_extrema",
@@ -63,6 +65,16 @@ def tail_log_rest(n_exact: torch.Tensor, mu_s: torch.Tensor, var_s: torch.Tensor
     return log_rest.masked_fill(rest <= 0, float("-inf"))
 
 
+EXTREMA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes page extrema are kept in (:func:`extrema_dtype`)."""
+
+
+def extrema_dtype(keys_dtype: torch.dtype) -> torch.dtype:
+    """The dtype to keep the page extrema of keys of ``keys_dtype`` in: a 16-bit float dtype itself (each extremum is
+    one of the keys, so nothing is rounded, and a step's bounds read half the bytes), else float32."""
+    return keys_dtype if keys_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def page_extrema(keys: torch.Tensor, page_size: int, filled: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Elementwise ``(kmin, kmax)`` of the keys of every page of ``page_size`` slots: ``keys [b, H_kv, C, d]`` ->
     two ``[b, H_kv, ceil(C / P), d]`` float32 tensors. Only the first ``filled`` slots count (default all); a page
@@ -93,15 +105,17 @@ def update_page_extrema(kmin: torch.Tensor, kmax: torch.Tensor, key: torch.Tenso
     low = torch.where(fresh, k, torch.minimum(kmin[at], k))  # [b, H_kv, d]
     high = torch.where(fresh, k, torch.maximum(kmax[at], k))
     # index_put_ (not scatter_): the compiled step then writes the one page in place, not a copy of the arrays
-    kmin.index_put_(at, low)
-    kmax.index_put_(at, high)
+    kmin.index_put_(at, low.to(kmin.dtype))  # (exact in the extrema's dtype: each is one of the keys)
+    kmax.index_put_(at, high.to(kmax.dtype))
     if halves is not None:
         halves.index_put_(at, page_halves(low, high))
 
 
 def page_halves(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """``[..., 2d]``: each page's centre ``(kmin + kmax) / 2`` and radius ``(kmax - kmin) / 2`` side by side, what
-    :func:`page_bounds` multiplies the query with (kept with the extrema: a step then reads it once)."""
+    :func:`page_bounds` multiplies the query with (kept with the extrema: a step then reads it once). float32,
+    computed in float32 whatever the extrema's dtype."""
+    kmin, kmax = kmin.float(), kmax.float()
     return torch.cat([(kmin + kmax) * 0.5, (kmax - kmin) * 0.5], -1)
 
 

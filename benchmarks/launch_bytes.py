@@ -139,13 +139,14 @@ class ByteRecorder:
         launcher = _triton_kernel.run
         recorder = self
 
-        def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):  # noqa: ANN001, ANN202
+        # (the arguments after the mask differ between Triton versions: cache and eviction policies)
+        def masked_load(self, ptrs, mask, *rest):  # noqa: ANN001, ANN202
             recorder._record("read", ptrs, mask)
-            return load(self, ptrs, mask, other, cache_policy, is_volatile)
+            return load(self, ptrs, mask, *rest)
 
-        def masked_store(self, ptrs, value, mask, cache_policy):  # noqa: ANN001, ANN202
+        def masked_store(self, ptrs, value, mask, *rest):  # noqa: ANN001, ANN202
             recorder._record("written", ptrs, mask)
-            return store(self, ptrs, value, mask, cache_policy)
+            return store(self, ptrs, value, mask, *rest)
 
         def launch(kernel, grid, *args, **kwargs):  # noqa: ANN001, ANN202
             return recorder._launch(launcher, kernel, grid, args, kwargs)

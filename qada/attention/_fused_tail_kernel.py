@@ -145,15 +145,15 @@ def store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, st
 def page_top(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stride_ed, p_begin, p_end, new_page,
              low_new, high_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
              BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """Each query head's ``TOP`` pages of ``[p_begin, p_end)`` by bound ``scale sum_d max(q_d kmin_d, q_d kmax_d)``
+    """Each query head's ``TOP`` pages of ``[p_begin, p_end)`` by bound ``scale [q, |q|]·[c, r]``
     (:func:`~qada.functional.tail.page_bounds`; the step key's page with its new extrema ``low_new, high_new`` from
     registers): ``(vals, ids, oks [BLOCK_G, BLOCK_M])``, by tiles of ``BLOCK_P``. ``q_head``: the group's first
-    query head (the others ``stride_qh`` apart), read one head at a time; the extrema at ``kmin_base`` /
-    ``kmax_base``, one page ``stride_ep`` apart: in a 16-bit cache's dtype, half the bytes of the float32 halves the
-    eager criterion multiplies with (``[q, |q|]·[c, r]``, the same bound; the two differ by float32 rounding only).
+    query head (the others ``stride_qh`` apart), read one head at a time. The centre ``c = (kmin + kmax) / 2`` and
+    radius ``r = (kmax - kmin) / 2`` are made in float32 from the extrema at ``kmin_base`` / ``kmax_base`` (one page
+    ``stride_ep`` apart), as :func:`~qada.functional.tail.page_halves` makes the float32 halves the eager criterion
+    reads: the same values, from half their bytes in a 16-bit cache's dtype.
     The bounds are float32 sums, one query head at a time (not a float32 ``ieee`` dot: that holds whole rows of
-    both tiles per thread, hundreds of registers on a GPU). An empty page (``+inf``, ``-inf``) bounds to ``+inf``
-    or NaN, where the halves give NaN: ranked first and marked invalid alike."""
+    both tiles per thread, hundreds of registers on a GPU)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D

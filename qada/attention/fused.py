@@ -91,7 +91,7 @@ class FusedTail(NamedTuple):
         heavy: ``[b, H_kv, k]`` int64 heavy slots; ``heavy_valid``: ``[b, H_kv, k]`` bool (same strides).
         member: ``[b, H_kv, C']`` bool (``C' >= C``), the heavy slots.
         kmin, kmax: ``[b, H_kv, n_pages, d]`` page extrema (same strides and dtype: float32, or a 16-bit cache's
-            dtype, :func:`~qada.criteria.tail_index.extrema_dtype`); ``halves``: ``[b, H_kv, n_pages, 2d]`` float32
+            dtype, :func:`~qada.functional.tail.extrema_dtype`); ``halves``: ``[b, H_kv, n_pages, 2d]`` float32
             (:func:`~qada.functional.tail.page_halves`; the kernels bound pages from the extrema and write only the
             step key's page of it).
         page_size: slots per page ``P``; pages: top pages per query head (``m``).

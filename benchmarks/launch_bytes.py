@@ -197,13 +197,15 @@ def totals(kernels: dict[str, Any]) -> dict[str, int]:
 
 def count_step(model: Any, run: Any, ids: Any) -> dict[str, Any]:
     """Prefill ``ids [1, T]`` into a static cache with ``run`` attached, decode one step, record the next one's
-    launches: ``{"kernels": summarise(...), "totals": ..., "launches": n, "summary": run.summary()}``."""
+    launches: ``{"kernels": summarise(...), "totals": totals(...), "launches": n, "sparsity", "kv_sparsity"}`` (the
+    last two: ``run.summary()``'s, over both decode steps)."""
     import torch
     from transformers import StaticCache
 
     from qada.models import attach
 
     recorder = ByteRecorder()
+    recorder.on = False  # (the prefill and the first step are not recorded)
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
     attach(model, run)
     try:

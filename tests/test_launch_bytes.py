@@ -1,5 +1,6 @@
 """``benchmarks/launch_bytes.py``: the bytes each Triton launch reads and writes, counted in Triton's interpreter,
-and what it found in the moment step (the prepared jump sums are read only at a jump)."""
+and what it found: the stored moment step reads the prepared jump sums only at a jump, and the fused ``qada_tail``
+bounds its pages from the extrema in a 16-bit cache's dtype, not from the float32 halves."""
 
 from __future__ import annotations
 

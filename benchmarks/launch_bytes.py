@@ -225,13 +225,6 @@ def count_step(model: Any, run: Any, ids: Any) -> dict[str, Any]:
             "sparsity": summary.get("sparsity"), "kv_sparsity": summary.get("kv_sparsity")}
 
 
-def dense_kv_bytes(model: Any, tokens: int, itemsize: int) -> int:
-    """The K/V bytes a dense decode step reads: ``tokens`` keys and values of every KV head of every layer."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * tokens * config.num_key_value_heads * head_dim * itemsize * config.num_hidden_layers
-
-
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f}"
 
@@ -293,6 +286,7 @@ def main(argv: list[str] | None = None) -> Path:
     import triton
 
     from benchmarks.common import machine_info, write_results
+    from benchmarks.end_to_end import kv_bytes_per_token
     from qada.attention import triton_decode
     from qada.eval.passkey import passkey_prompt
     from qada.models import build_run, load_default_model, prepare_run
@@ -316,7 +310,7 @@ def main(argv: list[str] | None = None) -> Path:
     results = {"command": f"python benchmarks/launch_bytes.py{flags}", "sms": args.sms,
                "machine": machine_info("cpu"), "triton": triton.__version__,
                "model": f"SmolLM2-135M (embedded, {args.dtype})", "layers": model.config.num_hidden_layers,
-               "prompt_tokens": int(ids.shape[1]), "dense_kv_bytes": dense_kv_bytes(model, tokens, dtype.itemsize),
+               "prompt_tokens": int(ids.shape[1]), "dense_kv_bytes": tokens * kv_bytes_per_token(model),
                "rows": rows}
     paths = write_results(args.out, "launch-bytes-cpu", results, report(results))
     print(paths[1].read_text())

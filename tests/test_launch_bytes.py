@@ -104,16 +104,17 @@ def test_stored_moment_step_reads_the_jump_sums_only_at_a_jump():
 
 def test_count_step_on_a_model_reads_every_kv_byte_once_dense_and_less_when_sparse(model, reference):  # noqa: F811
     """:func:`count_step` on the tiny model: qada's all-dense Triton path reads the K/V of every real token of every
-    layer exactly once (:func:`dense_kv_bytes`); the fused QAdA step reads fewer K/V bytes where it skips bulks,
+    layer exactly once (the dense step's K/V bytes); the fused QAdA step reads fewer K/V bytes where it skips bulks,
     and the moment step's float64 state is in its count, read and written."""
-    from benchmarks.launch_bytes import count_step, dense_kv_bytes
+    from benchmarks.end_to_end import kv_bytes_per_token
+    from benchmarks.launch_bytes import count_step
     from qada.models import build_run
 
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(5)).to(model.device)
     dense_run = build_run(criterion="dense", moments="none", executor={"name": "triton", "block_size": 16})
     dense = count_step(model, dense_run, ids)
     kv = dense["totals"]["kv_unique"]
-    assert kv == dense_kv_bytes(model, ids.shape[1] + 2, 4)
+    assert kv == (ids.shape[1] + 2) * kv_bytes_per_token(model)  # the prompt, the first token and the step's
     assert dense["kernels"]["qada_decode_split_kernel"]["read"]["K"]["accessed"] == kv // 2
     fused = count_step(model, make_run("stored", {"name": "triton_fused", "block_size": 16}, reference,
                                        criterion={"name": "qada", "tau": 0.05}), ids)  # fmt: skip

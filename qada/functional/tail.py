@@ -72,7 +72,7 @@ EXTREMA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def extrema_dtype(keys_dtype: torch.dtype) -> torch.dtype:
     """The dtype to keep the page extrema of keys of ``keys_dtype`` in: a 16-bit float dtype itself (each extremum is
     one of the keys, so nothing is rounded, and a step's bounds read half the bytes), else float32."""
-    return keys_dtype if keys_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return keys_dtype if keys_dtype in EXTREMA_DTYPES else torch.float32
 
 
 def page_extrema(keys: torch.Tensor, page_size: int, filled: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

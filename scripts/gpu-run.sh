@@ -20,6 +20,7 @@ set -u
 out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
+smollm2_goal_rows="dense compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled"
 
 stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   local name=$1 default=$2; shift 2
@@ -45,10 +46,10 @@ for s in "$@"; do
     eager) stage eager 400 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --configs "qada,qada eager,qada_tail,qada_tail eager,qada_tail_budget,qada_tail_budget eager" ;;
     goals-smollm2) stage goals-smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
-             --configs "dense compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled" ;;
+             --configs "$smollm2_goal_rows" ;;
     goals-smollm2-b1|goals-smollm2-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end \
              --models smollm2 --batches "${s#goals-smollm2-b}" \
-             --configs "dense compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled" ;;
+             --configs "$smollm2_goal_rows" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \
              --lengths 131072 --batches 1 --configs "dense compiled,qada dense compiled,qada_tail_budget fused compiled" ;;
     llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;

@@ -221,15 +221,18 @@ def test_fail_safe_forces_non_finite_estimates_dense():
 @pytest.mark.parametrize("decide_once", [False, True])
 def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch, decide_once):
     """The step's decision and attention: two launches (grid from the shapes; with ``decide_once`` a decision launch
-    first, then the ``triton`` executor's two), no host read, only allocations."""
+    first, then the ``triton`` executor's two) given each head's ``log E[exp(s)]`` (which a run's moment step
+    writes), no host read, only allocations."""
+    from qada.attention.moment_step import estimate_launch
     from tests.triton_launches import LaunchRecorder, refusing_host_reads
 
     step = make_step(2, 4, 2, 150, 16, [0, 9], [150, 130], torch.float32, seed=6)
     executor = FusedTritonExecutor(block_size=16, num_splits=3, decide_once=decide_once)
+    estimated = estimate_launch(executor.bulk_estimate(step.query, step.scale, step.softcap), step.moments)
     record = LaunchRecorder(monkeypatch)
     launches = record.launches
     with refusing_host_reads(monkeypatch), record:
-        executor.decide_and_attend(step, 0.3)
+        executor.decide_and_attend(step, 0.3, log_mean_exp=estimated)
     attend = [("qada_decode_split_kernel", (4, 3))] if decide_once else []
     assert launches == [("qada_fused_split_kernel", (4, 1 if decide_once else 3)), *attend,
                         ("qada_decode_combine_kernel", (2 * 4 + 1,))]
@@ -406,12 +409,12 @@ COMPILE = textwrap.dedent(
 
     kernel = K.qada_fused_split_kernel
     for dtype, rows, features in (("bf16", True, True), ("fp32", False, False)):
-        pointers = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, MEAN="*fp32", COV="*fp32",
+        pointers = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, LME="*fp32",
                         START="*i64" if rows else "*" + dtype, END="*i64" if rows else "*" + dtype,
-                        SINKS="*fp32" if features else "*" + dtype, GH_X="*fp32", GH_LOGW="*fp32",
+                        SINKS="*fp32" if features else "*" + dtype,
                         ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", DECIDED="*u8", LOCAL="*u8", READ="*u8",
                         BROKEN="*u8")
-        constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, BLOCK_K=16, BLOCK_X=64, HAS_START=rows,
+        constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=rows,
                          HAS_END=rows, HAS_SINKS=features, PROMOTE=features,
                          INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features,
                          ATTEND=rows)

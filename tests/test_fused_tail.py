@@ -187,7 +187,8 @@ def test_page_bounds_spread_over_programs_decide_alike(monkeypatch, case, pages_
     spread, _, spread_state = check_tail(criterion, step, state, tau, policy, block, splits, decide_once=True,
                                          pages_per_program=pages_per_program)
     stretches = -(-state["kmin"].shape[2] // pages_per_program)
-    assert stretches > 1 and record.launches[0] == ("qada_tail_page_top_kernel", (b * H_kv, stretches))
+    assert record.launches[0] == ("bulk_estimate_kernel", (b * H_kv,))  # (called without log E[exp(s)])
+    assert stretches > 1 and record.launches[1] == ("qada_tail_page_top_kernel", (b * H_kv, stretches))
     one, one_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once=True)
     for name in ("decided", "local", "read", "broken", "counts", "n_exact", "log_ratio"):
         assert torch.equal(getattr(spread, name), getattr(one, name)), name
@@ -208,13 +209,15 @@ def test_decide_once_by_default_where_the_pages_are_many(monkeypatch, pages_per_
     record = LaunchRecorder(monkeypatch)
     check_tail(criterion, step, state, tau, policy, block, splits, decide_once=None,
                pages_per_program=pages_per_program)
-    names = [name for name, _ in record.launches][: 4 if apart else 2]  # (then check_tail's unfused executor)
+    # (called without log E[exp(s)]: its launch first; then check_tail's unfused executor)
+    names = [name for name, _ in record.launches][: 5 if apart else 3]
     if apart:
-        assert names == ["qada_tail_page_top_kernel", "qada_tail_fused_split_kernel", "qada_decode_split_kernel",
-                         "qada_decode_combine_kernel"] and record.launches[1][1] == (b * H_kv, 1)
+        assert names == ["bulk_estimate_kernel", "qada_tail_page_top_kernel", "qada_tail_fused_split_kernel",
+                         "qada_decode_split_kernel", "qada_decode_combine_kernel"]
+        assert record.launches[2][1] == (b * H_kv, 1)
     else:
-        assert names == ["qada_tail_fused_split_kernel", "qada_decode_combine_kernel"]
-        assert record.launches[0][1] == (b * H_kv, splits)
+        assert names == ["bulk_estimate_kernel", "qada_tail_fused_split_kernel", "qada_decode_combine_kernel"]
+        assert record.launches[1][1] == (b * H_kv, splits)
     with pytest.raises(ValueError, match="decide_once"):
         FusedTritonExecutor(decide_once="yes")
 
@@ -295,17 +298,20 @@ def test_fail_safe_forces_non_finite_estimates_dense():
 @pytest.mark.parametrize("decide_once", [False, True])
 def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch, decide_once):
     """The step's state update, decision and attention: two launches (grid from the shapes; with ``decide_once`` a
-    decision launch first, then the ``triton`` executor's two), no host read, only allocations and views."""
+    decision launch first, then the ``triton`` executor's two) given each head's ``log E[exp(s)]`` (which a run's
+    moment step writes), no host read, only allocations and views."""
+    from qada.attention.moment_step import estimate_launch
     from tests.triton_launches import LaunchRecorder, refusing_host_reads
 
     step = make_step(2, 4, 2, 150, 16, [0, 9], [150, 130], torch.float32, seed=6)
     criterion, state = prepared(step, 6, heavy=4, observe=4, pages=2)
     tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages)
     executor = FusedTritonExecutor(block_size=16, num_splits=3, decide_once=decide_once)
+    estimated = estimate_launch(executor.bulk_estimate(step.query, step.scale, step.softcap), step.moments)
     record = LaunchRecorder(monkeypatch)
     launches = record.launches
     with refusing_host_reads(monkeypatch), record:
-        executor.decide_and_attend(step, 0.3, "exact", tail)
+        executor.decide_and_attend(step, 0.3, "exact", tail, log_mean_exp=estimated)
     attend = [("qada_decode_split_kernel", (4, 3))] if decide_once else []
     assert launches == [("qada_tail_fused_split_kernel", (4, 1 if decide_once else 3)), *attend,
                         ("qada_decode_combine_kernel", (2 * 4 + 1,))]
@@ -416,15 +422,15 @@ COMPILE = textwrap.dedent(
     from qada.attention import _fused_tail_kernel as K
 
     for dtype, rows, features in (("bf16", True, True), ("fp32", False, False)):
-        pointers = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, MEAN="*fp32", COV="*fp32",
+        pointers = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, LME="*fp32",
                         START="*i64" if rows else "*" + dtype, END="*i64" if rows else "*" + dtype,
-                        SINKS="*fp32" if features else "*" + dtype, GH_X="*fp32", GH_LOGW="*fp32",
+                        SINKS="*fp32" if features else "*" + dtype,
                         HEAVY="*i64", HEAVY_VALID="*u8", MEMBER="*u8", KMIN="*" + dtype, KMAX="*" + dtype,
                         HALVES="*fp32",
                         ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", DECIDED="*u8", LOCAL="*u8", READ="*u8",
                         BROKEN="*u8", LOG_RATIO="*fp32", N_EXACT="*i32", CAND_VALS="*fp32", CAND_IDS="*i32",
                         CAND_OKS="*i32")
-        constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, BLOCK_K=16, BLOCK_X=64, BLOCK_H=32,
+        constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, BLOCK_H=32,
                          BLOCK_P=32, PAGE=16, BLOCK_S=16, TOP=8, BLOCK_M=8, HAS_START=rows, HAS_END=rows,
                          HAS_SINKS=features, PROMOTE=features, INPUT_PRECISION="ieee" if dtype == "fp32" else None,
                          DOT_FP32=False, SOFTCAP=features, ATTEND=not features, SCORE=features,

@@ -122,6 +122,19 @@ def test_count_step_on_a_model_reads_every_kv_byte_once_dense_and_less_when_spar
     assert 0 < fused["totals"]["kv_unique"] < kv
     moment = fused["kernels"]["stored_moment_step_kernel"]
     assert moment["read"]["S2"]["unique"] == moment["written"]["S2"]["unique"] > 0
+    # the moment step writes each head's log E[exp(s)] ([b, H] float32 per layer), the split reads it, not the
+    # [d, d] covariance (each split read that once before)
+    config = model.config
+    estimates = config.num_hidden_layers * config.num_attention_heads * 4
+    split = fused["kernels"]["qada_fused_split_kernel"]["read"]
+    assert not {"MEAN", "COV"} & {part for name in split for part in name.split("=")}
+    assert argument(split, "LME")["unique"] == argument(moment["written"], "LME")["unique"] == estimates
+
+
+def argument(counts: dict, name: str) -> dict:
+    """The counts of argument ``name`` (maybe passed as others too: ``"LME=GH_X"``)."""
+    [found] = [value for key, value in counts.items() if name in key.split("=")]
+    return found
 
 
 @pytest.mark.parametrize("decide_once,pages_per_program", [(False, 256), (True, 5)], ids=["split", "page_top"])

@@ -123,7 +123,8 @@ def test_other_sources_step_in_torch(monkeypatch, make):
 
 
 def test_moment_kernels_compile_for_the_gpu():
-    """Both kernels lower to PTX for sm_90 (no GPU needed): what runs on an H100."""
+    """Both kernels, with and without the estimate (soft-capped), and the estimate's own kernel lower to PTX for
+    sm_90 (no GPU needed): what runs on an H100."""
     import subprocess
     import sys
     import textwrap
@@ -132,19 +133,24 @@ def test_moment_kernels_compile_for_the_gpu():
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from qada.attention import _moment_kernel as K
+        from qada.attention import _estimate_kernel as E, _moment_kernel as K
         pointers = {"COUNT": "*fp64", "MEAN": "*fp64", "M2": "*fp64", "OUT_MEAN": "*fp32", "OUT_COV": "*fp32",
                     "KEYS": "*bf16", "START": "*i64", "END": "*i64", "S1": "*fp64", "S2": "*fp64", "OLD_END": "*i64",
                     "JUMP_N": "*i64", "JUMP_COUNT": "*fp64", "JUMP_S1": "*fp64", "JUMP_S2": "*fp64", "COV": "*fp32",
-                    "REF": "*fp32", "SHIFT": "*fp64"}
-        constants = {"D": 128, "BLOCK_R": 16, "BLOCK_D": 128, "HAS_START": True}
-        for kernel in (K.current_moment_step_kernel, K.stored_moment_step_kernel):
-            names = kernel.arg_names
-            kinds = dict(pointers, MEAN="*fp64" if "M2" in names else "*fp32")
-            signature = {n: kinds.get(n, "constexpr" if n in constants else "i32") for n in names}
-            source = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constants.items()})
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-            assert "ptx" in compiled.asm
+                    "REF": "*fp32", "SHIFT": "*fp64", "Q": "*bf16", "LME": "*fp32", "GH_X": "*fp32",
+                    "GH_LOGW": "*fp32"}
+        floats = {"scale": "fp32", "softcap": "fp32"}
+        for estimate in (False, True):
+            constants = {"D": 128, "BLOCK_R": 16, "BLOCK_D": 128, "HAS_START": True, "ESTIMATE": estimate, "G": 4,
+                         "BLOCK_G": 16, "BLOCK_X": 32, "SOFTCAP": estimate, "BLOCK_K": 16}
+            for kernel in (K.current_moment_step_kernel, K.stored_moment_step_kernel, E.bulk_estimate_kernel):
+                names = kernel.arg_names
+                kinds = dict(pointers, MEAN="*fp64" if "M2" in names else "*fp32")
+                signature = {n: kinds.get(n, "constexpr" if n in constants else floats.get(n, "i32")) for n in names}
+                source = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constants.items()
+                                                                  if n in names})
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+                assert "ptx" in compiled.asm
         print("ok")
     """)
     import triton.backends
@@ -154,3 +160,69 @@ def test_moment_kernels_compile_for_the_gpu():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+# --- the estimate's query side: log E[exp(s)] from the new moments ------------------------------------------------
+
+def estimate_of(query, softcap=None):
+    from qada.attention.fused import FusedTritonExecutor
+
+    return FusedTritonExecutor().bulk_estimate(query, 0.25, softcap)
+
+
+def eager_log_mean_exp(query, moments, softcap):
+    """:attr:`~qada.step.DecodeStep.log_mean_exp_bulk` of ``query`` on ``moments``: the eager criterion's value."""
+    from qada.step import DecodeStep
+
+    keys = torch.zeros(query.shape[0], moments.mean.shape[1], 1, query.shape[-1], device=query.device)
+    return DecodeStep(query, keys, 0.25, WINDOW, moments=moments, softcap=softcap).log_mean_exp_bulk
+
+
+@pytest.mark.parametrize("kind", ["current", "stored"])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "capped"])
+def test_kernel_step_writes_each_heads_log_mean_exp(kind, softcap):
+    """With a :class:`~qada.attention.moment_step.BulkEstimate` the moment step's launch also writes each query
+    head's ``log E[exp(s)]`` (3 heads per KV head, d = 24): the eager criterion's value from the new moments, and
+    bit for bit what the estimate's own launch computes from them (what a source stepped in torch gets)."""
+    from qada.attention.moment_step import estimate_launch
+
+    moments, keys, _, kernel = prefilled(kind, 24)
+    query = torch.randn(2, 6, 24, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 2
+    start = STARTS.to(DEVICE)
+    for end in (16, 17, 21):
+        estimate = estimate_of(query, softcap)
+        got = fused_moment_step(moments, kernel, keys, start, torch.full((2,), end, device=DEVICE), WINDOW, estimate)
+        expected = eager_log_mean_exp(query, got, softcap)
+        assert expected.isfinite().all() and expected.std() > 0.1
+        torch.testing.assert_close(estimate.out, expected, rtol=1e-5, atol=1e-5)
+        again = estimate_of(query, softcap)
+        assert torch.equal(estimate_launch(again, got), estimate.out)
+
+
+@pytest.mark.parametrize("make", [lambda: CurrentMoments(freeze=True), lambda: CurrentMoments(update_every=2)],
+                         ids=["frozen", "blocks"])
+def test_sources_without_a_kernel_step_get_the_estimate_in_one_launch(monkeypatch, make):
+    """A frozen source (no step) or one that steps in torch: one launch, the estimate's own."""
+    from tests.triton_launches import LaunchRecorder
+
+    moments = make()
+    keys = torch.randn(2, 2, 20, 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    moments.prefill(0, keys[:, :, :15], STARTS.to(DEVICE), WINDOW, capacity=20)
+    query = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    estimate = estimate_of(query)
+    record = LaunchRecorder(monkeypatch)
+    got = fused_moment_step(moments, moments.step_state(0), keys, STARTS.to(DEVICE), torch.full((2,), 16,
+                            device=DEVICE), WINDOW, estimate)  # fmt: skip
+    assert [name for name, _ in record.launches] == ["bulk_estimate_kernel"]
+    torch.testing.assert_close(estimate.out, eager_log_mean_exp(query, got, None), rtol=1e-5, atol=1e-5)
+
+
+def test_estimate_checks_its_output():
+    from qada.attention.moment_step import BulkEstimate
+
+    estimate = estimate_of(torch.randn(2, 6, 16))
+    with pytest.raises(ValueError, match="multiple of 4 heads"):
+        estimate.kernel_constants(4)
+    wrong = BulkEstimate(*estimate[:5], torch.empty(2, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"contiguous float32 output of shape \[2, 6\]"):
+        wrong.kernel_constants(3)

@@ -102,58 +102,6 @@ def head_query(q_head, g, stride_qh, stride_qd, offs, ok):
 
 
 @triton.jit
-def bulk_log_mean_exp(
-    q_head, stride_qh, stride_qd, mean_base, stride_md, cov_base, stride_ci, stride_cj, GH_X, GH_LOGW, scale,
-    softcap, n_nodes, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr,
-):  # fmt: skip
-    """``[BLOCK_G]`` float32 ``log E[exp(s)]`` of one bulk score of each query head under the lognormal model:
-    ``mu_s + sigma_s^2 / 2`` with ``mu_s = scale q·mean`` (eq. 5) and ``sigma_s^2 = scale^2 q^T cov q`` (eq. 6), or
-    under ``SOFTCAP`` ``log E[exp(c tanh(s / c))]`` by Gauss-Hermite. ``q_head``: the group's first query head (the
-    others ``stride_qh`` apart), ``mean_base`` / ``cov_base`` the KV head's mean ``[d]`` and covariance ``[d, d]``.
-
-    Both are float32 sums one query head at a time, the head's query read from memory (cached) where it is needed:
-    a float32 dot of the queries and ``cov`` would pad the heads to 16 and, done with FMA instructions, hold both
-    operands' rows in every thread, and queries kept in registers through the decision (``[16, d]`` float32) hold
-    16 to 32 registers per thread; together they cost the fused splits up to 68 B of spilled registers on sm_90."""
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    mean = tl.load(mean_base + offs_d * stride_md, mask=d_ok, other=0.0).to(tl.float32)
-    mu = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for g in range(G):
-        q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
-        mu = tl.where(offs_g == g, tl.sum(q_g * mean, axis=0), mu)
-    mu = mu * scale  # [BLOCK_G]
-    var = tl.zeros([BLOCK_G], dtype=tl.float32)  # q^T cov q per head, BLOCK_K rows of cov at a time
-    for k0 in range(0, BLOCK_D, BLOCK_K):  # (loops, not unrolled: unrolled, they hold more registers)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < D
-        cov_k = tl.load(cov_base + offs_k[:, None].to(tl.int64) * stride_ci + offs_d[None, :] * stride_cj,
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        for g in range(G):
-            q_gk = head_query(q_head, g, stride_qh, stride_qd, offs_k, k_ok)
-            q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
-            part = tl.sum(tl.sum(cov_k * q_gk[:, None], axis=0) * q_g, axis=0)
-            var = tl.where(offs_g == g, var + part, var)
-    var = var * scale * scale
-    if SOFTCAP:  # log E[exp(c tanh(s / c))], s ~ N(mu, var): log sum_j w_j / sqrt(pi) exp(cap(mu + sqrt(2) sigma x_j))
-        offs_x = tl.arange(0, BLOCK_X)
-        x_ok = offs_x < n_nodes
-        x = tl.load(GH_X + offs_x, mask=x_ok, other=0.0).to(tl.float32)
-        log_w = tl.load(GH_LOGW + offs_x, mask=x_ok, other=0.0).to(tl.float32)
-        sigma = tl.sqrt(tl.maximum(var, 0.0))
-        terms = log_w[None, :] + cap(mu[:, None] + 1.4142135623730951 * sigma[:, None] * x[None, :], softcap)
-        terms = tl.where(x_ok[None, :], terms, float("-inf"))
-        peak = tl.max(terms, axis=1)  # finite unless mu or var is NaN (the terms are at most c + log w_j)
-        peak = tl.where(tl.abs(peak) < float("inf"), peak, 0.0)
-        log_mean_exp = peak + tl.log(tl.sum(tl.exp(terms - peak[:, None]), axis=1))
-    else:
-        log_mean_exp = mu + 0.5 * var
-    return log_mean_exp
-
-
-@triton.jit
 def threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G: tl.constexpr, BLOCK_G: tl.constexpr,
                        PROMOTE: tl.constexpr):  # fmt: skip
     """The fail-safe threshold decision of the ``G`` heads of one group and the group policy: ``(decided, local,
@@ -177,34 +125,30 @@ def threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G: tl.conste
 
 @triton.jit
 def qada_fused_split_kernel(
-    Q, K, V, MEAN, COV, START, END, SINKS, GH_X, GH_LOGW,
+    Q, K, V, LME, START, END, SINKS,
     ACC, M, L, COUNTS, DECIDED, LOCAL, READ, BROKEN,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
-    stride_mb, stride_mh, stride_md,
-    stride_cb, stride_ch, stride_ci, stride_cj,
-    C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau, n_nodes,
+    C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau,
     G: tl.constexpr, D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_X: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     ATTEND: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the group's QAdA decision, then its split of the attention.
 
-    Reads ``Q [b, H, 1, d]``, ``K, V [b, H_kv, C, d]``, the bulk key moments ``MEAN [b, H_kv, d]`` and ``COV [b,
-    H_kv, d, d]`` (any strides and float dtype), ``START, END [b]`` (only with ``HAS_START`` / ``HAS_END``), the
-    sink logits ``SINKS [H]`` (only with ``HAS_SINKS``) and, under ``SOFTCAP``, the ``n_nodes`` Gauss-Hermite
-    nodes ``GH_X`` and log weights ``GH_LOGW`` (:func:`qada.functional.capping.hermite_rule`).
+    Reads ``Q [b, H, 1, d]``, ``K, V [b, H_kv, C, d]``, ``LME [b, H]`` float32 (contiguous), each query head's
+    ``log E[exp(s)]`` of one bulk score under the lognormal model (eqs. 5-6, written by the moment step's launch:
+    :mod:`qada.attention._estimate_kernel`), ``START, END [b]`` (only with ``HAS_START`` / ``HAS_END``) and the sink
+    logits ``SINKS [H]`` (only with ``HAS_SINKS``).
 
     Decision, in float32 for every query head ``h`` of the group, as the eager ``qada`` criterion computes it:
 
     * ``log A_local = logsumexp`` of the (capped) window scores ``scale q·k``, ``logaddexp``-ed with ``SINKS[h]``;
-    * ``mu_s = scale q·mean`` (eq. 5), ``sigma_s^2 = scale^2 q^T cov q`` (eq. 6), and (eq. 7)
-      ``log Â_bulk = log T_bulk + mu_s + sigma_s^2 / 2``, or ``log T_bulk + log E[exp(c tanh(s / c))]`` by
-      Gauss-Hermite under a cap, ``-inf`` without a bulk;
+    * (eq. 7) ``log Â_bulk = log T_bulk + LME[h]`` (``LME = mu_s + sigma_s^2 / 2``, or ``log E[exp(c tanh(s /
+      c))]`` under a cap), ``-inf`` without a bulk;
     * broken (fail-safe, forced dense) where the row has a bulk and a value is not finite; local where
       ``log A_local - logaddexp(log A_local, log Â_bulk) >= log_tau`` and not broken, or where the row has no bulk;
     * the group reads its bulk when one of its heads is dense; with ``PROMOTE`` every head of such a group is dense.
@@ -227,7 +171,6 @@ def qada_fused_split_kernel(
     kv64 = kv_head.to(tl.int64)
     k_base = K + row64 * stride_kb + kv64 * stride_kh
     q_rows = Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh
-    q_head = Q + row64 * stride_qb + (kv64 * G) * stride_qh  # the group's first query head
 
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
     has_bulk = t_bulk > 0
@@ -241,13 +184,8 @@ def qada_fused_split_kernel(
                                       scale, softcap, SINKS, heads, g_ok, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP,
                                       HAS_SINKS, INPUT_PRECISION, DOT_FP32)  # fmt: skip
 
-    # --- eqs. 5-7: the lognormal estimate of log A_bulk from the KV head's moments ---------------------------
-    log_mean_exp = bulk_log_mean_exp(
-        q_head, stride_qh, stride_qd,
-        MEAN + row64 * stride_mb + kv64 * stride_mh, stride_md,
-        COV + row64 * stride_cb + kv64 * stride_ch, stride_ci, stride_cj, GH_X, GH_LOGW, scale, softcap, n_nodes,
-        G, D, BLOCK_G, BLOCK_D, BLOCK_K, BLOCK_X, SOFTCAP,
-    )  # fmt: skip
+    # --- eq. 7: the lognormal estimate of log A_bulk (its query side computed once per step: LME) -------------
+    log_mean_exp = tl.load(LME + row64 * (H_KV * G) + heads, mask=g_ok, other=0.0)
     log_t = tl.log(tl.maximum(t_bulk, 1).to(tl.float32))
     log_bulk = tl.where(has_bulk, log_t + log_mean_exp, float("-inf"))
 

@@ -15,7 +15,8 @@ What it computes is :class:`~qada.criteria.TailCriterion`'s decision with one-le
   chosen by repeated max-extraction over tiles of ``BLOCK_P`` pages, and their tokens inside the bulk that are not
   heavy (``MEMBER``);
 * ``log A_E = logsumexp`` of those (soft-capped) scores, ``|E|`` their count, ``log Â_rest = log(T_bulk - |E|) +
-  log E[exp(s)]`` (``-inf`` when nothing is left) and ``log Â_bulk = logaddexp(log A_E, log Â_rest)``;
+  LME`` (each head's ``log E[exp(s)]``, made once per step by the moment launch; ``-inf`` when nothing is left) and
+  ``log Â_bulk = logaddexp(log A_E, log Â_rest)``;
 * the threshold decision of :mod:`qada.attention._fused_kernel` with ``log A_local`` the window's mass (sink logit
   included), then the group's split of the attention.
 
@@ -36,7 +37,6 @@ import triton
 import triton.language as tl
 
 from qada.attention._fused_kernel import (
-    bulk_log_mean_exp,
     cap,
     head_query,
     logaddexp,
@@ -233,22 +233,20 @@ def qada_tail_page_top_kernel(
 
 @triton.jit
 def qada_tail_fused_split_kernel(
-    Q, K, V, MEAN, COV, START, END, SINKS, GH_X, GH_LOGW,
+    Q, K, V, LME, START, END, SINKS,
     HEAVY, HEAVY_VALID, MEMBER, KMIN, KMAX, HALVES, CAND_VALS, CAND_IDS, CAND_OKS,
     ACC, M, L, COUNTS, DECIDED, LOCAL, READ, BROKEN, LOG_RATIO, N_EXACT,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
-    stride_mb, stride_mh, stride_md,
-    stride_cb, stride_ch, stride_ci, stride_cj,
     stride_hb, stride_hh, stride_hk,
     stride_ub, stride_uh, stride_ut,
     stride_eb, stride_eh, stride_ep, stride_ed,
     stride_fb, stride_fh, stride_fp, stride_fx,
-    C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau, n_nodes, n_heavy, n_pages, n_stretches,
+    C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau, n_heavy, n_pages, n_stretches,
     G: tl.constexpr, D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_X: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -375,12 +373,7 @@ def qada_tail_fused_split_kernel(
     log_exact = tl.where(total_e > 0, m_e + tl.log(total_e), float("-inf"))
 
     # --- eqs. 5-7 on the rest of the bulk: log Â_bulk = logaddexp(log A_E, log(T_bulk - |E|) + log E[exp(s)]) ----
-    log_mean_exp = bulk_log_mean_exp(
-        q_head, stride_qh, stride_qd,
-        MEAN + row64 * stride_mb + kv64 * stride_mh, stride_md,
-        COV + row64 * stride_cb + kv64 * stride_ch, stride_ci, stride_cj, GH_X, GH_LOGW, scale, softcap, n_nodes,
-        G, D, BLOCK_G, BLOCK_D, BLOCK_K, BLOCK_X, SOFTCAP,
-    )  # fmt: skip
+    log_mean_exp = tl.load(LME + row64 * (H_KV * G) + heads, mask=g_ok, other=0.0)  # (computed once per step)
     rest = t_bulk - n_exact  # [BLOCK_G]
     log_rest = tl.where(rest > 0, tl.log(tl.maximum(rest, 1).to(tl.float32)) + log_mean_exp, float("-inf"))
     bad = bad | (bad_e > 0) | (log_rest != log_rest)  # a NaN estimate of the rest: the fail-safe

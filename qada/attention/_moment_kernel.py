@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from qada.attention._estimate_kernel import store_bulk_estimate
+
 
 @triton.jit
 def reference_end(n, t_local, offset, first, min_bulk_keys, N):
@@ -50,14 +52,19 @@ def store_covariance(M2, S1, COV, count, SHIFTED: tl.constexpr, D: tl.constexpr,
 
 @triton.jit
 def current_moment_step_kernel(
-    COUNT, MEAN, M2, OUT_MEAN, OUT_COV, KEYS, START, END,
+    COUNT, MEAN, M2, OUT_MEAN, OUT_COV, KEYS, START, END, Q, LME, GH_X, GH_LOGW,
     H_kv, t_local, t_recent, stride_kb, stride_kh, stride_kt, stride_kd, stride_start, stride_end,
+    stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
+    ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """:func:`~qada.moments.current.current_buffer_step` of one (row, KV head): the key at ``end - 1 - T_recent``
     (clamped at 0) of ``KEYS [b, H_kv, C, D]`` joins the float64 state (``COUNT [b, H_kv]``, ``MEAN [b, H_kv, D]``,
     ``M2 [b, H_kv, D, D]``, contiguous) where the row's bulk grew; ``OUT_MEAN``, ``OUT_COV`` get the float32
-    moments. ``START, END [b]``: the rows' bounds (``END`` one past the step's key; any strides)."""
+    moments. ``START, END [b]``: the rows' bounds (``END`` one past the step's key; any strides). With ``ESTIMATE``,
+    then :func:`~qada.attention._estimate_kernel.store_bulk_estimate` from the moments just written (the query side
+    of the lognormal estimate: ``Q``, ``LME``, ``GH_*``, ``scale``, ``softcap``, ``n_nodes``, ``G``, ``BLOCK_G``,
+    ``BLOCK_X``, ``SOFTCAP`` as :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` takes them)."""
     pid = tl.program_id(0)
     row = pid // H_kv
     head = pid % H_kv
@@ -93,21 +100,29 @@ def current_moment_step_kernel(
     tl.store(MEAN + pair * D + offs_d, mean_new, mask=d_ok)
     tl.store(OUT_MEAN + pair * D + offs_d, mean_new.to(tl.float32), mask=d_ok)
     store_covariance(m2, MEAN, OUT_COV + pair * D * D, n, False, D, BLOCK_R, BLOCK_D)
+    if ESTIMATE:
+        tl.debug_barrier()  # the moments are in memory
+        store_bulk_estimate(Q, LME, GH_X, GH_LOGW, row, head, OUT_MEAN + pair * D, 1, OUT_COV + pair * D * D, D, 1,
+                            stride_qb, stride_qh, stride_qd, H_kv, scale, softcap, n_nodes, G, D, BLOCK_G, BLOCK_D,
+                            BLOCK_R, BLOCK_X, SOFTCAP)  # fmt: skip
 
 
 @triton.jit
 def stored_moment_step_kernel(
     COUNT, S1, S2, OLD_END, JUMP_N, JUMP_COUNT, JUMP_S1, JUMP_S2, MEAN, COV, REF, SHIFT, START, END,
+    Q, LME, GH_X, GH_LOGW,
     H_kv, N, num_jumps, t_local, offset, first, min_bulk_keys, stride_rh, stride_rn, stride_rd,
-    stride_start, stride_end,
+    stride_start, stride_end, stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
+    ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """:func:`~qada.moments.stored.advance_reference_range` of one (row, KV head): the row's reference range
     ``[first, e(n))`` moves from ``e(n - 1)`` (what the previous step, or the prefill, left in ``OLD_END``: every
     step grows each row by one key) to ``e(n)``, adding or removing the key of ``REF [H_kv, N, D]`` between them
     from the float64 sums around ``SHIFT [H_kv, D]`` (``COUNT [b, H_kv]``, ``S1 [b, H_kv, D]``, ``S2 [b, H_kv, D,
     D]``), or, at a length ``JUMP_N [b, K]`` lists, taking the prepared sums ``JUMP_* [b, K, H_kv, ...]``; writes
-    ``OLD_END [b]`` (the program of KV head 0) and the float32 ``MEAN``, ``COV``. ``n = END - START``."""
+    ``OLD_END [b]`` (the program of KV head 0) and the float32 ``MEAN``, ``COV``. ``n = END - START``. With
+    ``ESTIMATE``, then the estimate's query side as :func:`current_moment_step_kernel`."""
     pid = tl.program_id(0)
     row = pid // H_kv
     head = pid % H_kv
@@ -156,3 +171,8 @@ def stored_moment_step_kernel(
     mean = tl.where(count > 0, s1 / n_safe + tl.load(shift + offs_d, mask=d_ok, other=0.0), 0.0)
     tl.store(MEAN + pair * D + offs_d, mean.to(tl.float32), mask=d_ok)
     store_covariance(s2, S1 + pair * D, COV + pair * D * D, count, True, D, BLOCK_R, BLOCK_D)
+    if ESTIMATE:
+        tl.debug_barrier()  # the moments are in memory
+        store_bulk_estimate(Q, LME, GH_X, GH_LOGW, row, head, MEAN + pair * D, 1, COV + pair * D * D, D, 1,
+                            stride_qb, stride_qh, stride_qd, H_kv, scale, softcap, n_nodes, G, D, BLOCK_G, BLOCK_D,
+                            BLOCK_R, BLOCK_X, SOFTCAP)  # fmt: skip

@@ -2,20 +2,24 @@
 
 On a run whose criterion is the plain ``qada`` threshold rule with a moment source, the run's layer step hands the
 decision to this executor (:meth:`FusedTritonExecutor.decide_and_attend`): after the moment step (one launch for
-the built-in sources, :mod:`qada.attention.moment_step`) a layer's decode step is two launches, whatever the
-decision:
+the built-in sources, :mod:`qada.attention.moment_step`, which also writes each query head's ``log E[exp(s)] = mu_s
++ sigma_s^2 / 2`` of one bulk score, eqs. 5-6, Gauss-Hermite under a soft cap: a :class:`BulkEstimate`) a layer's
+decode step is two launches, whatever the decision:
 
 1. the fused split kernel (:mod:`qada.attention._fused_kernel`), one program per (row, KV head, split): it reads the
-   ``G`` queries, the row's window keys and its KV head's bulk moments, computes ``log A_local`` (the window's exact
-   mass, sink logit included), ``log Â_bulk = log T_bulk + mu_s + sigma_s^2 / 2`` (eq. 7; Gauss-Hermite under a
-   soft cap), the fail-safe threshold decision at ``tau`` and the group policy, then its split of the attention,
-   skipping the bulk blocks of a group whose heads are all local; split 0 stores the decision;
+   ``G`` queries, the row's window keys and the heads' ``log E[exp(s)]``, computes ``log A_local`` (the window's
+   exact mass, sink logit included), ``log Â_bulk = log T_bulk + log E[exp(s)]`` (eq. 7), the fail-safe threshold
+   decision at ``tau`` and the group policy, then its split of the attention, skipping the bulk blocks of a group
+   whose heads are all local; split 0 stores the decision;
 2. the ``triton`` executor's combine kernel (log-sum-exp merge of the splits, sink logits, bulk block count),
    whose last program also writes the step's statistics row (sparsity, kv_sparsity, fail-safe, kv_read:
    :class:`~qada.attention.triton_decode.StepStatistics`).
 
 No other device work, no host read of a tensor value, grid from the shapes only. The decision equals the eager
-criterion's up to float32 rounding (a head whose ratio lies within rounding of ``tau`` may go either way).
+criterion's up to float32 rounding (a head whose ratio lies within rounding of ``tau`` may go either way). A moment
+source that steps in torch (or a frozen one) gets one launch more for ``log E[exp(s)]``
+(:func:`~qada.attention.moment_step.estimate_launch`), as does :meth:`FusedTritonExecutor.decide_and_attend` called
+without it.
 
 On a run whose criterion is the tail-aware ``qada_tail`` (one-level pages, window-only local heads) the split
 launch is :mod:`qada.attention._fused_tail_kernel`'s instead (:class:`FusedTail` carries the layer's tail index):
@@ -42,6 +46,7 @@ from typing import NamedTuple
 import torch
 
 from qada.attention.base import GroupDecision, register_executor
+from qada.attention.moment_step import BulkEstimate, estimate_launch
 from qada.attention.triton_decode import StepStatistics, TritonExecutor, _next_pow2, check_triton_runtime, combine
 from qada.functional.tail import EXTREMA_DTYPES
 from qada.stable_tensors import write_into
@@ -229,9 +234,18 @@ class FusedTritonExecutor(TritonExecutor):
             self.to_device(device)
         return self._hermite_held
 
+    def bulk_estimate(self, query: torch.Tensor, scale: float, softcap: float | None) -> BulkEstimate:
+        """The :class:`~qada.attention.moment_step.BulkEstimate` of a step's queries ``query [b, H, d]``: the held
+        Gauss-Hermite rule (under a soft cap) and a new ``[b, H]`` float32 output, for the moment step's launch to
+        fill."""
+        out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        nodes, log_weights = self._hermite_on(query.device) if softcap else (out, out)  # (read only under a cap)
+        return BulkEstimate(query, scale, softcap, nodes, log_weights, out)
+
     def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact",
                           tail: FusedTail | None = None, budget: FusedBudget | None = None,
-                          add_to: tuple[torch.Tensor, torch.Tensor] | None = None) -> FusedLaunch:
+                          add_to: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          log_mean_exp: torch.Tensor | None = None) -> FusedLaunch:
         """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches;
         with ``tail``, the ``qada_tail`` decision (:mod:`qada.attention._fused_tail_kernel`), whose split launch
         also makes the step's key join its page in ``tail``'s extrema (in place, as
@@ -244,6 +258,9 @@ class FusedTritonExecutor(TritonExecutor):
         ``softcap``, ``sink_logits [H]`` and ``step.bulk_moments`` (mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``,
         the bulk of each row as :attr:`~qada.step.DecodeStep.t_bulk` counts it). ``add_to``: ``(sums [L, 5], layer)``,
         the combine launch adds the statistics row to ``sums[layer]`` (:class:`~qada.attention.StepStatistics`).
+        ``log_mean_exp``: ``[b, H]`` float32 (contiguous), each query head's ``log E[exp(s)]`` from those moments
+        (the ``out`` of the :meth:`bulk_estimate` the moment step's launch filled); ``None``: one launch more makes it
+        (:func:`~qada.attention.moment_step.estimate_launch`).
         """
         query, key, value = step.query, step.keys, step.values
         check_triton_runtime(query.device, query.dtype, "triton_fused")
@@ -256,6 +273,12 @@ class FusedTritonExecutor(TritonExecutor):
         if mean.shape != (b, H_kv, d) or cov.shape != (b, H_kv, d, d):
             raise ValueError(f"expected moments mean [{b}, {H_kv}, {d}] and cov [{b}, {H_kv}, {d}, {d}] but got mean "
                              f"{tuple(mean.shape)} and cov {tuple(cov.shape)}")
+        if log_mean_exp is None:
+            log_mean_exp = estimate_launch(self.bulk_estimate(query, step.scale, step.softcap), step.bulk_moments)
+        elif (log_mean_exp.shape != (b, H) or log_mean_exp.dtype != torch.float32
+              or not log_mean_exp.is_contiguous()):
+            raise ValueError(f"expected log_mean_exp as a contiguous float32 tensor of shape [{b}, {H}] but got "
+                             f"{log_mean_exp.dtype} {tuple(log_mean_exp.shape)}")
         dot_fp32 = _triton_kernel.INTERPRETED and query.dtype == torch.bfloat16
         BLOCK_G, BLOCK_D = max(16, _next_pow2(G)), max(16, _next_pow2(d))
         pairs = b * H_kv
@@ -276,23 +299,20 @@ class FusedTritonExecutor(TritonExecutor):
         read = torch.empty(b, H_kv, dtype=torch.bool, device=device)
         start, end = step.start, step.end
         softcap, sinks = step.softcap, step.sink_logits
-        nodes, log_weights = self._hermite_on(device) if softcap else (m, m)
         window = step.window
         log_tau = math.log(tau) if tau > 0 else float("-inf")
-        common = dict(G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D, BLOCK_K=16,
-                      BLOCK_X=_next_pow2(nodes.shape[0]) if softcap else 16,
+        common = dict(G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D,
                       HAS_START=start is not None, HAS_END=end is not None, HAS_SINKS=sinks is not None,
                       PROMOTE=policy == "promote",
                       INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
                       DOT_FP32=dot_fp32, SOFTCAP=bool(softcap), ATTEND=not apart,  # apart: the decision alone
                       num_warps=self.num_warps, num_stages=self.num_stages)
-        inputs = (query, key, value, mean, cov, query if start is None else start, query if end is None else end,
-                  query if sinks is None else sinks, nodes, log_weights)
+        inputs = (query, key, value, log_mean_exp, query if start is None else start, query if end is None else end,
+                  query if sinks is None else sinks)
         outputs = (acc, m, l, counts, flags[0], flags[1], read, flags[2])
-        strides = (*query.stride(), *key.stride(), *value.stride(), *mean.stride(), *cov.stride())
+        strides = (*query.stride(), *key.stride(), *value.stride())
         sizes = (C, H_kv, window.t_sink, window.t_local, S, float(step.scale),
-                 float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau,
-                 nodes.shape[0] if softcap else 1)
+                 float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau)
         log_ratio = n_exact = None
         grid = (pairs, S)
         if tail is None:

@@ -11,19 +11,73 @@ head), instead of the source's torch step (dozens of small operations, so dozens
 Each updates the same state in place and returns the same float32 moments as the source's own step, up to float64
 rounding (a covariance entry may differ in its last float32 bit). Which source has a kernel is decided by the
 run's layer step (:mod:`qada.models.fused_step`).
+
+Given a :class:`BulkEstimate` (the step's queries), the same launch then also writes each query head's ``log
+E[exp(s)]`` (paper eqs. 5-7 without ``T_bulk``, :mod:`qada.attention._estimate_kernel`) from the moments it just
+wrote, which the ``triton_fused`` decision reads instead of the ``d x d`` covariance; :func:`estimate_launch` does
+the same from moments a source stepped in torch, in a launch of its own.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from qada.attention.triton_decode import _next_pow2
 from qada.step import BulkMoments
 
-__all__ = ["current_step_launch", "stored_step_launch"]
+__all__ = ["BulkEstimate", "current_step_launch", "estimate_launch", "stored_step_launch"]
 
 _BLOCK_R = 16
-"""Rows of the co-moment updated per tile."""
+"""Rows of the co-moment updated per tile (and of the covariance per tile of the estimate's ``q^T cov q``)."""
+
+
+class BulkEstimate(NamedTuple):
+    """The query side of the lognormal estimate for one layer's step, and where it goes.
+
+    Attributes:
+        query: ``[b, H, d]`` the step's queries (any strides, the cache's dtype).
+        scale: the attention scale; softcap: the scores' soft cap (``None``: none).
+        nodes, log_weights: ``[n]`` float32, the Gauss-Hermite nodes and ``log(w_j / sqrt(pi))`` a soft cap's
+            estimate sums over (:func:`~qada.functional.capping.hermite_rule`; read only under a cap).
+        out: ``[b, H]`` float32, contiguous: written with each query head's ``log E[exp(s)]`` of one bulk score,
+            ``mu_s + sigma_s^2 / 2`` (eqs. 5-6), or ``log E[exp(c tanh(s / c))]`` under a cap
+            (:func:`~qada.functional.capping.log_mean_exp_score`, float32 in the kernel).
+    """
+
+    query: torch.Tensor
+    scale: float
+    softcap: float | None
+    nodes: torch.Tensor
+    log_weights: torch.Tensor
+    out: torch.Tensor
+
+    def kernel_args(self) -> tuple:
+        """``Q, LME, GH_X, GH_LOGW`` then ``stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes``."""
+        return ((self.query, self.out, self.nodes, self.log_weights),
+                (*self.query.stride(), float(self.scale), float(self.softcap or 1.0), self.nodes.shape[0]))
+
+    def kernel_constants(self, H_kv: int) -> dict:
+        b, H, _ = self.query.shape
+        if H % H_kv or self.out.shape != (b, H) or self.out.dtype != torch.float32 or not self.out.is_contiguous():
+            raise ValueError(f"expected queries of a multiple of {H_kv} heads and a contiguous float32 output of "
+                             f"shape [{b}, {H}] but got {H} heads and {self.out.dtype} {tuple(self.out.shape)}")
+        return dict(ESTIMATE=True, G=H // H_kv, BLOCK_G=max(16, _next_pow2(H // H_kv)),
+                    BLOCK_X=max(16, _next_pow2(self.nodes.shape[0])), SOFTCAP=bool(self.softcap))
+
+
+def _without_estimate(placeholder: torch.Tensor) -> tuple[tuple, tuple, dict]:
+    """The estimate's kernel arguments when there is none (``ESTIMATE`` off; ``placeholder`` is never read)."""
+    return ((placeholder,) * 4, (0, 0, 0, 1.0, 1.0, 1),
+            dict(ESTIMATE=False, G=1, BLOCK_G=16, BLOCK_X=16, SOFTCAP=False))
+
+
+def _estimate_parts(estimate: BulkEstimate | None, H_kv: int, placeholder: torch.Tensor) -> tuple[tuple, tuple, dict]:
+    if estimate is None:
+        return _without_estimate(placeholder)
+    tensors, scalars = estimate.kernel_args()
+    return tensors, scalars, estimate.kernel_constants(H_kv)
 
 
 def _constants(d: int, start: torch.Tensor | None) -> dict:
@@ -42,28 +96,34 @@ def _contiguous(**tensors: torch.Tensor) -> None:
 
 
 def current_step_launch(state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
-                        end: torch.Tensor, t_local: int, t_recent: int) -> BulkMoments:
+                        end: torch.Tensor, t_local: int, t_recent: int,
+                        estimate: BulkEstimate | None = None) -> BulkMoments:
     """:func:`~qada.moments.current.current_buffer_step` on ``state`` (``count``, ``mean``, ``m2``, ``out_mean``,
     ``out_cov``, updated in place) in one launch: ``keys [b, H_kv, C, d]``, ``start [b]`` or ``None``, ``end [b]``
-    (one past each row's new key; any stride). Returns ``BulkMoments(out_mean, out_cov)``."""
+    (one past each row's new key; any stride); with ``estimate``, its ``out`` too. Returns ``BulkMoments(out_mean,
+    out_cov)``."""
     from qada.attention import _moment_kernel, _triton_kernel
 
     b, H_kv, _, d = keys.shape
     count, mean, m2, out_mean, out_cov = (state[name] for name in ("count", "mean", "m2", "out_mean", "out_cov"))
     _contiguous(count=count, mean=mean, m2=m2, out_mean=out_mean, out_cov=out_cov)
+    tensors, scalars, constants = _estimate_parts(estimate, H_kv, count)
     _triton_kernel.run(
         _moment_kernel.current_moment_step_kernel, (b * H_kv,),
-        count, mean, m2, out_mean, out_cov, keys, end if start is None else start, end,
-        H_kv, t_local, t_recent, *keys.stride(), *_row_strides(start, end), **_constants(d, start),
+        count, mean, m2, out_mean, out_cov, keys, end if start is None else start, end, *tensors,
+        H_kv, t_local, t_recent, *keys.stride(), *_row_strides(start, end), *scalars, **_constants(d, start),
+        **constants,
     )  # fmt: skip
     return BulkMoments(out_mean, out_cov)
 
 
 def stored_step_launch(state: dict[str, torch.Tensor], start: torch.Tensor | None, end: torch.Tensor, *,
-                       t_local: int, offset: int, first: int, min_bulk_keys: int) -> BulkMoments:
+                       t_local: int, offset: int, first: int, min_bulk_keys: int,
+                       estimate: BulkEstimate | None = None) -> BulkMoments:
     """:func:`~qada.moments.stored.stored_buffer_step` on ``state`` (the ``stored`` source's
     :meth:`~qada.moments.StoredMoments.step_state`, updated in place) in one launch, for rows of real length ``end -
-    start``, each one key longer than at the previous step. Returns ``BulkMoments(mean, cov)``."""
+    start``, each one key longer than at the previous step; with ``estimate``, its ``out`` too. Returns
+    ``BulkMoments(mean, cov)``."""
     from qada.attention import _moment_kernel, _triton_kernel
 
     ref, shift = state["ref"], state["shift"]  # [H_kv, N, d], [H_kv, d]
@@ -73,10 +133,35 @@ def stored_step_launch(state: dict[str, torch.Tensor], start: torch.Tensor | Non
                 jump_s1=jumps[2], jump_s2=jumps[3])
     b, H_kv = count.shape
     N, d = ref.shape[1], ref.shape[2]
+    tensors, scalars, constants = _estimate_parts(estimate, H_kv, count)
     _triton_kernel.run(
         _moment_kernel.stored_moment_step_kernel, (b * H_kv,),
         count, s1, s2, state["old_end"], *jumps, mean, cov, ref, shift, end if start is None else start, end,
-        H_kv, N, jumps[0].shape[1], t_local, offset, first, min_bulk_keys,
-        *ref.stride(), *_row_strides(start, end), **_constants(d, start),
+        *tensors, H_kv, N, jumps[0].shape[1], t_local, offset, first, min_bulk_keys,
+        *ref.stride(), *_row_strides(start, end), *scalars, **_constants(d, start), **constants,
     )  # fmt: skip
     return BulkMoments(mean, cov)
+
+
+def estimate_launch(estimate: BulkEstimate, moments: BulkMoments) -> torch.Tensor:
+    """``estimate.out`` written from ``moments`` (mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``, any strides and
+    float dtype) in one launch, one program per (row, KV head): for moments a source stepped in torch. Returns
+    ``estimate.out``."""
+    from qada.attention import _estimate_kernel, _triton_kernel
+
+    mean, cov = moments
+    b, H, d = estimate.query.shape
+    H_kv = mean.shape[1]
+    if mean.shape != (b, H_kv, d) or cov.shape != (b, H_kv, d, d):
+        raise ValueError(f"expected moments mean [{b}, H_kv, {d}] and cov [{b}, H_kv, {d}, {d}] but got mean "
+                         f"{tuple(mean.shape)} and cov {tuple(cov.shape)}")
+    tensors, scalars = estimate.kernel_args()
+    constants = estimate.kernel_constants(H_kv)
+    del constants["ESTIMATE"]
+    query, out, nodes, log_weights = tensors
+    _triton_kernel.run(
+        _estimate_kernel.bulk_estimate_kernel, (b * H_kv,),
+        query, mean, cov, nodes, log_weights, out, *scalars[:3], *mean.stride(), *cov.stride(), H_kv, *scalars[3:],
+        D=d, BLOCK_D=max(16, _next_pow2(d)), BLOCK_K=_BLOCK_R, **constants,
+    )  # fmt: skip
+    return out

@@ -5,9 +5,11 @@ threshold rule (:class:`~qada.criteria.QAdACriterion`), the tail-aware ``qada_ta
 (:class:`~qada.criteria.TailCriterion`: its layer's tail index goes to the kernel, which also updates it) or the
 tail-aware budget ``qada_tail_budget`` (:class:`~qada.criteria.TailBudgetCriterion`) and whose executor fuses the
 decision (:class:`~qada.attention.FusedTritonExecutor`): three launches and no other device work, whatever the
-decision: the moment source's step (:mod:`qada.attention.moment_step`; a source without a kernel steps in torch),
-the decision with the split-K attention, and the combine, whose last program also writes the step's statistics
-row; five for the budget (its scores, then the ranking of each row's heads, then the ``triton`` split).
+decision: the moment source's step (:mod:`qada.attention.moment_step`, which also writes each query head's ``log
+E[exp(s)]`` from the new moments, the query side of the lognormal estimate; a source without a kernel steps in torch,
+and that estimate is then a launch of its own), the decision with the split-K attention, and the combine, whose last
+program also writes the step's statistics row; five for the budget (its scores, then the ranking of each row's heads,
+then the ``triton`` split).
 It returns the same :class:`~qada.models.layer_step.LayerStepResult` (the window fields ``None``: nothing gathers
 the window; a step computes it on demand) with the attention's ``output`` and ``bulk_blocks``, which the run takes
 instead of calling the executor.
@@ -114,12 +116,15 @@ def fused_layer_step(
     attention. A moment source without a kernel steps in torch (:meth:`~qada.moments.MomentSource.step`)."""
     from qada.models.layer_step import LayerStepResult, begin_step
 
+    estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap)  # filled by the moment step
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
-                            sink_logits, softcap, moments, window, functools.partial(fused_moment_step, moments))
+                            sink_logits, softcap, moments, window,
+                            functools.partial(fused_moment_step, moments, estimate=estimate))
     budget = fused_budget(criterion, step)
     tau = 0.0 if budget is not None else criterion.tau  # (a budget ranks: no threshold)
     add_to = None if sums is None else (sums, layer)  # the combine launch adds the row to sums[layer]
-    launch = executor.decide_and_attend(step, tau, policy, fused_tail(criterion, step), budget, add_to)
+    launch = executor.decide_and_attend(step, tau, policy, fused_tail(criterion, step), budget, add_to,
+                                        log_mean_exp=estimate.out)
     counts = launch.row
     return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,
                            None, None, bulk, step.query, step.start, step.end,
@@ -127,19 +132,27 @@ def fused_layer_step(
 
 
 def fused_moment_step(moments: MomentSource, state: dict[str, torch.Tensor], keys: torch.Tensor,
-                      start: torch.Tensor | None, end: torch.Tensor, window: Window) -> BulkMoments:
+                      start: torch.Tensor | None, end: torch.Tensor, window: Window,
+                      estimate: Any = None) -> BulkMoments:
     """The moment source's step in one launch where it has a kernel (:mod:`qada.attention.moment_step`: the plain
     ``current`` source stepping every key, none when frozen; the plain ``stored`` one), else its own (torch) step:
-    a subclass (which may change the step), ``bucketed``, ``current`` with ``update_every > 1``, a user's."""
-    from qada.attention.moment_step import current_step_launch, stored_step_launch
+    a subclass (which may change the step), ``bucketed``, ``current`` with ``update_every > 1``, a user's. With
+    ``estimate`` (a :class:`~qada.attention.moment_step.BulkEstimate`) its ``out`` is written from the new moments:
+    by the same launch, or by :func:`~qada.attention.moment_step.estimate_launch` after a torch step or none."""
+    from qada.attention.moment_step import current_step_launch, estimate_launch, stored_step_launch
     from qada.moments.current import CurrentMoments
     from qada.moments.stored import StoredMoments
 
-    if type(moments) is CurrentMoments and "m2" in state:
-        if moments.freeze:
-            return BulkMoments(state["out_mean"], state["out_cov"])
-        return current_step_launch(state, keys, start, end, window.t_local, window.t_recent)
+    if type(moments) is CurrentMoments and "m2" in state and not moments.freeze:
+        return current_step_launch(state, keys, start, end, window.t_local, window.t_recent, estimate)
     if type(moments) is StoredMoments and "s2" in state:
         return stored_step_launch(state, start, end, t_local=window.t_local, offset=moments.offset,
-                                  first=moments.first(window), min_bulk_keys=moments.min_bulk_keys)
-    return moments.step(state, keys, start, end, window)
+                                  first=moments.first(window), min_bulk_keys=moments.min_bulk_keys,
+                                  estimate=estimate)
+    if type(moments) is CurrentMoments and "m2" in state:  # frozen: the moments of the prefill
+        bulk = BulkMoments(state["out_mean"], state["out_cov"])
+    else:
+        bulk = moments.step(state, keys, start, end, window)
+    if estimate is not None:
+        estimate_launch(estimate, bulk)
+    return bulk

@@ -156,8 +156,9 @@ def test_fused_decision_and_output_equal_eager(case):
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["promote", "softcap-sinks"])
 def test_decide_once_decides_and_attends_alike(case):
-    """``decide_once``: a decision launch, then the ``triton`` split and combine on its mask: the eager decisions, the
-    unfused output and block counts, and the one-launch version's output."""
+    """``decide_once``: the decision made once per group by the launch that writes each head's ``log E[exp(s)]``,
+    then the ``triton`` split and combine on its mask: the eager decisions, the unfused output and block counts, and
+    bit for bit the decisions and output of the splits that decide."""
     b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits = case
     step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C, softcap=softcap, sinks=sinks)
     _, _, _, _, ratio = eager(step, 0.5, policy)
@@ -220,9 +221,10 @@ def test_fail_safe_forces_non_finite_estimates_dense():
 
 @pytest.mark.parametrize("decide_once", [False, True])
 def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch, decide_once):
-    """The step's decision and attention: two launches (grid from the shapes; with ``decide_once`` a decision launch
-    first, then the ``triton`` executor's two) given each head's ``log E[exp(s)]`` (which a run's moment step
-    writes), no host read, only allocations."""
+    """The step's decision and attention given each head's ``log E[exp(s)]`` (which a run's moment step writes): two
+    launches (grid from the shapes); with ``decide_once`` the decision is made once per group by the launch that
+    writes the estimate (here one of its own: a run's moment step makes it), then the ``triton`` executor's two. No
+    host read, only allocations."""
     from qada.attention.moment_step import estimate_launch
     from tests.triton_launches import LaunchRecorder, refusing_host_reads
 
@@ -233,9 +235,9 @@ def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch, decide
     launches = record.launches
     with refusing_host_reads(monkeypatch), record:
         executor.decide_and_attend(step, 0.3, log_mean_exp=estimated)
-    attend = [("qada_decode_split_kernel", (4, 3))] if decide_once else []
-    assert launches == [("qada_fused_split_kernel", (4, 1 if decide_once else 3)), *attend,
-                        ("qada_decode_combine_kernel", (2 * 4 + 1,))]
+    split = [("bulk_estimate_kernel", (4,)), ("qada_decode_split_kernel", (4, 3))] if decide_once else [
+        ("qada_fused_split_kernel", (4, 3))]
+    assert launches == [*split, ("qada_decode_combine_kernel", (2 * 4 + 1,))]
     views = {"aten.view.dtype", "aten.select.int", "aten.detach.default"}  # metadata only: no kernel
     assert set(record.ops) <= {"aten.empty.memory_format"} | views, record.ops
 
@@ -315,7 +317,8 @@ def fused_steps(counter):
 
 
 @pytest.mark.parametrize(("source", "cache", "decide_once"),
-                         [("stored", "static", False), ("current", "dynamic", False), ("stored", "static", True)])
+                         [("stored", "static", False), ("current", "dynamic", False), ("stored", "static", True),
+                          ("current", "static", True)])
 def test_model_fused_run_equals_triton_run(model, reference, source, cache, decide_once):
     unfused = greedy(model, make_run(source, {"name": "triton", "block_size": 16}, reference), cache)
     calls: list = []
@@ -331,13 +334,15 @@ def test_model_fused_run_equals_triton_run(model, reference, source, cache, deci
 
 
 @pytest.mark.parametrize(("source", "criterion", "decide_once"),
-                         [("stored", "qada", False), ("current", "qada", False), ("stored", "qada_tail", False),
-                          ("current", "qada_tail", True), ("stored", "qada_tail_budget", False),
+                         [("stored", "qada", False), ("current", "qada", False), ("stored", "qada", True),
+                          ("stored", "qada_tail", False), ("current", "qada_tail", True),
+                          ("stored", "qada_tail_budget", False),
                           ("current", "qada_tail_budget_per_group", False)])
 def test_model_layer_step_is_three_launches_and_nothing_else(monkeypatch, model, reference, source, criterion,
                                                               decide_once):
     """A decode step of a layer with ``triton_fused``: the moment step, the fused split and the combine (with
-    ``decide_once`` the decision and the ``triton`` split apart: four; a budget's scores, its ranking, then the
+    ``decide_once`` the plain ``qada`` decision made by the moment step's launch, then the ``triton`` split: three;
+    a ``qada_tail`` decision and the ``triton`` split apart: four; a budget's scores, its ranking, then the
     ``triton`` split and combine: five), no other torch operation than allocations and views (the statistics row
     comes from the combine, a budget's count from the layer's state), no host read; what a CUDA graph replays per
     layer."""
@@ -416,8 +421,7 @@ COMPILE = textwrap.dedent(
                         BROKEN="*u8")
         constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=rows,
                          HAS_END=rows, HAS_SINKS=features, PROMOTE=features,
-                         INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features,
-                         ATTEND=rows)
+                         INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features)
         floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
         names = kernel.arg_names
         signature = {n: pointers.get(n, "constexpr" if n in constants else floats.get(n, "i32")) for n in names}

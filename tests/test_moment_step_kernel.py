@@ -123,8 +123,8 @@ def test_other_sources_step_in_torch(monkeypatch, make):
 
 
 def test_moment_kernels_compile_for_the_gpu():
-    """Both kernels, with and without the estimate (soft-capped), and the estimate's own kernel lower to PTX for
-    sm_90 (no GPU needed): what runs on an H100."""
+    """Both kernels, without the estimate, with it (soft-capped) and with the decision too, and the estimate's own
+    kernel lower to PTX for sm_90 (no GPU needed): what runs on an H100."""
     import subprocess
     import sys
     import textwrap
@@ -138,11 +138,14 @@ def test_moment_kernels_compile_for_the_gpu():
                     "KEYS": "*bf16", "START": "*i64", "END": "*i64", "S1": "*fp64", "S2": "*fp64", "OLD_END": "*i64",
                     "JUMP_N": "*i64", "JUMP_COUNT": "*fp64", "JUMP_S1": "*fp64", "JUMP_S2": "*fp64", "COV": "*fp32",
                     "REF": "*fp32", "SHIFT": "*fp64", "Q": "*bf16", "LME": "*fp32", "GH_X": "*fp32",
-                    "GH_LOGW": "*fp32"}
-        floats = {"scale": "fp32", "softcap": "fp32"}
-        for estimate in (False, True):
+                    "GH_LOGW": "*fp32", "K": "*bf16", "SINKS": "*fp32", "DECIDED": "*u8", "LOCAL": "*u8",
+                    "READ": "*u8", "BROKEN": "*u8"}
+        floats = {"scale": "fp32", "softcap": "fp32", "log_tau": "fp32"}
+        for estimate, decide in ((False, False), (True, False), (True, True)):
             constants = {"D": 128, "BLOCK_R": 16, "BLOCK_D": 128, "HAS_START": True, "ESTIMATE": estimate, "G": 4,
-                         "BLOCK_G": 16, "BLOCK_X": 32, "SOFTCAP": estimate, "BLOCK_K": 16}
+                         "BLOCK_G": 16, "BLOCK_X": 32, "SOFTCAP": estimate, "BLOCK_K": 16, "DECIDE": decide,
+                         "BLOCK_N": 64, "END_GIVEN": decide, "HAS_SINKS": decide, "PROMOTE": decide,
+                         "INPUT_PRECISION": None, "DOT_FP32": False}
             for kernel in (K.current_moment_step_kernel, K.stored_moment_step_kernel, E.bulk_estimate_kernel):
                 names = kernel.arg_names
                 kinds = dict(pointers, MEAN="*fp64" if "M2" in names else "*fp32")

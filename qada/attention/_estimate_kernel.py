@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qada.attention._fused_kernel import cap, head_query
+from qada.attention._fused_kernel import cap, decide_group_and_store, head_query
 
 
 @triton.jit
@@ -85,23 +85,55 @@ def store_bulk_estimate(
 
 
 @triton.jit
-def bulk_estimate_kernel(
-    Q, MEAN, COV, GH_X, GH_LOGW, LME,
-    stride_qb, stride_qh, stride_qd, stride_mb, stride_mh, stride_md, stride_cb, stride_ch, stride_ci, stride_cj,
-    H_kv, scale, softcap, n_nodes,
+def estimate_and_decide(
+    Q, LME, GH_X, GH_LOGW, K, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, kv_head,
+    mean_base, stride_md, cov_base, stride_ci, stride_cj,
+    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+    C, H_kv, t_sink, t_local, scale, softcap, n_nodes, log_tau,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_START: tl.constexpr, END_GIVEN: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """:func:`store_bulk_estimate`, then with ``DECIDE`` the group's ``qada`` decision from it
+    (:func:`~qada.attention._fused_kernel.decide_group_and_store`: the keys ``K [b, H_kv, C, d]``, the rows'
+    ``START`` / ``END`` (``[b]``, contiguous; ``END`` read only with ``END_GIVEN``), the sink logits, ``log_tau``,
+    the group policy; ``DECIDED, LOCAL, BROKEN [b, H]``, ``READ [b, H_kv]`` written)."""
+    store_bulk_estimate(Q, LME, GH_X, GH_LOGW, row, kv_head, mean_base, stride_md, cov_base, stride_ci, stride_cj,
+                        stride_qb, stride_qh, stride_qd, H_kv, scale, softcap, n_nodes, G, D, BLOCK_G, BLOCK_D,
+                        BLOCK_K, BLOCK_X, SOFTCAP)  # fmt: skip
+    if DECIDE:
+        tl.debug_barrier()  # the heads' estimates are in memory
+        decide_group_and_store(Q, K, LME, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, kv_head, stride_qb,
+                               stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink,
+                               t_local, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, HAS_START,
+                               END_GIVEN, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
+
+
+@triton.jit
+def bulk_estimate_kernel(
+    Q, MEAN, COV, LME, GH_X, GH_LOGW, K, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN,
+    stride_mb, stride_mh, stride_md, stride_cb, stride_ch, stride_ci, stride_cj,
+    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+    H_kv, t_local, scale, softcap, n_nodes, C, t_sink, log_tau,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_START: tl.constexpr, END_GIVEN: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head): ``LME [b, H]`` float32 ``log E[exp(s)]`` of its query heads (``Q [b, H,
     d]``) from the bulk moments ``MEAN [b, H_kv, d]``, ``COV [b, H_kv, d, d]`` (any strides and float dtype), under
     ``SOFTCAP`` with the ``n_nodes`` Gauss-Hermite nodes ``GH_X`` and log weights ``GH_LOGW``
-    (:func:`qada.functional.capping.hermite_rule`). For a moment source that steps in torch."""
+    (:func:`qada.functional.capping.hermite_rule`); with ``DECIDE`` then the group's decision
+    (:func:`estimate_and_decide`). For a moment source that steps in torch."""
     pid = tl.program_id(0)
     row = pid // H_kv
     kv_head = pid % H_kv
     row64 = row.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
-    store_bulk_estimate(Q, LME, GH_X, GH_LOGW, row, kv_head, MEAN + row64 * stride_mb + kv64 * stride_mh, stride_md,
+    estimate_and_decide(Q, LME, GH_X, GH_LOGW, K, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, kv_head,
+                        MEAN + row64 * stride_mb + kv64 * stride_mh, stride_md,
                         COV + row64 * stride_cb + kv64 * stride_ch, stride_ci, stride_cj, stride_qb, stride_qh,
-                        stride_qd, H_kv, scale, softcap, n_nodes, G, D, BLOCK_G, BLOCK_D, BLOCK_K, BLOCK_X,
-                        SOFTCAP)  # fmt: skip
+                        stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale,
+                        softcap, n_nodes, log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_K, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N,
+                        HAS_START, END_GIVEN, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip

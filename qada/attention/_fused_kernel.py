@@ -135,7 +135,6 @@ def qada_fused_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    ATTEND: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the group's QAdA decision, then its split of the attention.
 
@@ -175,34 +174,80 @@ def qada_fused_split_kernel(
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
     has_bulk = t_bulk > 0
 
-    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-
-    # --- log A_local: the window's exact mass (and the sink logit) ---------------------------------------------
-    log_local, bad = window_log_local(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
-                                      scale, softcap, SINKS, heads, g_ok, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP,
-                                      HAS_SINKS, INPUT_PRECISION, DOT_FP32)  # fmt: skip
-
-    # --- eq. 7: the lognormal estimate of log A_bulk (its query side computed once per step: LME) -------------
-    log_mean_exp = tl.load(LME + row64 * (H_KV * G) + heads, mask=g_ok, other=0.0)
-    log_t = tl.log(tl.maximum(t_bulk, 1).to(tl.float32))
-    log_bulk = tl.where(has_bulk, log_t + log_mean_exp, float("-inf"))
-
-    # --- the threshold decision (fail-safe), then the group policy --------------------------------------------
-    decided, local, broken, dense, read = threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G,
-                                                             BLOCK_G, PROMOTE)  # fmt: skip
+    # --- the group's decision: log A_local, eq. 7 from LME, the threshold (fail-safe), the group policy -------
+    decided, local, broken, dense, read = group_decision(
+        Q, k_base, stride_qb, stride_qh, stride_qd, stride_kt, stride_kd, LME, SINKS, row64, kv64, first, last,
+        t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS,
+        PROMOTE, INPUT_PRECISION, DOT_FP32,
+    )  # fmt: skip
     if split == 0:
         store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
                        read)  # fmt: skip
 
-    # --- the attention over this split's share of the virtual block list (not in a decision-only launch) -------
-    if ATTEND:
-        q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_FP32:
-            q = q.to(tl.float32)
-        read = through_memory(COUNTS, pair, split, num_splits, read)  # (pipelined bounds)
-        attend_split(q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
-                     first, last, bulk_lo, bulk_hi, has_bulk, read, dense, ACC, M, L, COUNTS, pair, split, num_splits,
-                     qk_scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32,
-                     SOFTCAP)  # fmt: skip
+    # --- the attention over this split's share of the virtual block list ----------------------------------------
+    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    read = through_memory(COUNTS, pair, split, num_splits, read)  # (pipelined bounds)
+    attend_split(q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
+                 first, last, bulk_lo, bulk_hi, has_bulk, read, dense, ACC, M, L, COUNTS, pair, split, num_splits,
+                 qk_scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32,
+                 SOFTCAP)  # fmt: skip
+
+
+@triton.jit
+def group_decision(
+    Q, k_base, stride_qb, stride_qh, stride_qd, stride_kt, stride_kd, LME, SINKS, row64, kv64, first, last, t_bulk,
+    bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """The decision of the ``G`` query heads of (``row64``, ``kv64``) (:func:`qada_fused_split_kernel`'s docstring):
+    ``(decided, local, broken, dense [BLOCK_G], read)`` (:func:`threshold_decision`), from the queries ``Q [b, H,
+    d]``, the KV head's keys at ``k_base``, the row's range (:func:`~qada.attention._triton_kernel.row_range`) and
+    the heads' ``LME [b, H]``."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
+    heads = kv64 * G + offs_g
+    has_bulk = t_bulk > 0
+    q = tl.load(Q + row64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_ok[:, None] & (offs_d < D)[None, :], other=0.0)  # fmt: skip
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    # log A_local: the window's exact mass (and the sink logit)
+    log_local, bad = window_log_local(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
+                                      scale, softcap, SINKS, heads, g_ok, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP,
+                                      HAS_SINKS, INPUT_PRECISION, DOT_FP32)  # fmt: skip
+    # eq. 7: the lognormal estimate of log A_bulk (its query side computed once per step: LME)
+    log_mean_exp = tl.load(LME + row64 * (H_KV * G) + heads, mask=g_ok, other=0.0)
+    log_t = tl.log(tl.maximum(t_bulk, 1).to(tl.float32))
+    log_bulk = tl.where(has_bulk, log_t + log_mean_exp, float("-inf"))
+    # the threshold decision (fail-safe), then the group policy
+    return threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G, BLOCK_G, PROMOTE)
+
+
+@triton.jit
+def decide_group_and_store(
+    Q, K, LME, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, kv_head,
+    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+    C, H_KV, t_sink, t_local, scale, softcap, log_tau,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_START: tl.constexpr, HAS_END: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """:func:`group_decision` of (``row``, ``kv_head``), stored as split 0 of :func:`qada_fused_split_kernel` stores
+    it (``DECIDED, LOCAL, BROKEN [b, H]``, ``READ [b, H_kv]``): for the launch of one program per (row, KV head) that
+    wrote ``LME`` (``decide_once``)."""
+    row64 = row.to(tl.int64)
+    kv64 = kv_head.to(tl.int64)
+    first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
+    decided, local, broken, dense, read = group_decision(
+        Q, K + row64 * stride_kb + kv64 * stride_kh, stride_qb, stride_qh, stride_qd, stride_kt, stride_kd, LME, SINKS,
+        row64, kv64, first, last, t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N,
+        BLOCK_D, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32,
+    )  # fmt: skip
+    offs_g = tl.arange(0, BLOCK_G)
+    store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, kv64 * G + offs_g, offs_g < G, H_KV, G, decided, local,
+                   broken, read)  # fmt: skip

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qada.attention._estimate_kernel import store_bulk_estimate
+from qada.attention._estimate_kernel import estimate_and_decide
 
 
 @triton.jit
@@ -52,19 +52,22 @@ def store_covariance(M2, S1, COV, count, SHIFTED: tl.constexpr, D: tl.constexpr,
 
 @triton.jit
 def current_moment_step_kernel(
-    COUNT, MEAN, M2, OUT_MEAN, OUT_COV, KEYS, START, END, Q, LME, GH_X, GH_LOGW,
+    COUNT, MEAN, M2, OUT_MEAN, OUT_COV, KEYS, START, END,
+    Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN,
     H_kv, t_local, t_recent, stride_kb, stride_kh, stride_kt, stride_kd, stride_start, stride_end,
-    stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes,
+    stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
     ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr,
+    DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """:func:`~qada.moments.current.current_buffer_step` of one (row, KV head): the key at ``end - 1 - T_recent``
     (clamped at 0) of ``KEYS [b, H_kv, C, D]`` joins the float64 state (``COUNT [b, H_kv]``, ``MEAN [b, H_kv, D]``,
     ``M2 [b, H_kv, D, D]``, contiguous) where the row's bulk grew; ``OUT_MEAN``, ``OUT_COV`` get the float32
     moments. ``START, END [b]``: the rows' bounds (``END`` one past the step's key; any strides). With ``ESTIMATE``,
-    then :func:`~qada.attention._estimate_kernel.store_bulk_estimate` from the moments just written (the query side
-    of the lognormal estimate: ``Q``, ``LME``, ``GH_*``, ``scale``, ``softcap``, ``n_nodes``, ``G``, ``BLOCK_G``,
-    ``BLOCK_X``, ``SOFTCAP`` as :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` takes them)."""
+    then :func:`~qada.attention._estimate_kernel.estimate_and_decide` from the moments just written: the query side
+    of the lognormal estimate, and with ``DECIDE`` the group's decision (the other arguments as
+    :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` takes them; ``KEYS`` are the decision's keys)."""
     pid = tl.program_id(0)
     row = pid // H_kv
     head = pid % H_kv
@@ -102,19 +105,24 @@ def current_moment_step_kernel(
     store_covariance(m2, MEAN, OUT_COV + pair * D * D, n, False, D, BLOCK_R, BLOCK_D)
     if ESTIMATE:
         tl.debug_barrier()  # the moments are in memory
-        store_bulk_estimate(Q, LME, GH_X, GH_LOGW, row, head, OUT_MEAN + pair * D, 1, OUT_COV + pair * D * D, D, 1,
-                            stride_qb, stride_qh, stride_qd, H_kv, scale, softcap, n_nodes, G, D, BLOCK_G, BLOCK_D,
-                            BLOCK_R, BLOCK_X, SOFTCAP)  # fmt: skip
+        estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head,
+                            OUT_MEAN + pair * D, 1, OUT_COV + pair * D * D, D, 1, stride_qb, stride_qh, stride_qd,
+                            stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale, softcap,
+                            n_nodes, log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_R, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N,
+                            HAS_START, END_GIVEN, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
 
 
 @triton.jit
 def stored_moment_step_kernel(
-    COUNT, S1, S2, OLD_END, JUMP_N, JUMP_COUNT, JUMP_S1, JUMP_S2, MEAN, COV, REF, SHIFT, START, END,
-    Q, LME, GH_X, GH_LOGW,
+    COUNT, S1, S2, OLD_END, JUMP_N, JUMP_COUNT, JUMP_S1, JUMP_S2, MEAN, COV, REF, SHIFT, START, END, KEYS,
+    Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN,
     H_kv, N, num_jumps, t_local, offset, first, min_bulk_keys, stride_rh, stride_rn, stride_rd,
-    stride_start, stride_end, stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes,
+    stride_start, stride_end, stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
     ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr,
+    DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """:func:`~qada.moments.stored.advance_reference_range` of one (row, KV head): the row's reference range
     ``[first, e(n))`` moves from ``e(n - 1)`` (what the previous step, or the prefill, left in ``OLD_END``: every
@@ -122,7 +130,8 @@ def stored_moment_step_kernel(
     from the float64 sums around ``SHIFT [H_kv, D]`` (``COUNT [b, H_kv]``, ``S1 [b, H_kv, D]``, ``S2 [b, H_kv, D,
     D]``), or, at a length ``JUMP_N [b, K]`` lists, taking the prepared sums ``JUMP_* [b, K, H_kv, ...]``; writes
     ``OLD_END [b]`` (the program of KV head 0) and the float32 ``MEAN``, ``COV``. ``n = END - START``. With
-    ``ESTIMATE``, then the estimate's query side as :func:`current_moment_step_kernel`."""
+    ``ESTIMATE``, then the estimate's query side (and with ``DECIDE`` the decision, from ``KEYS [b, H_kv, C, d]``) as
+    :func:`current_moment_step_kernel`."""
     pid = tl.program_id(0)
     row = pid // H_kv
     head = pid % H_kv
@@ -173,6 +182,8 @@ def stored_moment_step_kernel(
     store_covariance(s2, S1 + pair * D, COV + pair * D * D, count, True, D, BLOCK_R, BLOCK_D)
     if ESTIMATE:
         tl.debug_barrier()  # the moments are in memory
-        store_bulk_estimate(Q, LME, GH_X, GH_LOGW, row, head, MEAN + pair * D, 1, COV + pair * D * D, D, 1,
-                            stride_qb, stride_qh, stride_qd, H_kv, scale, softcap, n_nodes, G, D, BLOCK_G, BLOCK_D,
-                            BLOCK_R, BLOCK_X, SOFTCAP)  # fmt: skip
+        estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head,
+                            MEAN + pair * D, 1, COV + pair * D * D, D, 1, stride_qb, stride_qh, stride_qd, stride_kb,
+                            stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale, softcap, n_nodes, log_tau,
+                            G, D, BLOCK_G, BLOCK_D, BLOCK_R, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN,
+                            HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip

@@ -28,9 +28,11 @@ query head's top pages by bound, and decides on ``logaddexp(log A_E, log(T_bulk 
 still two launches per layer after the moment step.
 
 With ``decide_once=True`` (by default: a ``qada_tail`` decision over more pages than ``pages_per_program``) the
-decision (either kind) is a launch of its own, one program per (row, KV head), and the ``triton`` executor's split
-and combine launches then read its ``local`` mask: three launches after the moment step, the decision made once
-per group instead of once per split (what a GPU measurement should choose between).
+decision is made once per group, one program per (row, KV head), and the ``triton`` executor's split and combine
+launches then read its ``local`` mask: the plain ``qada`` decision by the launch that writes ``log E[exp(s)]`` (the
+moment step's: two launches after it, as deciding in the splits; :class:`~qada.attention.moment_step.EstimateDecision`),
+a ``qada_tail`` one in a launch of its own (three). No split then recomputes the decision (what a GPU measurement
+should choose between).
 
 Anything else (another criterion, ``qada_tail`` with ``attend_exact``, ``super_page`` or ``scale_exact``, no moment
 source) is an error when the run is built: use ``triton``. Called as a plain executor (with a decision given, e.g.
@@ -41,12 +43,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from qada.attention.base import GroupDecision, register_executor
-from qada.attention.moment_step import BulkEstimate, estimate_launch
+from qada.attention.moment_step import BulkEstimate, EstimateDecision, estimate_launch
 from qada.attention.triton_decode import StepStatistics, TritonExecutor, _next_pow2, check_triton_runtime, combine
 from qada.functional.tail import EXTREMA_DTYPES
 from qada.stable_tensors import write_into
@@ -167,6 +169,15 @@ class FusedBudget(NamedTuple):
     per_group: bool = False
 
 
+def _score_precision(dtype: torch.dtype) -> tuple[str | None, bool]:
+    """How the kernels compute window scores for queries of ``dtype``: ``(INPUT_PRECISION, DOT_FP32)`` (``ieee``
+    for float32; bfloat16 upcast to float32 in Triton's interpreter, whose dots do not take it)."""
+    from qada.attention import _triton_kernel
+
+    dot_fp32 = _triton_kernel.INTERPRETED and dtype == torch.bfloat16
+    return ("ieee" if dtype == torch.float32 or dot_fp32 else None), dot_fp32
+
+
 def _hermite(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gauss-Hermite nodes and ``log(w_j / sqrt(pi))`` as float32 tensors on ``device`` (an executor makes them
     once, at a run's prefill, and holds them: :meth:`FusedTritonExecutor.to_device`)."""
@@ -196,9 +207,10 @@ class FusedTritonExecutor(TritonExecutor):
 
     decide_once: bool | None = None
     """``False``: the decision in the split launch (two launches; every split recomputes it, since it fixes the
-    split's blocks). ``True``: a decision launch of one program per (row, KV head), then the ``triton`` executor's
-    split and combine launches reading its ``local`` mask (three launches; the decision, the exact set and the page
-    bounds computed once instead of once per split). ``None`` (the default): ``True`` for a ``qada_tail`` decision
+    split's blocks). ``True``: the decision made once, one program per (row, KV head), then the ``triton`` executor's
+    split and combine launches reading its ``local`` mask: the plain ``qada`` decision by the moment step's launch
+    (two launches after it), a ``qada_tail`` one (the exact set, the page bounds) in a launch of its own (three).
+    ``None`` (the default): ``True`` for a ``qada_tail`` decision
     whose tail index has more than :attr:`pages_per_program` pages (a long context, where every split would bound
     every page), else ``False``. The same decisions and output either way."""
 
@@ -234,18 +246,38 @@ class FusedTritonExecutor(TritonExecutor):
             self.to_device(device)
         return self._hermite_held
 
-    def bulk_estimate(self, query: torch.Tensor, scale: float, softcap: float | None) -> BulkEstimate:
+    def bulk_estimate(self, query: torch.Tensor, scale: float, softcap: float | None,
+                      decision: EstimateDecision | None = None) -> BulkEstimate:
         """The :class:`~qada.attention.moment_step.BulkEstimate` of a step's queries ``query [b, H, d]``: the held
         Gauss-Hermite rule (under a soft cap) and a new ``[b, H]`` float32 output, for the moment step's launch to
-        fill."""
+        fill (and with ``decision`` (:meth:`estimate_decision`) to decide from)."""
         out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         nodes, log_weights = self._hermite_on(query.device) if softcap else (out, out)  # (read only under a cap)
-        return BulkEstimate(query, scale, softcap, nodes, log_weights, out)
+        return BulkEstimate(query, scale, softcap, nodes, log_weights, out, decision)
+
+    def decides_in_estimate(self, tail_aware: bool = False) -> bool:
+        """Whether the launch that writes each head's ``log E[exp(s)]`` also decides: the plain ``qada`` decision
+        (not ``tail_aware``) made once per group (:attr:`decide_once`)."""
+        return not tail_aware and self.decides_once()
+
+    def estimate_decision(self, query: torch.Tensor, keys: torch.Tensor, start: torch.Tensor | None,
+                          end: torch.Tensor | None, sinks: torch.Tensor | None, tau: float, policy: str,
+                          window: Any) -> EstimateDecision:
+        """The :class:`~qada.attention.moment_step.EstimateDecision` of a step (``query [b, H, d]``, ``keys [b, H_kv,
+        C, d]``, the rows' bounds, the sink logits, the window) at ``tau`` with the group ``policy``: new flags."""
+        b, H = query.shape[:2]
+        input_precision, dot_fp32 = _score_precision(query.dtype)
+        flags = tuple(torch.empty(b, H, dtype=torch.bool, device=query.device) for _ in range(3))
+        read = torch.empty(b, keys.shape[1], dtype=torch.bool, device=query.device)
+        return EstimateDecision(keys, start, end, sinks, math.log(tau) if tau > 0 else float("-inf"),
+                                policy == "promote", window.t_sink, window.t_local, self.block_size, input_precision,
+                                dot_fp32, *flags, read)
 
     def decide_and_attend(self, step: DecodeStep, tau: float, policy: str = "exact",
                           tail: FusedTail | None = None, budget: FusedBudget | None = None,
                           add_to: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          log_mean_exp: torch.Tensor | None = None) -> FusedLaunch:
+                          log_mean_exp: torch.Tensor | None = None,
+                          decision: EstimateDecision | None = None) -> FusedLaunch:
         """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches;
         with ``tail``, the ``qada_tail`` decision (:mod:`qada.attention._fused_tail_kernel`), whose split launch
         also makes the step's key join its page in ``tail``'s extrema (in place, as
@@ -260,7 +292,10 @@ class FusedTritonExecutor(TritonExecutor):
         the combine launch adds the statistics row to ``sums[layer]`` (:class:`~qada.attention.StepStatistics`).
         ``log_mean_exp``: ``[b, H]`` float32 (contiguous), each query head's ``log E[exp(s)]`` from those moments
         (the ``out`` of the :meth:`bulk_estimate` the moment step's launch filled); ``None``: one launch more makes it
-        (:func:`~qada.attention.moment_step.estimate_launch`).
+        (:func:`~qada.attention.moment_step.estimate_launch`). Where the plain ``qada`` decision is made once
+        (:meth:`decides_in_estimate`), that launch makes it: ``decision`` is the one the moment step's launch made
+        (:meth:`estimate_decision`), or, ``None``, one estimate launch makes both (``log_mean_exp`` unused); then
+        the ``triton`` split and combine launches.
         """
         query, key, value = step.query, step.keys, step.values
         check_triton_runtime(query.device, query.dtype, "triton_fused")
@@ -273,17 +308,19 @@ class FusedTritonExecutor(TritonExecutor):
         if mean.shape != (b, H_kv, d) or cov.shape != (b, H_kv, d, d):
             raise ValueError(f"expected moments mean [{b}, {H_kv}, {d}] and cov [{b}, {H_kv}, {d}, {d}] but got mean "
                              f"{tuple(mean.shape)} and cov {tuple(cov.shape)}")
+        if budget is not None and tail is None:
+            raise ValueError("a budget decision in the kernel ranks the tail-aware estimate: pass the tail index too")
+        if self.decides_in_estimate(tail is not None):
+            return self._decided_in_estimate(step, tau, policy, add_to, decision)
         if log_mean_exp is None:
             log_mean_exp = estimate_launch(self.bulk_estimate(query, step.scale, step.softcap), step.bulk_moments)
         elif (log_mean_exp.shape != (b, H) or log_mean_exp.dtype != torch.float32
               or not log_mean_exp.is_contiguous()):
             raise ValueError(f"expected log_mean_exp as a contiguous float32 tensor of shape [{b}, {H}] but got "
                              f"{log_mean_exp.dtype} {tuple(log_mean_exp.shape)}")
-        dot_fp32 = _triton_kernel.INTERPRETED and query.dtype == torch.bfloat16
+        input_precision, dot_fp32 = _score_precision(query.dtype)
         BLOCK_G, BLOCK_D = max(16, _next_pow2(G)), max(16, _next_pow2(d))
         pairs = b * H_kv
-        if budget is not None and tail is None:
-            raise ValueError("a budget decision in the kernel ranks the tail-aware estimate: pass the tail index too")
         apart = budget is not None or self.decides_once(tail)  # a decision launch of its own, then the triton ones
         S = 1 if apart else self.splits(query.device, pairs, C)  # a decision launch: one per group
         device = query.device
@@ -304,8 +341,7 @@ class FusedTritonExecutor(TritonExecutor):
         common = dict(G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D,
                       HAS_START=start is not None, HAS_END=end is not None, HAS_SINKS=sinks is not None,
                       PROMOTE=policy == "promote",
-                      INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
-                      DOT_FP32=dot_fp32, SOFTCAP=bool(softcap), ATTEND=not apart,  # apart: the decision alone
+                      INPUT_PRECISION=input_precision, DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
                       num_warps=self.num_warps, num_stages=self.num_stages)
         inputs = (query, key, value, log_mean_exp, query if start is None else start, query if end is None else end,
                   query if sinks is None else sinks)
@@ -315,7 +351,7 @@ class FusedTritonExecutor(TritonExecutor):
                  float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau)
         log_ratio = n_exact = None
         grid = (pairs, S)
-        if tail is None:
+        if tail is None:  # (the decision made in every split: not apart)
             _triton_kernel.run(_fused_kernel.qada_fused_split_kernel, grid, *inputs, *outputs, *strides,
                                *sizes, **common)
         else:
@@ -332,8 +368,8 @@ class FusedTritonExecutor(TritonExecutor):
             _triton_kernel.run(_fused_tail_kernel.qada_tail_fused_split_kernel, grid, *inputs, *tail_inputs,
                                *candidates, *outputs, log_ratio, n_exact, *strides, *tail.kernel_strides(), *sizes,
                                tail.heavy.shape[2], n_pages, stretches, CANDIDATES=stretches > 1,
-                               SCORE=budget is not None, **common,  # SCORE: the heads' scores, the budget decides
-                               **constants)
+                               SCORE=budget is not None,  # SCORE: the heads' scores, the budget decides
+                               ATTEND=not apart, **common, **constants)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)
         tail_reads = None if tail is None else (tail.page_size, tail.heavy.shape[2] if tail.heavy_reads is None
@@ -346,6 +382,29 @@ class FusedTritonExecutor(TritonExecutor):
                                log_ratio, n_exact, row)
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics)
         return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read, flags[2], counts, log_ratio, n_exact, row)
+
+    def _decided_in_estimate(self, step: DecodeStep, tau: float, policy: str,
+                             add_to: tuple[torch.Tensor, torch.Tensor] | None,
+                             decision: EstimateDecision | None) -> FusedLaunch:
+        """The plain ``qada`` decision made once per group by the launch that writes ``log E[exp(s)]``
+        (``decision``, or one :func:`~qada.attention.moment_step.estimate_launch` now), then the ``triton``
+        executor's split and combine launches on it."""
+        if decision is None:
+            decision = self.estimate_decision(step.query, step.keys, step.start, step.end, step.sink_logits, tau,
+                                              policy, step.window)
+            estimate_launch(self.bulk_estimate(step.query, step.scale, step.softcap, decision), step.bulk_moments)
+        b, H = step.query.shape[:2]
+        for name in ("decided", "local", "broken"):
+            flag = getattr(decision, name)
+            if flag.shape != (b, H) or flag.dtype != torch.bool:
+                raise ValueError(f"expected the decision's {name} as a bool tensor of shape [{b}, {H}] but got "
+                                 f"{flag.dtype} {tuple(flag.shape)}")
+        row = torch.empty(5, dtype=torch.float64, device=step.query.device)
+        statistics = StepStatistics(decision.local, decision.read, decision.broken, step.start, step.end,
+                                    step.keys.shape[2], step.window.t_local, row, None, add_to)
+        done = self.launch(step, GroupDecision(decision.local, decision.read), statistics)
+        return FusedLaunch(done.output, done.bulk_blocks, decision.decided, decision.local, decision.read,
+                           decision.broken, done.counts, None, None, row)
 
     def decides_once(self, tail: FusedTail | None = None) -> bool:
         """Whether a threshold decision (``tail``: a ``qada_tail`` one) is a launch of its own (:attr:`decide_once`,

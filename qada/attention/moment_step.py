@@ -27,10 +27,43 @@ import torch
 from qada.attention.triton_decode import _next_pow2
 from qada.step import BulkMoments
 
-__all__ = ["BulkEstimate", "current_step_launch", "estimate_launch", "stored_step_launch"]
+__all__ = ["BulkEstimate", "EstimateDecision", "current_step_launch", "estimate_launch", "stored_step_launch"]
 
 _BLOCK_R = 16
 """Rows of the co-moment updated per tile (and of the covariance per tile of the estimate's ``q^T cov q``)."""
+
+
+class EstimateDecision(NamedTuple):
+    """The ``qada`` threshold decision that the launch writing a :class:`BulkEstimate` also makes, one program per
+    (row, KV head), as a split of the ``triton_fused`` executor makes it (:mod:`qada.attention._fused_kernel`):
+    the ``decide_once`` arrangement of a plain ``qada`` run, whose split launch is then the ``triton`` executor's.
+
+    Attributes:
+        keys: ``[b, H_kv, C, d]`` the layer's cache (any strides).
+        start, end: ``[b]`` the rows' bounds (contiguous), or ``None`` (0, and ``C``); ``end`` must be the tensor the
+            moment step's launch is given.
+        sinks: ``[H]`` sink logits or ``None``.
+        log_tau: ``log tau`` (``-inf`` for ``tau = 0``); promote: the ``promote`` group policy.
+        t_sink, t_local: the window; block_n: the keys per block the window is read in.
+        input_precision, dot_fp32: how the window's scores are computed (as the split kernels take them).
+        decided, local, broken: ``[b, H]`` bool, written; read: ``[b, H_kv]`` bool, written.
+    """
+
+    keys: torch.Tensor
+    start: torch.Tensor | None
+    end: torch.Tensor | None
+    sinks: torch.Tensor | None
+    log_tau: float
+    promote: bool
+    t_sink: int
+    t_local: int
+    block_n: int
+    input_precision: str | None
+    dot_fp32: bool
+    decided: torch.Tensor
+    local: torch.Tensor
+    broken: torch.Tensor
+    read: torch.Tensor
 
 
 class BulkEstimate(NamedTuple):
@@ -44,6 +77,7 @@ class BulkEstimate(NamedTuple):
         out: ``[b, H]`` float32, contiguous: written with each query head's ``log E[exp(s)]`` of one bulk score,
             ``mu_s + sigma_s^2 / 2`` (eqs. 5-6), or ``log E[exp(c tanh(s / c))]`` under a cap
             (:func:`~qada.functional.capping.log_mean_exp_score`, float32 in the kernel).
+        decision: the decision the same launch then makes from it (:class:`EstimateDecision`), or ``None``.
     """
 
     query: torch.Tensor
@@ -52,30 +86,64 @@ class BulkEstimate(NamedTuple):
     nodes: torch.Tensor
     log_weights: torch.Tensor
     out: torch.Tensor
+    decision: EstimateDecision | None = None
 
-    def kernel_args(self) -> tuple:
-        """``Q, LME, GH_X, GH_LOGW`` then ``stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes``."""
-        return ((self.query, self.out, self.nodes, self.log_weights),
-                (*self.query.stride(), float(self.scale), float(self.softcap or 1.0), self.nodes.shape[0]))
+    def kernel_args(self) -> tuple[tuple, tuple]:
+        """``(Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN)`` and ``(stride_qb, stride_qh, stride_qd,
+        scale, softcap, n_nodes, C, t_sink, log_tau)``, the decision's placeholders where there is none."""
+        made = self.decision
+        if made is None:
+            decision, sizes = (self.out,) * 5, (1, 0, 0.0)
+        else:
+            decision = (self.out if made.sinks is None else made.sinks, made.decided, made.local, made.read,
+                        made.broken)
+            sizes = (made.keys.shape[2], made.t_sink, made.log_tau)
+        return ((self.query, self.out, self.nodes, self.log_weights, *decision),
+                (*self.query.stride(), float(self.scale), float(self.softcap or 1.0), self.nodes.shape[0], *sizes))
 
     def kernel_constants(self, H_kv: int) -> dict:
         b, H, _ = self.query.shape
         if H % H_kv or self.out.shape != (b, H) or self.out.dtype != torch.float32 or not self.out.is_contiguous():
             raise ValueError(f"expected queries of a multiple of {H_kv} heads and a contiguous float32 output of "
                              f"shape [{b}, {H}] but got {H} heads and {self.out.dtype} {tuple(self.out.shape)}")
+        made = self.decision
+        decide = dict(DECIDE=made is not None, BLOCK_N=16 if made is None else made.block_n,
+                      END_GIVEN=made is not None and made.end is not None,
+                      HAS_SINKS=made is not None and made.sinks is not None, PROMOTE=made is not None and made.promote,
+                      INPUT_PRECISION=None if made is None else made.input_precision,
+                      DOT_FP32=made is not None and made.dot_fp32)
         return dict(ESTIMATE=True, G=H // H_kv, BLOCK_G=max(16, _next_pow2(H // H_kv)),
-                    BLOCK_X=max(16, _next_pow2(self.nodes.shape[0])), SOFTCAP=bool(self.softcap))
+                    BLOCK_X=max(16, _next_pow2(self.nodes.shape[0])), SOFTCAP=bool(self.softcap), **decide)
+
+    def decision_keys(self, placeholder: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``KEYS`` and its four strides for a launch that reads the decision's keys (``placeholder``: none)."""
+        if self.decision is None:
+            return placeholder, (0, 0, 0, 0)
+        return self.decision.keys, self.decision.keys.stride()
+
+    def check_rows(self, start: torch.Tensor | None, end: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless the decision (if any) reads the rows' bounds the launch is given."""
+        made = self.decision
+        if made is None:
+            return
+        if (made.start is None) != (start is None) or (made.start is not None and made.start is not start):
+            raise ValueError("expected the decision's row starts to be the moment step's")
+        if made.end is not None and (made.end is not end or end.stride(0) != 1):
+            raise ValueError("expected the decision's row ends to be the moment step's (contiguous)")
 
 
 def _without_estimate(placeholder: torch.Tensor) -> tuple[tuple, tuple, dict]:
     """The estimate's kernel arguments when there is none (``ESTIMATE`` off; ``placeholder`` is never read)."""
-    return ((placeholder,) * 4, (0, 0, 0, 1.0, 1.0, 1),
-            dict(ESTIMATE=False, G=1, BLOCK_G=16, BLOCK_X=16, SOFTCAP=False))
+    return ((placeholder,) * 9, (0, 0, 0, 1.0, 1.0, 1, 1, 0, 0.0),
+            dict(ESTIMATE=False, G=1, BLOCK_G=16, BLOCK_X=16, SOFTCAP=False, DECIDE=False, BLOCK_N=16,
+                 END_GIVEN=False, HAS_SINKS=False, PROMOTE=False, INPUT_PRECISION=None, DOT_FP32=False))
 
 
-def _estimate_parts(estimate: BulkEstimate | None, H_kv: int, placeholder: torch.Tensor) -> tuple[tuple, tuple, dict]:
+def _estimate_parts(estimate: BulkEstimate | None, H_kv: int, placeholder: torch.Tensor, start: torch.Tensor | None,
+                    end: torch.Tensor) -> tuple[tuple, tuple, dict]:
     if estimate is None:
         return _without_estimate(placeholder)
+    estimate.check_rows(start, end)
     tensors, scalars = estimate.kernel_args()
     return tensors, scalars, estimate.kernel_constants(H_kv)
 
@@ -107,7 +175,9 @@ def current_step_launch(state: dict[str, torch.Tensor], keys: torch.Tensor, star
     b, H_kv, _, d = keys.shape
     count, mean, m2, out_mean, out_cov = (state[name] for name in ("count", "mean", "m2", "out_mean", "out_cov"))
     _contiguous(count=count, mean=mean, m2=m2, out_mean=out_mean, out_cov=out_cov)
-    tensors, scalars, constants = _estimate_parts(estimate, H_kv, count)
+    if estimate is not None and estimate.decision is not None and estimate.decision.keys is not keys:
+        raise ValueError("expected the decision's keys to be the moment step's")
+    tensors, scalars, constants = _estimate_parts(estimate, H_kv, count, start, end)
     _triton_kernel.run(
         _moment_kernel.current_moment_step_kernel, (b * H_kv,),
         count, mean, m2, out_mean, out_cov, keys, end if start is None else start, end, *tensors,
@@ -133,12 +203,14 @@ def stored_step_launch(state: dict[str, torch.Tensor], start: torch.Tensor | Non
                 jump_s1=jumps[2], jump_s2=jumps[3])
     b, H_kv = count.shape
     N, d = ref.shape[1], ref.shape[2]
-    tensors, scalars, constants = _estimate_parts(estimate, H_kv, count)
+    tensors, scalars, constants = _estimate_parts(estimate, H_kv, count, start, end)
+    keys, key_strides = (None, (0,) * 4) if estimate is None else estimate.decision_keys(count)
     _triton_kernel.run(
         _moment_kernel.stored_moment_step_kernel, (b * H_kv,),
         count, s1, s2, state["old_end"], *jumps, mean, cov, ref, shift, end if start is None else start, end,
-        *tensors, H_kv, N, jumps[0].shape[1], t_local, offset, first, min_bulk_keys,
-        *ref.stride(), *_row_strides(start, end), *scalars, **_constants(d, start), **constants,
+        count if keys is None else keys, *tensors, H_kv, N, jumps[0].shape[1], t_local, offset, first,
+        min_bulk_keys, *ref.stride(), *_row_strides(start, end), *key_strides, *scalars, **_constants(d, start),
+        **constants,
     )  # fmt: skip
     return BulkMoments(mean, cov)
 
@@ -155,13 +227,18 @@ def estimate_launch(estimate: BulkEstimate, moments: BulkMoments) -> torch.Tenso
     if mean.shape != (b, H_kv, d) or cov.shape != (b, H_kv, d, d):
         raise ValueError(f"expected moments mean [{b}, H_kv, {d}] and cov [{b}, H_kv, {d}, {d}] but got mean "
                          f"{tuple(mean.shape)} and cov {tuple(cov.shape)}")
-    tensors, scalars = estimate.kernel_args()
+    made = estimate.decision
+    start = None if made is None else made.start
+    end = None if made is None else made.end
+    (query, out, nodes, log_weights, *decision), scalars = estimate.kernel_args()
     constants = estimate.kernel_constants(H_kv)
     del constants["ESTIMATE"]
-    query, out, nodes, log_weights = tensors
+    keys, key_strides = estimate.decision_keys(out)
     _triton_kernel.run(
         _estimate_kernel.bulk_estimate_kernel, (b * H_kv,),
-        query, mean, cov, nodes, log_weights, out, *scalars[:3], *mean.stride(), *cov.stride(), H_kv, *scalars[3:],
-        D=d, BLOCK_D=max(16, _next_pow2(d)), BLOCK_K=_BLOCK_R, **constants,
+        query, mean, cov, out, nodes, log_weights, keys, out if start is None else start, out if end is None else end,
+        *decision, *mean.stride(), *cov.stride(), *scalars[:3], *key_strides, H_kv,
+        0 if made is None else made.t_local, *scalars[3:],
+        D=d, BLOCK_D=max(16, _next_pow2(d)), BLOCK_K=_BLOCK_R, HAS_START=start is not None, **constants,
     )  # fmt: skip
     return out

@@ -9,7 +9,8 @@ decision: the moment source's step (:mod:`qada.attention.moment_step`, which als
 E[exp(s)]`` from the new moments, the query side of the lognormal estimate; a source without a kernel steps in torch,
 and that estimate is then a launch of its own), the decision with the split-K attention, and the combine, whose last
 program also writes the step's statistics row; five for the budget (its scores, then the ranking of each row's heads,
-then the ``triton`` split).
+then the ``triton`` split). With ``decide_once`` the plain ``qada`` decision is made by the moment step's launch
+(:class:`~qada.attention.moment_step.EstimateDecision`), and the split is the ``triton`` executor's.
 It returns the same :class:`~qada.models.layer_step.LayerStepResult` (the window fields ``None``: nothing gathers
 the window; a step computes it on demand) with the attention's ``output`` and ``bulk_blocks``, which the run takes
 instead of calling the executor.
@@ -114,9 +115,14 @@ def fused_layer_step(
     then ``executor.decide_and_attend`` at ``criterion.tau``): ``query [b, H, 1, d]``, ``keys, values [b, H_kv, C,
     d]``. Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the
     attention. A moment source without a kernel steps in torch (:meth:`~qada.moments.MomentSource.step`)."""
+    from qada.criteria.tail import TailEstimate
     from qada.models.layer_step import LayerStepResult, begin_step
 
-    estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap)  # filled by the moment step
+    decision = None  # the plain qada decision made once per group: by the moment step's launch
+    if executor.decides_in_estimate(isinstance(criterion, TailEstimate)):
+        decision = executor.estimate_decision(query[:, :, 0], keys, start, end, sink_logits, criterion.tau, policy,
+                                              window)
+    estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap, decision)  # filled by the moment step
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
                             sink_logits, softcap, moments, window,
                             functools.partial(fused_moment_step, moments, estimate=estimate))
@@ -124,7 +130,7 @@ def fused_layer_step(
     tau = 0.0 if budget is not None else criterion.tau  # (a budget ranks: no threshold)
     add_to = None if sums is None else (sums, layer)  # the combine launch adds the row to sums[layer]
     launch = executor.decide_and_attend(step, tau, policy, fused_tail(criterion, step), budget, add_to,
-                                        log_mean_exp=estimate.out)
+                                        log_mean_exp=estimate.out, decision=decision)
     counts = launch.row
     return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,
                            None, None, bulk, step.query, step.start, step.end,

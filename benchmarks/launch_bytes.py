@@ -46,8 +46,9 @@ CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, mom
 """Every configuration whose whole decode step runs in Triton launches (the ``triton`` executor with a criterion
 decides in torch operations, which this does not count)."""
 
-KV_ARGS = {"K", "V"}
-"""The arguments that are the KV cache in every launch that reads it."""
+KV_ARGS = {"K", "V", "KEYS"}
+"""The arguments that are the KV cache in every launch that reads it (``KEYS``: the moment step's, whose launch reads
+the step's key, and with ``decide_once`` the window's keys for the decision)."""
 
 
 class ArgumentSpans:
@@ -187,7 +188,7 @@ def totals(kernels: dict[str, Any]) -> dict[str, int]:
         for name, counts in entry["read"].items():
             out["read_unique"] += counts["unique"]
             out["read_accessed"] += counts["accessed"]
-            is_kv = bool(KV_ARGS & set(name.split("=")))
+            is_kv = set(name.split("=")) <= KV_ARGS  # (a placeholder passed as KEYS is another tensor)
             out["kv_unique" if is_kv else "other_read_unique"] += counts["unique"]
         for counts in entry["written"].values():
             out["written_unique"] += counts["unique"]

@@ -148,8 +148,9 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``qada dense`` (the
     wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor; with the
     ``triton`` executor also ``qada fused``, ``qada_tail fused`` and ``qada_tail_budget fused``: the same decisions
-    made in the kernels, ``triton_fused``, and the first two's ``once`` twins with ``decide_once``: a decision
-    launch, then the split), the
+    made in the kernels, ``triton_fused``, and the first two's ``once`` twins with ``decide_once``: the decision
+    made once per group, by the moment step's launch for ``qada``, in a launch of its own for ``qada_tail``, then
+    the split), the
     tail-aware rows of :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded
     prompt queries), ``static rho_kv=...`` (whole KV groups forced local): every qada row on the run's default path
     (its layer step compiled on the static cache); with ``workload.eager`` also ``<name> eager`` for ``qada`` and

@@ -167,6 +167,17 @@ def test_fused_tail_bounds_pages_from_extrema_in_the_cache_dtype(decide_once, pa
     assert written == b * H_kv * 2 * d * 4  # one page per (row, KV head)
 
 
+def test_totals_count_every_kv_cache_argument_as_kv():
+    """The cache is ``K`` and ``V`` in the attention launches and ``KEYS`` in the moment step's (the step's key, and
+    the window's keys where that launch decides)."""
+    reads = {"KEYS": {"unique": 10, "accessed": 12}, "Q=SINKS": {"unique": 3, "accessed": 3},
+             "COUNT=KEYS": {"unique": 0, "accessed": 0}}  # (a placeholder for keys it does not read)
+    kernels = {"moment": {"read": reads, "written": {}}, "split": {"read": {"K": {"unique": 5, "accessed": 5}},
+                                                                  "written": {}}}
+    counted = totals(kernels)
+    assert counted["kv_unique"] == 15 and counted["other_read_unique"] == 3 and counted["read_accessed"] == 20
+
+
 def test_spans_name_one_tensor_passed_twice_after_both_arguments():
     import numpy as np
 

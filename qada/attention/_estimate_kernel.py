@@ -4,7 +4,8 @@ bulk score, from its KV head's bulk moments. Imported lazily: importing it impor
 The ``triton_fused`` executor's decisions read it as ``[b, H]`` float32 values, computed once per (row, KV head) and
 step: by the moment step's launch right after it writes the moments (:mod:`qada.attention._moment_kernel`), or, for a
 moment source that steps in torch, by :func:`bulk_estimate_kernel`, one launch of its own. Every split of the fused
-attention used to compute it from the ``d x d`` covariance itself, reading that matrix once per split.
+attention used to compute it from the ``d x d`` covariance itself, reading that matrix once per split. With
+``decide_once`` the same launch then makes the plain ``qada`` decision from it (:func:`estimate_and_decide`).
 """
 
 from __future__ import annotations

@@ -175,10 +175,13 @@ def qada_fused_split_kernel(
     has_bulk = t_bulk > 0
 
     # --- the group's decision: log A_local, eq. 7 from LME, the threshold (fail-safe), the group policy -------
+    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
     decided, local, broken, dense, read = group_decision(
-        Q, k_base, stride_qb, stride_qh, stride_qd, stride_kt, stride_kd, LME, SINKS, row64, kv64, first, last,
-        t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS,
-        PROMOTE, INPUT_PRECISION, DOT_FP32,
+        q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
+        scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION,
+        DOT_FP32,
     )  # fmt: skip
     if split == 0:
         store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
@@ -197,25 +200,18 @@ def qada_fused_split_kernel(
 
 @triton.jit
 def group_decision(
-    Q, k_base, stride_qb, stride_qh, stride_qd, stride_kt, stride_kd, LME, SINKS, row64, kv64, first, last, t_bulk,
-    bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau,
+    q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
+    scale, softcap, log_tau,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """The decision of the ``G`` query heads of (``row64``, ``kv64``) (:func:`qada_fused_split_kernel`'s docstring):
-    ``(decided, local, broken, dense [BLOCK_G], read)`` (:func:`threshold_decision`), from the queries ``Q [b, H,
-    d]``, the KV head's keys at ``k_base``, the row's range (:func:`~qada.attention._triton_kernel.row_range`) and
+    """The decision of the ``G`` query heads ``heads [BLOCK_G]`` (where ``g_ok``) of one (row, KV head)
+    (:func:`qada_fused_split_kernel`'s docstring): ``(decided, local, broken, dense [BLOCK_G], read)``
+    (:func:`threshold_decision`), from their queries ``q [BLOCK_G, BLOCK_D]`` (as :func:`window_log_mass` takes
+    them), the KV head's keys at ``k_base``, the row's range (:func:`~qada.attention._triton_kernel.row_range`) and
     the heads' ``LME [b, H]``."""
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_ok = offs_g < G
-    heads = kv64 * G + offs_g
     has_bulk = t_bulk > 0
-    q = tl.load(Q + row64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_ok[:, None] & (offs_d < D)[None, :], other=0.0)  # fmt: skip
-    if DOT_FP32:
-        q = q.to(tl.float32)
     # log A_local: the window's exact mass (and the sink logit)
     log_local, bad = window_log_local(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
                                       scale, softcap, SINKS, heads, g_ok, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP,
@@ -240,14 +236,21 @@ def decide_group_and_store(
     """:func:`group_decision` of (``row``, ``kv_head``), stored as split 0 of :func:`qada_fused_split_kernel` stores
     it (``DECIDED, LOCAL, BROKEN [b, H]``, ``READ [b, H_kv]``): for the launch of one program per (row, KV head) that
     wrote ``LME`` (``decide_once``)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < G
+    heads = kv_head * G + offs_g
     row64 = row.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
+    q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_ok[:, None] & (offs_d < D)[None, :], other=0.0)  # fmt: skip
+    if DOT_FP32:
+        q = q.to(tl.float32)
     decided, local, broken, dense, read = group_decision(
-        Q, K + row64 * stride_kb + kv64 * stride_kh, stride_qb, stride_qh, stride_qd, stride_kt, stride_kd, LME, SINKS,
-        row64, kv64, first, last, t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N,
-        BLOCK_D, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32,
+        q, K + row64 * stride_kb + kv64 * stride_kh, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last,
+        t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS,
+        PROMOTE, INPUT_PRECISION, DOT_FP32,
     )  # fmt: skip
-    offs_g = tl.arange(0, BLOCK_G)
-    store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, kv64 * G + offs_g, offs_g < G, H_KV, G, decided, local,
-                   broken, read)  # fmt: skip
+    store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
+                   read)  # fmt: skip

@@ -242,6 +242,16 @@ def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch, decide
     assert set(record.ops) <= {"aten.empty.memory_format"} | views, record.ops
 
 
+def test_a_decision_made_with_the_estimate_needs_decide_once():
+    """An :class:`~qada.attention.moment_step.EstimateDecision` is what the estimate's launch decides with
+    ``decide_once``; given to an executor that decides in its splits, it is an error, not ignored."""
+    step = make_step(1, 4, 2, 60, 16, None, None, torch.float32, seed=3)
+    executor = FusedTritonExecutor(block_size=16, num_splits=2)
+    made = executor.estimate_decision(step.query, step.keys, None, None, None, 0.5, "exact", step.window)
+    with pytest.raises(ValueError, match="decide_once=True"):
+        executor.decide_and_attend(step, 0.5, decision=made)
+
+
 def test_plain_executor_call_is_the_triton_executor():
     """Called with a decision (outside a run), ``triton_fused`` attends as ``triton`` does."""
     step = make_step(1, 4, 2, 100, 16, None, None, torch.float32, seed=3)

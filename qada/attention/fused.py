@@ -312,6 +312,9 @@ class FusedTritonExecutor(TritonExecutor):
             raise ValueError("a budget decision in the kernel ranks the tail-aware estimate: pass the tail index too")
         if self.decides_in_estimate(tail is not None):
             return self._decided_in_estimate(step, tau, policy, add_to, decision)
+        if decision is not None:
+            raise ValueError("a decision made with the estimate is the plain 'qada' one made once per group "
+                             "(decide_once=True, no tail index): this call decides in its own launches")
         if log_mean_exp is None:
             log_mean_exp = estimate_launch(self.bulk_estimate(query, step.scale, step.softcap), step.bulk_moments)
         elif (log_mean_exp.shape != (b, H) or log_mean_exp.dtype != torch.float32

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qada.attention._triton_kernel import attend_split, block_list, key_scores, row_range, through_memory
+from qada.attention._triton_kernel import attend_split, block_list, group_queries, key_scores, row_range, through_memory
 
 
 @triton.jit
@@ -162,9 +162,7 @@ def qada_fused_split_kernel(
     row = pair // H_KV
     kv_head = pair % H_KV
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < G
-    d_ok = offs_d < D
     heads = kv_head * G + offs_g
     row64 = row.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
@@ -175,9 +173,7 @@ def qada_fused_split_kernel(
     has_bulk = t_bulk > 0
 
     # --- the group's decision: log A_local, eq. 7 from LME, the threshold (fail-safe), the group policy -------
-    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = group_queries(q_rows, stride_qd, g_ok, D, BLOCK_D, DOT_FP32)
     decided, local, broken, dense, read = group_decision(
         q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
         scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION,
@@ -188,9 +184,7 @@ def qada_fused_split_kernel(
                        read)  # fmt: skip
 
     # --- the attention over this split's share of the virtual block list ----------------------------------------
-    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = group_queries(q_rows, stride_qd, g_ok, D, BLOCK_D, DOT_FP32)
     read = through_memory(COUNTS, pair, split, num_splits, read)  # (pipelined bounds)
     attend_split(q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
                  first, last, bulk_lo, bulk_hi, has_bulk, read, dense, ACC, M, L, COUNTS, pair, split, num_splits,
@@ -237,16 +231,13 @@ def decide_group_and_store(
     it (``DECIDED, LOCAL, BROKEN [b, H]``, ``READ [b, H_kv]``): for the launch of one program per (row, KV head) that
     wrote ``LME`` (``decide_once``)."""
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < G
     heads = kv_head * G + offs_g
     row64 = row.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
-    q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_ok[:, None] & (offs_d < D)[None, :], other=0.0)  # fmt: skip
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = group_queries(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh, stride_qd, g_ok, D, BLOCK_D,
+                      DOT_FP32)  # fmt: skip
     decided, local, broken, dense, read = group_decision(
         q, K + row64 * stride_kb + kv64 * stride_kh, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last,
         t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS,

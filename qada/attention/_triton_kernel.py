@@ -44,6 +44,17 @@ else:
 
 
 @triton.jit
+def group_queries(q_rows, stride_qd, g_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The queries ``[BLOCK_G, BLOCK_D]`` of one KV group's heads (``q_rows [BLOCK_G, 1]``: each head's first feature,
+    where ``g_ok``) in the cache's dtype, or float32 under ``DOT_FP32`` (as :func:`key_scores` takes them)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=g_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
 def row_range(START, END, row, C, t_sink, t_local, HAS_START: tl.constexpr, HAS_END: tl.constexpr):
     """``(first, last, t_bulk, bulk_lo, bulk_hi)`` of ``row`` (module docstring), from device values only."""
     if HAS_START:
@@ -230,9 +241,7 @@ def qada_decode_split_kernel(
     row = pair // H_KV
     kv_head = pair % H_KV
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < G
-    d_ok = offs_d < D
     heads = kv_head * G + offs_g
     row64 = row.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
@@ -244,10 +253,8 @@ def qada_decode_split_kernel(
     dense = (is_local == 0) & g_ok  # [BLOCK_G]
     read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
 
-    q = tl.load(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = group_queries(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh, stride_qd, g_ok, D, BLOCK_D,
+                      DOT_FP32)  # fmt: skip
     attend_split(q, K + row64 * stride_kb + kv64 * stride_kh, V + row64 * stride_vb + kv64 * stride_vh,
                  stride_kt, stride_kd, stride_vt, stride_vd, first, last, bulk_lo, bulk_hi, has_bulk, read, dense,
                  ACC, M, L, COUNTS, pair, split, num_splits, qk_scale, softcap,

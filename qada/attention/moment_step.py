@@ -204,11 +204,11 @@ def stored_step_launch(state: dict[str, torch.Tensor], start: torch.Tensor | Non
     b, H_kv = count.shape
     N, d = ref.shape[1], ref.shape[2]
     tensors, scalars, constants = _estimate_parts(estimate, H_kv, count, start, end)
-    keys, key_strides = (None, (0,) * 4) if estimate is None else estimate.decision_keys(count)
+    keys, key_strides = (count, (0,) * 4) if estimate is None else estimate.decision_keys(count)
     _triton_kernel.run(
         _moment_kernel.stored_moment_step_kernel, (b * H_kv,),
         count, s1, s2, state["old_end"], *jumps, mean, cov, ref, shift, end if start is None else start, end,
-        count if keys is None else keys, *tensors, H_kv, N, jumps[0].shape[1], t_local, offset, first,
+        keys, *tensors, H_kv, N, jumps[0].shape[1], t_local, offset, first,
         min_bulk_keys, *ref.stride(), *_row_strides(start, end), *key_strides, *scalars, **_constants(d, start),
         **constants,
     )  # fmt: skip

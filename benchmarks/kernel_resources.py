@@ -134,9 +134,11 @@ def async_copies(ptx: str) -> int:
 
 class Sm90Compiler:
     """Stands in for ``qada.attention._triton_kernel.run``: compiles each launch for sm_90 instead of running it,
-    once per distinct kernel, specialisation and launch options; ``kernels`` maps that key to its report."""
+    once per distinct kernel, specialisation and launch options; ``kernels`` maps that key to its report.
+    ``float_scalars``: the type a Python float argument is compiled as: ``"fp32"`` (Triton's own launcher) or
+    ``"fp64"`` (what ``torch.compile`` gives a kernel it launches from a compiled function)."""
 
-    def __init__(self) -> None:
+    def __init__(self, float_scalars: str = "fp32") -> None:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import make_backend
 
@@ -145,6 +147,7 @@ class Sm90Compiler:
         self.kernels: dict[tuple, dict[str, Any]] = {}
         self.binders: dict[Any, Any] = {}  # kernel -> Triton's argument binder for the target (built once)
         self.config: tuple[str, str] = ("", "")  # (shape, configuration) of the launches to come
+        self.float_scalars = float_scalars
 
     def __call__(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         from triton.compiler import ASTSource, compile
@@ -155,6 +158,7 @@ class Sm90Compiler:
         bound, specialization, options = self.binders[kernel](*args, **kwargs)
         options, signature, constexprs, attrs = kernel._pack_args(self.backend, kwargs, bound, specialization,
                                                                   options)  # fmt: skip
+        signature = {name: self.float_scalars if kind == "fp32" else kind for name, kind in signature.items()}
         key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=repr)),
                repr(sorted(attrs.items(), key=repr)), options.num_warps, options.num_stages)
         if key in self.kernels:
@@ -227,6 +231,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--shapes", nargs="+", default=[s.name for s in SHAPES], choices=[s.name for s in SHAPES],
                         metavar="SHAPE", help=f"among {[s.name for s in SHAPES]}")
+    parser.add_argument("--float-scalars", default="fp32", choices=["fp32", "fp64"],
+                        help="the type of a Python float argument: fp32 as Triton launches a kernel, fp64 as a "
+                             "function compiled by torch.compile does (results named ...-fp64)")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: the kernels as a GPU compiles them
     os.environ["QADA_COMPILE"] = "0"
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> Path:
     pretend_cuda_triton()
     use_sm_count(H100_SMS)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    compiler = Sm90Compiler()
+    compiler = Sm90Compiler(args.float_scalars)
     _triton_kernel.run = compiler
     for shape in SHAPES:
         if shape.name in args.shapes:
@@ -249,7 +256,8 @@ def main(argv: list[str] | None = None) -> Path:
             compile_steps(compiler, shape.name, model, tokenizer, ids, moments, shape.capacity)
     rows = list(compiler.kernels.values())
     command = "python benchmarks/kernel_resources.py" + (
-        "" if len(args.shapes) == len(SHAPES) else " --shapes " + " ".join(repr(s) for s in args.shapes))
+        "" if len(args.shapes) == len(SHAPES) else " --shapes " + " ".join(repr(s) for s in args.shapes)) + (
+        "" if args.float_scalars == "fp32" else f" --float-scalars {args.float_scalars}")
     results = {"command": command, "machine": machine_info("cpu"), "triton": triton.__version__,
                "target": "cuda sm_90 (ptxas -v, sm_90a)", "sm90_limits": SM90, "kernels": rows}
     lines = ["# qada's Triton kernels compiled for sm_90 (H100, H200), on the CPU", "",
@@ -273,7 +281,9 @@ def main(argv: list[str] | None = None) -> Path:
                           r["async_copies"],
                           f"**{r['resident']}** ({r['by_registers']} / {r['by_shared']} / {r['by_warps']})",
                           ", ".join(c[1] for c in r["configs"] if c[0] == shape.name)] for r in chosen]), ""]
-    paths = write_results(args.out, f"kernel-resources-sm90-triton{triton.__version__}", results, "\n".join(lines))
+    name = f"kernel-resources-sm90-triton{triton.__version__}" + (
+        "" if args.float_scalars == "fp32" else f"-{args.float_scalars}")
+    paths = write_results(args.out, name, results, "\n".join(lines))
     print(paths[1].read_text())
     return paths[1]
 

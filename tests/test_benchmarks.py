@@ -302,6 +302,13 @@ def test_issue33_gpu_goals_from_measured_rows():
 
     assert goal("sparsity on SmolLM2")["status"] == "met"
     assert goal("sparsity on SmolLM2")["measured"] == pytest.approx(0.01)
+    # without the eager row, its compiled twin's sparsity (the same decisions) is compared
+    only_compiled = [r for r in rows if r["config"] != "qada"]
+    only_compiled[[r["config"] for r in only_compiled].index("qada compiled")]["sparsity"] = cpu["sparsity"] - 0.03
+    (sparsity,) = [g for g in evaluate_goals(results | {"end_to_end": only_compiled})
+                   if "sparsity on SmolLM2" in g["goal"]]
+    assert sparsity["status"] == "miss" and sparsity["measured"] == pytest.approx(0.03)
+    assert "qada compiled" in sparsity["detail"]
     assert goal("B=32|triton_fused) / compiled dense")["status"] == "met"
     assert goal("B=1:|triton_fused) / compiled dense")["status"] == "miss"
     assert goal("B=1:|qada_tail tau 0.3 / qada|compiled layer step")["measured"] == pytest.approx(0.95)

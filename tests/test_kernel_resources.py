@@ -36,11 +36,11 @@ SCRIPT = textwrap.dedent(
     use_sm_count(H100_SMS)  # the splits an H100 gets
     from qada.attention import _triton_kernel
 
-    compiler = Sm90Compiler()
+    compiler = Sm90Compiler({float_scalars!r})
     _triton_kernel.run = compiler
     ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(5))
     # SmolLM2's and Llama-3-8B's attention, and Gemma-2-9B's (d = 256, soft-capped scores; global layers only)
-    for heads, kv_heads, head_dim in ((9, 3, 64), (32, 8, 128), (16, 8, 256)):
+    for heads, kv_heads, head_dim in {shapes!r}:
         shape = dict(hidden_size=heads * 32, num_attention_heads=heads, num_key_value_heads=kv_heads,
                      head_dim=head_dim, intermediate_size=256, vocab_size=128)
         torch.manual_seed(0)
@@ -60,15 +60,37 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def kernels() -> list[dict]:
+def compile_decode_steps(float_scalars: str = "fp32",
+                         shapes: tuple = ((9, 3, 64), (32, 8, 128), (16, 8, 256))) -> list[dict]:
+    """Every kernel a decode step launches (each configuration of the benchmark, at each of ``shapes``: heads, KV
+    heads, head size), compiled for sm_90 with Python floats passed as ``float_scalars``, in a process of its own."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["QADA_COMPILE"] = "0"
-    done = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT))], capture_output=True, text=True,
-                          env=env, timeout=900)  # fmt: skip
+    script = SCRIPT.format(root=str(ROOT), float_scalars=float_scalars, shapes=shapes)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def kernels() -> list[dict]:
+    return compile_decode_steps()
+
+
+@pytest.mark.slow
+def test_kernels_compile_as_torch_compile_launches_them():
+    """A kernel launched from a function ``torch.compile`` compiled gets a Python float as fp64 (Triton's launcher:
+    fp32). Every kernel of a decode step compiles so, at SmolLM2's and Gemma-2's (soft-capped) head shapes, and
+    computes in float32 all the same: before the kernels cast their float arguments, the window scores became
+    float64 and the fused kernels did not compile ("Loop-carried variable m has initial type fp32 but is re-assigned
+    to fp64"; Inductor on an H200), so the compiled layer step fell back to eager inside a CUDA graph's recording."""
+    kernels = compile_decode_steps("fp64", ((9, 3, 64), (16, 8, 256)))
+    names = {k["kernel"] for k in kernels}
+    assert names >= {"qada_fused_split_kernel", "qada_tail_fused_split_kernel", "qada_tail_page_top_kernel",
+                     "current_moment_step_kernel", "qada_decode_split_kernel", "qada_decode_combine_kernel",
+                     "qada_budget_decision_kernel"}, names  # fmt: skip
+    assert any(k["flags"].get("SOFTCAP") for k in kernels)
 
 
 @pytest.mark.slow

@@ -186,7 +186,9 @@ def eager_log_mean_exp(query, moments, softcap):
 def test_kernel_step_writes_each_heads_log_mean_exp(kind, softcap):
     """With a :class:`~qada.attention.moment_step.BulkEstimate` the moment step's launch also writes each query
     head's ``log E[exp(s)]`` (3 heads per KV head, d = 24): the eager criterion's value from the new moments, and
-    bit for bit what the estimate's own launch computes from them (what a source stepped in torch gets)."""
+    what the estimate's own launch computes from them (what a source stepped in torch gets): bit for bit in Triton's
+    interpreter; on a GPU, where each kernel is compiled on its own (its operations contracted into FMAs its own
+    way; measured on an H200: equal to 4 decimals, not bit for bit), within float32 rounding."""
     from qada.attention.moment_step import estimate_launch
 
     moments, keys, _, kernel = prefilled(kind, 24)
@@ -199,7 +201,10 @@ def test_kernel_step_writes_each_heads_log_mean_exp(kind, softcap):
         assert expected.isfinite().all() and expected.std() > 0.1
         torch.testing.assert_close(estimate.out, expected, rtol=1e-5, atol=1e-5)
         again = estimate_of(query, softcap)
-        assert torch.equal(estimate_launch(again, got), estimate.out)
+        if DEVICE.type == "cpu":
+            assert torch.equal(estimate_launch(again, got), estimate.out)
+        else:
+            torch.testing.assert_close(estimate_launch(again, got), estimate.out, rtol=2e-6, atol=2e-6)
 
 
 @pytest.mark.parametrize("make", [lambda: CurrentMoments(freeze=True), lambda: CurrentMoments(update_every=2)],

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from qada.attention._fused_kernel import cap, decide_group_and_store, head_query
+from qada.attention._triton_kernel import as_float32
 
 
 @triton.jit
@@ -127,6 +128,7 @@ def bulk_estimate_kernel(
     ``SOFTCAP`` with the ``n_nodes`` Gauss-Hermite nodes ``GH_X`` and log weights ``GH_LOGW``
     (:func:`qada.functional.capping.hermite_rule`); with ``DECIDE`` then the group's decision
     (:func:`estimate_and_decide`). For a moment source that steps in torch."""
+    scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     pid = tl.program_id(0)
     row = pid // H_kv
     kv_head = pid % H_kv

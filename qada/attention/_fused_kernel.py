@@ -8,7 +8,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qada.attention._triton_kernel import attend_split, block_list, group_queries, key_scores, row_range, through_memory
+from qada.attention._triton_kernel import (
+    as_float32,
+    attend_split,
+    block_list,
+    group_queries,
+    key_scores,
+    row_range,
+    through_memory,
+)
 
 
 @triton.jit
@@ -157,6 +165,8 @@ def qada_fused_split_kernel(
     COUNTS``) are those of :func:`~qada.attention._triton_kernel.qada_decode_split_kernel` with the effective local
     mask.
     """
+    scale, qk_scale = as_float32(scale), as_float32(qk_scale)  # (fp64 where torch.compile launches)
+    softcap, log_tau = as_float32(softcap), as_float32(log_tau)
     pair = tl.program_id(0)
     split = tl.program_id(1)
     row = pair // H_KV

@@ -44,7 +44,7 @@ from qada.attention._fused_kernel import (
     threshold_decision,
     window_log_local,
 )
-from qada.attention._triton_kernel import attend_split, key_scores, row_range, through_memory
+from qada.attention._triton_kernel import as_float32, attend_split, key_scores, row_range, through_memory
 
 
 @triton.jit
@@ -204,6 +204,7 @@ def qada_tail_page_top_kernel(
     bulk: each query head's ``TOP`` pages of the stretch by bound (:func:`page_top`, the step key's page with its
     new halves), stored at ``CAND_VALS, CAND_IDS, CAND_OKS [pairs, S_p, BLOCK_G, BLOCK_M]`` (float32, int32,
     int32) for the decision launch to merge in stretch order. Reads only (the decision launch writes the page)."""
+    scale = as_float32(scale)  # (fp64 where torch.compile launches)
     pair = tl.program_id(0)
     stretch = tl.program_id(1)
     row = pair // H_KV
@@ -271,6 +272,8 @@ def qada_tail_fused_split_kernel(
     ``BLOCK_H``: heavy slots per tile; ``BLOCK_P``: pages per tile; ``BLOCK_S >= PAGE``, ``BLOCK_M >= TOP`` powers
     of two.
     """
+    scale, qk_scale = as_float32(scale), as_float32(qk_scale)  # (fp64 where torch.compile launches)
+    softcap, log_tau = as_float32(softcap), as_float32(log_tau)
     pair = tl.program_id(0)
     split = tl.program_id(1)
     row = pair // H_KV

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from qada.attention._estimate_kernel import estimate_and_decide
+from qada.attention._triton_kernel import as_float32
 
 
 @triton.jit
@@ -68,6 +69,7 @@ def current_moment_step_kernel(
     then :func:`~qada.attention._estimate_kernel.estimate_and_decide` from the moments just written: the query side
     of the lognormal estimate, and with ``DECIDE`` the group's decision (the other arguments as
     :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` takes them; ``KEYS`` are the decision's keys)."""
+    scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     pid = tl.program_id(0)
     row = pid // H_kv
     head = pid % H_kv
@@ -132,6 +134,7 @@ def stored_moment_step_kernel(
     ``OLD_END [b]`` (the program of KV head 0) and the float32 ``MEAN``, ``COV``. ``n = END - START``. With
     ``ESTIMATE``, then the estimate's query side (and with ``DECIDE`` the decision, from ``KEYS [b, H_kv, C, d]``) as
     :func:`current_moment_step_kernel`."""
+    scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     pid = tl.program_id(0)
     row = pid // H_kv
     head = pid % H_kv

@@ -44,6 +44,14 @@ else:
 
 
 @triton.jit
+def as_float32(x):
+    """A float argument ``x`` as a float32 scalar. Triton's launcher passes a Python float as fp32, but
+    ``torch.compile`` (a kernel launched from a compiled function) as fp64, which would make the scores and the
+    decision float64 (and a loop's carried values change type): the kernels compute in float32 either way."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def group_queries(q_rows, stride_qd, g_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
     """The queries ``[BLOCK_G, BLOCK_D]`` of one KV group's heads (``q_rows [BLOCK_G, 1]``: each head's first feature,
     where ``g_ok``) in the cache's dtype, or float32 under ``DOT_FP32`` (as :func:`key_scores` takes them)."""
@@ -236,6 +244,7 @@ def qada_decode_split_kernel(
     ``SOFTCAP`` the scores are soft-capped, ``c tanh(s / c)`` with ``c = softcap`` (``qk_scale`` is then the
     plain ``scale``, and the capped score is taken to the log2 domain).
     """
+    qk_scale, softcap = as_float32(qk_scale), as_float32(softcap)  # (fp64 where torch.compile launches)
     pair = tl.program_id(0)
     split = tl.program_id(1)
     row = pair // H_KV

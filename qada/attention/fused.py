@@ -221,6 +221,14 @@ class FusedTritonExecutor(TritonExecutor):
     top pages per head, the decision merges the lists. At 128k tokens and pages of 16 one program per (row, KV head)
     would bound 8192 pages alone. The same decisions either way."""
 
+    compile_step: bool = False
+    """Whether a run's layer step (the launches and the few tensor operations around them) is compiled by
+    ``torch.compile`` (on a GPU: under Triton's interpreter it always runs eagerly). ``False`` (the default): it runs
+    eagerly, the same kernels launched by Triton itself; a model compiled with ``mode="reduce-overhead"`` records
+    them into its CUDA graph all the same, so a replayed step costs the same. ``True``: Inductor launches them.
+    Measured on an H200 (torch 2.11, Triton 3.6): that compiled step decided 4 of a tiny model's 96 head-steps
+    otherwise than the eager one (the cause is not found yet), so it is not the default."""
+
     _hermite_held: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
                                                                       compare=False)
 
@@ -229,6 +237,8 @@ class FusedTritonExecutor(TritonExecutor):
         value = self.pages_per_program
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"expected pages_per_program to be a positive int but got {value!r}")
+        if not isinstance(self.compile_step, bool):
+            raise ValueError(f"expected compile_step to be a bool but got {self.compile_step!r}")
         if self.decide_once is not None and not isinstance(self.decide_once, bool):
             raise ValueError(f"expected decide_once to be a bool or None but got {self.decide_once!r}")
 

@@ -223,7 +223,9 @@ class LayerStep:
         does not call the executor again). Raises ``ValueError`` unless the criterion is one the executor fuses
         (:func:`~qada.models.fused_step.check_fusable`: plain ``qada``, or ``qada_tail`` with its default window-only,
         one-level settings) with a moment source. Under Triton's interpreter the step runs eagerly
-        (``torch.compile`` does not trace the interpreter); on a GPU it is compiled with the kernels' launches."""
+        (``torch.compile`` does not trace the interpreter); on a GPU it is compiled with the kernels' launches where
+        the executor's ``compile_step`` says so (:attr:`~qada.attention.FusedTritonExecutor.compile_step`), else
+        eagerly."""
         from qada.models.fused_step import check_fusable, fused_layer_step
 
         check_fusable(self.criterion, self.moments, executor)
@@ -236,6 +238,8 @@ class LayerStep:
 
             if _triton_kernel.INTERPRETED:
                 self.eager_reason = "the fused kernels run in Triton's interpreter, which torch.compile does not trace"
+            elif not getattr(executor, "compile_step", True):
+                self.eager_reason = "the fused layer step runs eagerly (the executor's compile_step is False)"
             else:
                 self._compiled = compile_layer_step(bound, self.backend, fused_layer_step)
 

@@ -168,6 +168,11 @@ def statistics_row(step: DecodeStep, local: torch.Tensor, read: torch.Tensor, fa
     return step_counts(local, read, fail_safe, reads)
 
 
+FUSED_STEP_EAGER = "the fused layer step runs eagerly (the executor's compile_step is False)"
+"""The :attr:`LayerStep.eager_reason` of a ``triton_fused`` run whose executor does not compile its step (the
+default): by choice, not a fallback."""
+
+
 def resolve_compile(compile: Any) -> Any:
     """The ``torch.compile`` backend of ``compile`` (``None``: eager): ``True`` is inductor, a string or a callable
     a backend, ``None`` the :data:`COMPILE_ENV` default (inductor when unset)."""
@@ -239,7 +244,7 @@ class LayerStep:
             if _triton_kernel.INTERPRETED:
                 self.eager_reason = "the fused kernels run in Triton's interpreter, which torch.compile does not trace"
             elif not getattr(executor, "compile_step", True):
-                self.eager_reason = "the fused layer step runs eagerly (the executor's compile_step is False)"
+                self.eager_reason = FUSED_STEP_EAGER
             else:
                 self._compiled = compile_layer_step(bound, self.backend, fused_layer_step)
 

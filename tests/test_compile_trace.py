@@ -131,3 +131,18 @@ def test_the_compiled_model_step_holds_one_qada_operation_per_layer_and_nothing_
     others = {name: n for name, n in qada["ops"].items() if name != "qada.decode_buffer"}
     assert all(n <= dense["ops"].get(name, 0) for name, n in others.items()), (others, dense["ops"])
     assert sum(others.values()) < dense["total"]
+
+
+def test_fused_host_time_benchmark_times_every_configuration(tmp_path):
+    """``benchmarks/fused_host_time.py`` (its own process: it replaces Triton's launch) times each fused
+    configuration's eager layer step and names the launches it would make."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fused_host_time.py"), "--length", "96",
+                           "--calls", "2", "--repeats", "1", "--out", str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "fused-host-time-cpu.json").read_text())["rows"]
+    assert [r["config"] for r in rows] == ["qada", "qada, decide_once", "qada_tail", "qada_tail_budget"]
+    assert all(r["seconds_per_call"] > 0 and r["launches"][-1] == "qada_decode_combine_kernel" for r in rows)
+    assert rows[0]["launches"] == ["stored_moment_step_kernel", "qada_fused_split_kernel",
+                                   "qada_decode_combine_kernel"]

@@ -507,8 +507,9 @@ def test_gpu_fused_layer_step_compiles_and_decides_as_eager(model, reference, cr
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("criterion", [{"name": "qada", "tau": 0.3}, {"name": "qada_tail", "tau": 0.3}],
-                         ids=["qada", "qada_tail"])
+@pytest.mark.parametrize("criterion", [{"name": "qada", "tau": 0.3}, {"name": "qada_tail", "tau": 0.3},
+                                       {"name": "qada_tail_budget", "sparsity": 0.5}],
+                         ids=["qada", "qada_tail", "qada_tail_budget"])
 def test_gpu_fused_cuda_graphs_replay_equals_eager(model, reference, criterion):
     """``triton_fused`` (its layer step eager, the default ``compile_step=False``) inside a model compiled with
     ``mode="reduce-overhead"`` (CUDA graphs), over two sequences: the replayed steps give an eager run's tokens and

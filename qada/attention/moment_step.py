@@ -107,11 +107,9 @@ class BulkEstimate(NamedTuple):
             raise ValueError(f"expected queries of a multiple of {H_kv} heads and a contiguous float32 output of "
                              f"shape [{b}, {H}] but got {H} heads and {self.out.dtype} {tuple(self.out.shape)}")
         made = self.decision
-        decide = dict(DECIDE=made is not None, BLOCK_N=16 if made is None else made.block_n,
-                      END_GIVEN=made is not None and made.end is not None,
-                      HAS_SINKS=made is not None and made.sinks is not None, PROMOTE=made is not None and made.promote,
-                      INPUT_PRECISION=None if made is None else made.input_precision,
-                      DOT_FP32=made is not None and made.dot_fp32)
+        decide = _NO_DECISION if made is None else dict(
+            DECIDE=True, BLOCK_N=made.block_n, END_GIVEN=made.end is not None, HAS_SINKS=made.sinks is not None,
+            PROMOTE=made.promote, INPUT_PRECISION=made.input_precision, DOT_FP32=made.dot_fp32)
         return dict(ESTIMATE=True, G=H // H_kv, BLOCK_G=max(16, _next_pow2(H // H_kv)),
                     BLOCK_X=max(16, _next_pow2(self.nodes.shape[0])), SOFTCAP=bool(self.softcap), **decide)
 
@@ -132,11 +130,15 @@ class BulkEstimate(NamedTuple):
             raise ValueError("expected the decision's row ends to be the moment step's (contiguous)")
 
 
+_NO_DECISION = dict(DECIDE=False, BLOCK_N=16, END_GIVEN=False, HAS_SINKS=False, PROMOTE=False, INPUT_PRECISION=None,
+                    DOT_FP32=False)
+"""The moment kernels' decision constants when the launch does not decide."""
+
+
 def _without_estimate(placeholder: torch.Tensor) -> tuple[tuple, tuple, dict]:
     """The estimate's kernel arguments when there is none (``ESTIMATE`` off; ``placeholder`` is never read)."""
     return ((placeholder,) * 9, (0, 0, 0, 1.0, 1.0, 1, 1, 0, 0.0),
-            dict(ESTIMATE=False, G=1, BLOCK_G=16, BLOCK_X=16, SOFTCAP=False, DECIDE=False, BLOCK_N=16,
-                 END_GIVEN=False, HAS_SINKS=False, PROMOTE=False, INPUT_PRECISION=None, DOT_FP32=False))
+            dict(ESTIMATE=False, G=1, BLOCK_G=16, BLOCK_X=16, SOFTCAP=False, **_NO_DECISION))
 
 
 def _estimate_parts(estimate: BulkEstimate | None, H_kv: int, placeholder: torch.Tensor, start: torch.Tensor | None,

@@ -370,11 +370,11 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def _e2e_cells(r: dict[str, Any]) -> list[Any]:
-    from qada.models.layer_step import FUSED_STEP_EAGER
+    from qada.models.layer_step import FUSED_STEP_EAGER, INTERPRETED_STEP_EAGER
 
-    eager = r.get("layer_step_eager")  # a fallback, or the fused step's default (its kernels run alike)
-    config = r["config"] + ("" if not eager else " (layer step eager)" if eager == FUSED_STEP_EAGER
-                            else " (layer step eager!)")
+    eager = r.get("layer_step_eager")  # a fallback, or by design: the fused step's default, Triton's interpreter
+    config = r["config"] + ("" if not eager else " (layer step eager)"
+                            if eager in (FUSED_STEP_EAGER, INTERPRETED_STEP_EAGER) else " (layer step eager!)")
     head = [r["T"], r.get("B", 1), config, r.get("cache", "")]
     if "skipped" in r:
         return head + ["skipped: " + r["skipped"]] + [""] * 13

@@ -172,6 +172,9 @@ FUSED_STEP_EAGER = "the fused layer step runs eagerly (the executor's compile_st
 """The :attr:`LayerStep.eager_reason` of a ``triton_fused`` run whose executor does not compile its step (the
 default): by choice, not a fallback."""
 
+INTERPRETED_STEP_EAGER = "the fused kernels run in Triton's interpreter, which torch.compile does not trace"
+"""The :attr:`LayerStep.eager_reason` of a ``triton_fused`` run under Triton's interpreter (no GPU): expected."""
+
 
 def resolve_compile(compile: Any) -> Any:
     """The ``torch.compile`` backend of ``compile`` (``None``: eager): ``True`` is inductor, a string or a callable
@@ -242,7 +245,7 @@ class LayerStep:
             from qada.attention import _triton_kernel
 
             if _triton_kernel.INTERPRETED:
-                self.eager_reason = "the fused kernels run in Triton's interpreter, which torch.compile does not trace"
+                self.eager_reason = INTERPRETED_STEP_EAGER
             elif not getattr(executor, "compile_step", True):
                 self.eager_reason = FUSED_STEP_EAGER
             else:

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +37,6 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments (stored mome
 }  # fmt: skip
 
 
-def time_calls(call: Any, calls: int, repeats: int) -> list[float]:
-    """Seconds per call of ``call()``, one value per repeat of ``calls`` calls (after ``calls // 10`` warm-up)."""
-    for _ in range(max(1, calls // 10)):
-        call()
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times.append((time.perf_counter() - begin) / calls)
-    return times
-
-
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=256, help="prompt length in tokens")
@@ -67,7 +52,7 @@ def main(argv: list[str] | None = None) -> Path:
     import torch
     from tqdm import tqdm
 
-    from benchmarks.common import machine_info, table, write_results
+    from benchmarks.common import machine_info, measure, table, write_results
     from benchmarks.compile_trace import capture_layer_step, pretend_cuda_triton
     from qada.attention import _triton_kernel
     from qada.eval.passkey import passkey_prompt
@@ -87,9 +72,10 @@ def main(argv: list[str] | None = None) -> Path:
         launched.clear()
         step.eager(*step_args)
         kernels = list(launched)
-        times = time_calls(lambda step=step, step_args=step_args: step.eager(*step_args), args.calls, args.repeats)
-        rows.append({"config": name, "launches": kernels, "seconds_per_call": statistics.median(times),
-                     "min": min(times), "max": max(times), "times": times})
+        timing = measure(lambda step=step, step_args=step_args: step.eager(*step_args), "cpu", reps=args.repeats,
+                         warmup=max(1, args.calls // 10), inner=args.calls)
+        rows.append({"config": name, "launches": kernels, "seconds_per_call": timing["median"], "min": timing["min"],
+                     "max": timing["max"], "times": timing["times"]})
     layers = model.config.num_hidden_layers
     command = "python benchmarks/fused_host_time.py" + ("" if args.length == 256 else f" --length {args.length}")
     results = {"command": command, "machine": machine_info("cpu"), "load_average": os.getloadavg(),

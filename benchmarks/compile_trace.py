@@ -106,25 +106,26 @@ class StopAtLayerStep(Exception):
     """Raised by the capture once it holds a layer step's arguments."""
 
 
-def prefill_static(model: Any, ids: Any, capacity: int | None = None) -> dict[str, Any]:
-    """Prefill ``ids [1, T]`` into a new static cache of ``capacity`` slots (default ``T + 4``; with whatever is
-    attached to ``model``) and return the keyword arguments of the first decode step (its greedy token, the mask,
-    the cache)."""
+def prefill_static(model: Any, ids: Any, capacity: int | None = None, mask: Any = None) -> dict[str, Any]:
+    """Prefill ``ids [b, T]`` (``mask [b, T]``: 0 at a row's left padding; default none) into a new static cache of
+    ``capacity`` slots (default ``T + 4``; with whatever is attached to ``model``) and return the keyword arguments
+    of the first decode step (its greedy tokens, the mask, the cache)."""
     import torch
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=capacity or ids.shape[1] + 4)
     with torch.no_grad():
-        mask = torch.ones_like(ids)
+        mask = torch.ones_like(ids) if mask is None else mask
         out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     return {"input_ids": token, "attention_mask": torch.cat([mask, torch.ones_like(token)], 1),
             "past_key_values": cache, "use_cache": True}
 
 
-def capture_layer_step(model: Any, run: Any, ids: Any) -> tuple[Any, tuple]:
-    """Prefill ``ids [1, T]`` into a static cache with ``run`` attached and start one decode step: ``(the run's
-    LayerStep, the arguments of its first call)``; the step itself is not run (its kernels cannot run here)."""
+def capture_layer_step(model: Any, run: Any, ids: Any, mask: Any = None) -> tuple[Any, tuple]:
+    """Prefill ``ids [b, T]`` (``mask``: as for :func:`prefill_static`) into a static cache with ``run`` attached
+    and start one decode step: ``(the run's LayerStep, the arguments of its first call)``; the step itself is not
+    run (its kernels cannot run here)."""
     import torch
 
     from qada.models import attach
@@ -142,7 +143,7 @@ def capture_layer_step(model: Any, run: Any, ids: Any) -> tuple[Any, tuple]:
     LayerStep.__call__ = capture
     try:
         with torch.no_grad(), contextlib.suppress(StopAtLayerStep):
-            model(**prefill_static(model, ids))
+            model(**prefill_static(model, ids, mask=mask))
     finally:
         LayerStep.__call__ = original
         run.remove()

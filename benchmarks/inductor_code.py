@@ -1,0 +1,383 @@
+"""The kernels a compiled layer step launches on a CUDA GPU, read from Inductor's own output code, made on the CPU.
+
+    bash scripts/gpu-versions.sh --python benchmarks/inductor_code.py      # SmolLM2, 2 rows, a 256-token prompt
+    bash scripts/gpu-versions.sh --python benchmarks/inductor_code.py --configs "qada fused" --out /tmp/code
+
+Needs torch's CUDA build (it makes fake CUDA tensors; the CPU build cannot), no GPU: ``scripts/gpu-versions.sh``
+builds an environment with the GPU machines' versions. The embedded model prefills eagerly on the CPU; the first
+decode step's layer step is then compiled by ``torch.compile`` (Inductor, as a run with ``compile=True`` does) on
+fake CUDA copies of its arguments (shapes, strides and storage offsets kept) for a pretended sm_90 device with 132
+SMs. Inductor lowers, schedules and writes its wrapper code; the code is taken when Inductor would load it (its
+kernels compiled and run: that needs the GPU), so nothing runs. Two of Inductor's passes need a device and are off:
+constant folding of uniform values and the padding of matrix products (each may change a kernel or two of the
+``triton`` executor's step; neither touches a Triton launch).
+
+Per configuration it reports the step's kernels: the user-defined Triton launches (qada's kernels), the kernels
+Inductor generates (each fused torch operation group is one), and the calls to external kernels (cuBLAS products).
+For the ``triton_fused`` executor it also checks that each launch of the compiled step is the eager step's launch:
+the same kernel, every argument the same tensor (the same input, or a view of it with the same shape, strides and
+offset; the same new buffer) or the same value (a float compared after rounding to float32: Inductor passes
+Python floats as fp64 and the kernels cast them). The ``triton`` executor's step launches its two kernels after
+the compiled part (eagerly, inside the model's CUDA graph), so its row adds them to what Inductor writes.
+
+Writes ``<out>/inductor-code-cpu.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments (stored moments unless said)
+    "qada": {"criterion": {"name": "qada", "tau": 0.6}, "executor": {"name": "triton"}},
+    "qada_tail": {"criterion": {"name": "qada_tail", "tau": 0.3}, "executor": {"name": "triton"}},
+    "qada_tail_budget": {"criterion": {"name": "qada_tail_budget", "sparsity": 0.85},
+                         "executor": {"name": "triton"}},
+    "qada fused": {"criterion": {"name": "qada", "tau": 0.6}, "executor": {"name": "triton_fused"}},
+    "qada fused (current moments)": {"criterion": {"name": "qada", "tau": 0.6}, "executor": {"name": "triton_fused"},
+                                    "moments": "current"},
+    "qada fused once": {"criterion": {"name": "qada", "tau": 0.6},
+                        "executor": {"name": "triton_fused", "decide_once": True}},
+    "qada_tail fused": {"criterion": {"name": "qada_tail", "tau": 0.3}, "executor": {"name": "triton_fused"}},
+    "qada_tail fused (pages spread)": {"criterion": {"name": "qada_tail", "tau": 0.3},
+                                      "executor": {"name": "triton_fused", "decide_once": True,
+                                                   "pages_per_program": 1}},
+    "qada_tail_budget fused": {"criterion": {"name": "qada_tail_budget", "sparsity": 0.85},
+                               "executor": {"name": "triton_fused"}},
+}  # fmt: skip
+
+EXECUTOR_LAUNCHES = {"triton": 2}  # launches an executor makes after an unfused step (split, combine)
+
+
+class CodeTaken(Exception):
+    """Raised where Inductor would load its output code (which compiles and runs the kernels): the code is taken."""
+
+
+def pretend_cuda_device(sms: int = 132) -> None:
+    """:func:`~benchmarks.compile_trace.pretend_cuda_triton`, and torch reports one sm_90 device with ``sms``
+    multiprocessors to Inductor and to qada (its split count); Inductor's passes that run operations on the device
+    are off. Process-wide; irreversible. Needs torch's CUDA build (fake CUDA tensors)."""
+    import types
+
+    import torch
+    from torch._inductor import config
+    from torch._inductor.runtime import hints
+
+    from benchmarks.compile_trace import pretend_cuda_triton
+
+    if torch.version.cuda is None:
+        raise RuntimeError("Inductor's CUDA code needs torch's CUDA build (a CPU build cannot make fake CUDA "
+                           "tensors): run this with scripts/gpu-versions.sh --python")
+    pretend_cuda_triton()
+    props = types.SimpleNamespace(
+        name="pretended sm_90", major=9, minor=0, multi_processor_count=sms, regs_per_multiprocessor=65536,
+        max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32, total_memory=80 << 30,
+        shared_memory_per_block_optin=232448, L2_cache_size=50 << 20, gcnArchName="")
+    torch.cuda.get_device_properties = lambda *args, **kwargs: props
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.device_count = lambda: 1
+    device = hints.DeviceProperties(type="cuda", index=0, multi_processor_count=sms, cc=90, major=9,
+                                    regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                                    max_threads_per_block=1024, warp_size=32)
+    hints.DeviceProperties.create = classmethod(lambda cls, _device: device)
+    config.joint_graph_constant_folding = False  # (folds on the device)
+    config.shape_padding = False  # (times padded products on the device)
+
+
+def fake_cuda(args: Any) -> Any:
+    """Fake CUDA copies of the tensors in ``args`` (any nesting), each a view of a storage as large as the real
+    one's at the real storage offset (call inside a ``FakeTensorMode``)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        base = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device="cuda")
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    return tree_map(fake, args)
+
+
+def inductor_code(step: Any, args: tuple) -> str:
+    """The Python wrapper code Inductor writes for ``step`` (a run's :class:`~qada.models.layer_step.LayerStep`)
+    compiled as a run with ``compile=True`` compiles it, on fake CUDA copies of ``args`` (its first call's
+    arguments); :func:`pretend_cuda_device` first."""
+    import torch
+    import torch._inductor.codecache as codecache
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qada.models.fused_step import fused_layer_step
+    from qada.models.layer_step import compile_layer_step
+
+    codes: list[str] = []
+    load = codecache.PyCodeCache.load_by_key_path
+
+    def take(key: str, path: str, *rest: Any, **kwargs: Any) -> Any:
+        codes.append(Path(path).read_text())
+        raise CodeTaken
+
+    if step.fused is not None:
+        step.fused.to_device(torch.device("cpu"))  # (its held tensors: made on the device by a run's prefill)
+    bound = dict(step._bound, executor=step.fused) if step.fused is not None else dict(step._bound)
+    compiled = compile_layer_step(bound, "inductor", fused_layer_step if step.fused is not None else None)
+    codecache.PyCodeCache.load_by_key_path = take
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            compiled(*fake_cuda(args))
+    except Exception as error:  # noqa: BLE001 - the expected stop arrives wrapped by dynamo
+        if not codes:
+            raise RuntimeError("Inductor wrote no code for the layer step") from error
+    finally:
+        codecache.PyCodeCache.load_by_key_path = load
+        torch._dynamo.reset()
+    return codes[0]
+
+
+def call_body(code: str) -> list[str]:
+    """The statements of the wrapper's ``call`` (the code run per step), one string each, comments dropped."""
+    lines = code.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"\s*def call\(self, args\):|def call\(args\):", line))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    body = []
+    for line in lines[start + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        if line.strip() and not line.strip().startswith("#"):
+            body.append(line.strip())
+    return body
+
+
+def user_kernels(code: str) -> dict[str, str]:
+    """``{wrapper name: kernel function name}`` of the user-defined Triton kernels the code defines."""
+    found = {}
+    for wrapper, name in re.findall(r"^(\w+) = async_compile\.triton\('(\w+)', (?:'''|\"\"\")", code, re.M):
+        block = code.split(f"{wrapper} = async_compile.triton(", 1)[1].split("device_str=", 1)[0]
+        if "user_autotune" in block:
+            found[wrapper] = name
+    return found
+
+
+def kernels(code: str) -> list[dict[str, Any]]:
+    """The kernels ``call`` launches, in order: ``{"kind": "launch" (a user-defined Triton kernel: qada's) or
+    "inductor" (a kernel Inductor generated) or "extern" (an external kernel, e.g. cuBLAS) or "fallback" (an aten
+    operation Inductor could not lower), "name", "args" (a launch's argument expressions)}``."""
+    users = user_kernels(code)
+    found = []
+    for statement in call_body(code):
+        launch = re.match(r"(\w+)\.run\((.*)\)$", statement)
+        if launch:
+            wrapper = launch.group(1)
+            kind = "launch" if wrapper in users else "inductor"
+            call = ast.parse(statement).body[0].value
+            found.append({"kind": kind, "name": users.get(wrapper, wrapper),
+                          "args": [ast.unparse(arg) for arg in call.args]})
+        elif m := re.search(r"\bextern_kernels\.(\w+)\(", statement):
+            found.append({"kind": "extern", "name": m.group(1), "args": []})
+        elif m := re.search(r"\btorch\.ops\.(\w+\.\w+)", statement):
+            found.append({"kind": "fallback", "name": m.group(1), "args": []})
+    return found
+
+
+def eager_launches(step: Any, args: tuple) -> list[dict[str, Any]]:
+    """The launches of ``step`` (fused) run eagerly on ``args`` with no kernel run: ``{"name", "args": [value]}``,
+    each kernel's arguments bound by name and kept where Inductor passes them too (every parameter not declared
+    ``tl.constexpr``, in order)."""
+    import torch
+
+    from qada.attention import _triton_kernel
+    from qada.models.fused_step import fused_layer_step
+
+    found = []
+
+    def record(kernel: Any, grid: tuple, *positional: Any, **keywords: Any) -> None:
+        options = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # launch options, not arguments
+        bound = kernel.signature.bind(*positional, **{k: v for k, v in keywords.items() if k not in options})
+        bound.apply_defaults()
+        constexprs = {kernel.arg_names[i] for i in kernel.constexprs}
+        values = [value for name, value in bound.arguments.items() if name in kernel.arg_names
+                  and name not in constexprs]  # fmt: skip
+        found.append({"name": kernel.fn.__name__, "args": values, "grid": tuple(grid)})
+
+    launch = _triton_kernel.run
+    _triton_kernel.run = record
+    try:
+        with torch.no_grad():
+            fused_layer_step(*args, **dict(step._bound, executor=step.fused))
+    finally:
+        _triton_kernel.run = launch
+    return found
+
+
+def compare_launches(eager: list[dict[str, Any]], compiled: list[dict[str, Any]], args: tuple) -> list[str]:
+    """The differences between the ``eager`` launches (:func:`eager_launches`) and the ``compiled`` ones
+    (:func:`kernels`' launches) of one step whose arguments were ``args``: ``[]`` when each compiled launch is the
+    eager one (kernel, grid, arguments). Tensors are matched by what they are, not by name: each input of the step
+    (by storage) must map to one ``argN_1`` of the code and back, each new buffer to one ``bufN``, and a view must
+    have the same shape, strides and offset."""
+    import numpy as np
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    inputs = {t.untyped_storage().data_ptr(): t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
+    problems: list[str] = []
+    if [x["name"] for x in eager] != [x["name"] for x in compiled]:
+        return [f"launches {[x['name'] for x in eager]} (eager) vs {[x['name'] for x in compiled]} (compiled)"]
+    mapping: dict[str, str] = {}  # eager tensor's storage -> code name, and code name -> storage
+
+    def bind(left: str, right: str, where: str) -> None:
+        for a, b in ((left, right), (right, left)):
+            if mapping.setdefault(a, b) != b:
+                problems.append(f"{where}: {a} is {b} here but {mapping[a]} before")
+
+    for e, c in zip(eager, compiled, strict=True):
+        tail = c["args"][len(e["args"]):]
+        grid = tuple(int(x) for x in tail) if all(x.lstrip("-").isdigit() for x in tail) else tail
+        padded = tuple(e["grid"]) + (1,) * (len(grid) - len(e["grid"])) if isinstance(grid, tuple) else e["grid"]
+        if grid != padded:
+            problems.append(f"{e['name']}: grid {e['grid']} (eager) vs {tail} (compiled)")
+        for position, (value, expression) in enumerate(zip(e["args"], c["args"], strict=False)):
+            where = f"{e['name']} argument {position}"
+            node = ast.parse(expression, mode="eval").body
+            if isinstance(value, torch.Tensor):
+                if isinstance(node, ast.Call) and ast.unparse(node.func) == "reinterpret_tensor":
+                    name, size, stride, offset = (ast.literal_eval(a) if i else ast.unparse(a)
+                                                  for i, a in enumerate(node.args))  # fmt: skip
+                    view = (tuple(size), tuple(stride), offset)
+                elif isinstance(node, ast.Name):
+                    name, view = node.id, None
+                else:
+                    problems.append(f"{where}: a tensor (eager) vs {expression} (compiled)")
+                    continue
+                storage = value.untyped_storage().data_ptr()
+                base = inputs.get(storage)
+                key = f"input@{storage}" if base is not None else f"new@{storage}"
+                bind(key, name, where)
+                kind_ok = name.startswith("arg") == (base is not None)
+                if not kind_ok:
+                    problems.append(f"{where}: {'an input' if base is not None else 'a new buffer'} (eager) vs "
+                                    f"{name} (compiled)")
+                if view is not None:
+                    offset = value.storage_offset() - (base.storage_offset() if base is not None else 0)
+                    if view != (tuple(value.shape), tuple(value.stride()), offset):
+                        problems.append(f"{where}: view {tuple(value.shape)} {value.stride()} +{offset} (eager) vs "
+                                        f"{expression} (compiled)")
+                elif base is not None and (value.shape, value.stride(), value.storage_offset()) != \
+                        (base.shape, base.stride(), base.storage_offset()):  # fmt: skip
+                    problems.append(f"{where}: a view of an input (eager) vs the input {name} (compiled)")
+            else:
+                try:
+                    compiled_value = _constant(expression)
+                except ValueError:
+                    problems.append(f"{where}: {value!r} (eager) vs {expression} (compiled)")
+                    continue
+                same = (np.float32(value) == np.float32(compiled_value) if isinstance(value, float)
+                        else value == compiled_value)  # fmt: skip
+                if not same:
+                    problems.append(f"{where}: {value!r} (eager) vs {compiled_value!r} (compiled)")
+    return problems
+
+
+def _constant(expression: str) -> Any:
+    """The value of a constant argument as the wrapper code writes it (a literal, or ``inf``/``-inf``/``nan``,
+    which it writes as names)."""
+    text = expression.replace(" ", "")
+    for name in ("inf", "nan"):
+        for quoted in (f"float('{name}')", f'float("{name}")', f"math.{name}"):
+            text = text.replace(quoted, name)
+    if text.lstrip("+-") in ("inf", "nan"):
+        return float(text)
+    return ast.literal_eval(text)
+
+
+def measure(model: Any, run: Any, ids: Any, mask: Any) -> dict[str, Any]:
+    """One configuration's row: the compiled step's kernels (and, fused, the launch comparison with eager)."""
+    from benchmarks.compile_trace import capture_layer_step
+
+    step, args = capture_layer_step(model, run, ids, mask)
+    code = inductor_code(step, args)
+    found = kernels(code)
+    row: dict[str, Any] = {"kernels": [{"kind": k["kind"], "name": k["name"]} for k in found]}
+    for kind in ("launch", "inductor", "extern", "fallback"):
+        row[kind] = sum(k["kind"] == kind for k in found)
+    executor = run.executor.registry_name
+    row["executor_launches"] = 0 if step.fused is not None else EXECUTOR_LAUNCHES.get(executor, 0)
+    row["per_layer"] = len(found) + row["executor_launches"]
+    if step.fused is not None:
+        row["differences"] = compare_launches(eager_launches(step, args),
+                                              [k for k in found if k["kind"] == "launch"], args)
+    return row
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=256, help="prompt length in tokens")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; expected some of {list(CONFIGS)}")
+    os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: kernels as a GPU compiles them
+    os.environ["QADA_COMPILE"] = "0"  # the runs prefill eagerly; the step is compiled here
+    import torch
+    import triton
+
+    from benchmarks.common import machine_info, table, write_results
+    from qada.eval.passkey import passkey_prompt
+    from qada.models import build_run, load_default_model, prepare_run
+
+    pretend_cuda_device()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    model, tokenizer = load_default_model()
+    one = passkey_prompt(tokenizer, length=args.length, depth=0.5).input_ids
+    ids = torch.cat([one, one.roll(7, dims=1)])  # two rows, the second left-padded by 5 tokens
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    rows = {}
+    for name in names:
+        config = CONFIGS[name]
+        run = prepare_run(build_run(moments=config.get("moments", "stored"), criterion=config["criterion"],
+                                    executor=config["executor"], compile=True), model, tokenizer)
+        rows[name] = row = measure(model, run, ids, mask)
+        print(f"{name}: {row['per_layer']} kernels per layer ({row['launch']} launches, {row['inductor']} "
+              f"Inductor, {row['extern']} extern, {row['fallback']} fallbacks, {row['executor_launches']} by the "
+              f"executor after the step); differences from eager: {row.get('differences', 'n/a')}", flush=True)
+    results = {"command": f"python benchmarks/inductor_code.py --length {args.length}", "machine": machine_info("cpu"),
+               "torch": torch.__version__, "triton": triton.__version__, "model": "SmolLM2-135M (embedded)",
+               "rows_of_batch": 2, "prompt_tokens": args.length, "rows": rows}
+    lines = ["# The kernels of a compiled layer step on a CUDA GPU, from Inductor's output code (made on the CPU)", "",
+             f"Command: `bash scripts/gpu-versions.sh --python benchmarks/inductor_code.py --length {args.length}`; "
+             f"torch {torch.__version__}, triton {triton.__version__}, a pretended sm_90 device (132 SMs). "
+             "SmolLM2-135M, two rows (the second left-padded), the first decode step's layer step compiled as a run "
+             "with `compile=True` compiles it; nothing is run. *per layer*: the kernels one layer's step launches "
+             "inside the model's CUDA graph: qada's Triton launches, the kernels Inductor generates, external ones "
+             "(cuBLAS), aten fallbacks, and the `triton` executor's two launches after an unfused step. "
+             "*as eager*: each compiled launch is the eager step's (kernel, grid, every argument).", "",
+             table(["configuration", "per layer", "launches", "Inductor", "extern", "fallbacks", "executor after",
+                    "as eager"],
+                   [[name, row["per_layer"], row["launch"], row["inductor"], row["extern"], row["fallback"],
+                     row["executor_launches"],
+                     "n/a" if "differences" not in row else ("yes" if not row["differences"]
+                                                              else "; ".join(row["differences"][:3]))]
+                    for name, row in rows.items()]), "", "Kernels in order:", ""]
+    for name, row in rows.items():
+        lines.append(f"- **{name}**: " + ", ".join(f"{k['name']} ({k['kind']})" for k in row["kernels"]))
+    paths = write_results(args.out, "inductor-code-cpu", results, "\n".join(lines) + "\n")
+    print(paths[1].read_text())
+    return paths[1]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The kernels a compiled layer step launches on a CUDA GPU, from Inductor's own output code made on the CPU
+(``benchmarks/inductor_code.py``): the parsing and the launch comparison here; Inductor's code itself where torch is
+its CUDA build (``bash scripts/gpu-versions.sh tests/test_inductor_code.py``; skipped on a CPU build)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.inductor_code import _constant, compare_launches, kernels
+from tests.triton_launches import fused_step_launches
+
+ROOT = Path(__file__).resolve().parent.parent
+
+WRAPPER = textwrap.dedent(
+    '''
+    split_kernel_0 = async_compile.triton('qada_split', """
+    @triton_heuristics.user_autotune(
+        configs=[{'num_warps': 4, 'num_stages': 2}],
+    )
+    @triton.jit
+    def qada_split(Q, OUT, n, scale):
+        pass
+    """, device_str='cuda')
+    triton_poi_fused_add_1 = async_compile.triton('triton_poi_fused_add_1', """
+    @triton_heuristics.pointwise(size_hints={'x': 8})
+    @triton.jit
+    def triton_poi_fused_add_1(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+        pass
+    """, device_str='cuda')
+    class Runner:
+        def call(self, args):
+            arg0_1, arg1_1 = args
+            args.clear()
+            with torch.cuda._DeviceGuard(0):
+                buf0 = empty_strided_cuda((2, 4), (4, 1), torch.float32)
+                # Topologically Sorted Source Nodes: [x]
+                split_kernel_0.run(reinterpret_tensor(arg0_1, (2, 4), (8, 1), 4), buf0, 7, 0.1, 2, 1, 1, stream=stream0)
+                triton_poi_fused_add_1.run(buf0, arg1_1, 8, stream=stream0)
+                extern_kernels.bmm(arg1_1, arg1_1, out=buf1)
+                buf2 = torch.ops.aten.topk.default(buf1, 2)
+            return (buf0, )
+    '''
+)
+
+
+def test_kernels_reads_the_call_body_in_order():
+    """Launches of user-defined kernels (by their function name), Inductor's own kernels, external calls and aten
+    fallbacks, in the order ``call`` makes them; a launch keeps its argument expressions."""
+    found = kernels(WRAPPER)
+    assert [(k["kind"], k["name"]) for k in found] == [
+        ("launch", "qada_split"), ("inductor", "triton_poi_fused_add_1"), ("extern", "bmm"),
+        ("fallback", "aten.topk")]  # fmt: skip
+    assert found[0]["args"] == ["reinterpret_tensor(arg0_1, (2, 4), (8, 1), 4)", "buf0", "7", "0.1", "2", "1", "1"]
+
+
+def test_constants_as_the_wrapper_writes_them():
+    assert _constant("-inf") == float("-inf") and _constant("float('inf')") == float("inf")
+    assert _constant("0.25") == 0.25 and _constant("-3") == -3
+
+
+def _launch_pair():
+    """An eager launch on ``args`` and the compiled launch the wrapper above writes for it."""
+    query = torch.zeros(2, 8)
+    scale = torch.zeros(2, 4)  # an input the kernel does not see
+    out = torch.empty(2, 4)
+    eager = [{"name": "qada_split", "grid": (2,), "args": [query.view(2, 2, 4)[:, 1], out, 7, 0.1]}]
+    compiled = [{"name": "qada_split", "args": ["reinterpret_tensor(arg0_1, (2, 4), (8, 1), 4)", "buf0", "7",
+                                                "0.1", "2", "1", "1"]}]  # fmt: skip
+    return eager, compiled, (query, scale)
+
+
+def test_compare_launches_accepts_the_same_launch():
+    """Same kernel and grid; the view of an input with the same shape, strides and offset; a new buffer; the same
+    integer; a float equal once rounded to float32 (Inductor writes the fp64 value)."""
+    eager, compiled, args = _launch_pair()
+    assert compare_launches(eager, compiled, args) == []
+    compiled[0]["args"][3] = "0.10000000000000000555"
+    assert compare_launches(eager, compiled, args) == []
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda c: c["args"].__setitem__(0, "reinterpret_tensor(arg0_1, (2, 4), (8, 1), 0)"), "view"),  # offset
+    (lambda c: c["args"].__setitem__(1, "arg0_1"), "new buffer"),  # an input where eager has a new buffer
+    (lambda c: c["args"].__setitem__(2, "8"), "7 (eager) vs 8"),
+    (lambda c: c["args"].__setitem__(3, "0.2"), "0.1 (eager) vs 0.2"),
+    (lambda c: c["args"].__setitem__(4, "3"), "grid"),
+    (lambda c: c.__setitem__("name", "qada_other"), "launches"),
+])  # fmt: skip
+def test_compare_launches_names_each_difference(change, expected):
+    eager, compiled, args = _launch_pair()
+    change(compiled[0])
+    problems = compare_launches(eager, compiled, args)
+    assert problems and any(expected in problem for problem in problems), problems
+
+
+def test_compare_launches_maps_each_tensor_to_one_name():
+    """The same eager tensor passed as two names, or two eager tensors as one name, is a difference."""
+    query, out, other = torch.zeros(2, 4), torch.empty(2, 4), torch.empty(2, 4)
+    eager = [{"name": "k", "grid": (1,), "args": [query, out]}, {"name": "k", "grid": (1,), "args": [query, other]}]
+    same = [{"name": "k", "args": ["arg0_1", "buf0", "1", "1", "1"]},
+            {"name": "k", "args": ["arg0_1", "buf1", "1", "1", "1"]}]
+    assert compare_launches(eager, same, (query,)) == []
+    merged = [same[0], {"name": "k", "args": ["arg0_1", "buf0", "1", "1", "1"]}]  # other and out as one buffer
+    assert any("buf0" in problem for problem in compare_launches(eager, merged, (query,)))
+
+
+CASES = {  # name: (moment source, criterion, executor options)
+    "qada": ("stored", {"name": "qada", "tau": 0.3}, {}),
+    "qada decide_once": ("stored", {"name": "qada", "tau": 0.3}, {"decide_once": True}),
+    "qada current": ("current", {"name": "qada", "tau": 0.3}, {}),
+    "qada_tail": ("stored", {"name": "qada_tail", "tau": 0.3}, {}),
+    "qada_tail pages spread": ("stored", {"name": "qada_tail", "tau": 0.3},
+                               {"decide_once": True, "pages_per_program": 1}),
+    "qada_tail_budget": ("stored", {"name": "qada_tail_budget", "sparsity": 0.5}, {}),
+}  # fmt: skip
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import torch
+    from benchmarks.inductor_code import pretend_cuda_device, measure
+    pretend_cuda_device()
+    from tiny_models import tiny_model
+    from qada.models import build_run
+    from qada.moments import StoredMoments
+    from qada.moments.reference import collect_reference_keys
+
+    model = tiny_model("llama")  # the model of tests/test_fused_decision.py's GPU tests, two rows as there
+    reference = collect_reference_keys(model, torch.randint(1, 128, (1, 64), generator=torch.Generator()
+                                       .manual_seed(7)), chunk_size=16)
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    rows = {{}}
+    for name, (source, criterion, executor) in json.loads({cases!r}).items():
+        if source == "stored":
+            source = StoredMoments(offset=12, min_bulk_keys=4)
+            source.set_reference(reference)
+        run = build_run(criterion=criterion, moments=source, executor={{"name": "triton_fused", "block_size": 16,
+                        **executor}}, window={{"t_local": 8, "t_sink": 2}}, compile=True)
+        rows[name] = measure(model, run, ids, mask)
+    print("ROWS" + json.dumps(rows))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    import triton.backends
+
+    if torch.version.cuda is None:
+        pytest.skip("Inductor's CUDA code needs torch's CUDA build (bash scripts/gpu-versions.sh runs this)")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no nvidia backend")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), cases=json.dumps(CASES))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.split("ROWS", 1)[1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_fused_step_launches_what_the_eager_step_launches(measured, case):
+    """Inductor's code for the compiled ``triton_fused`` step (``compile_step=True``) launches the step's kernels
+    and nothing else (no kernel of its own, no external call, no fallback: a 0-d ``torch.empty`` once became a
+    fill kernel), each launch exactly the eager step's: the same kernel, grid, tensors and values."""
+    source, criterion, executor = CASES[case]
+    row = measured[case]
+    expected = fused_step_launches(source, criterion["name"], executor.get("decide_once", False),
+                                   page_tops=executor.get("pages_per_program") == 1)
+    assert [k["name"] for k in row["kernels"]] == expected
+    assert (row["inductor"], row["extern"], row["fallback"]) == (0, 0, 0)
+    assert row["differences"] == []

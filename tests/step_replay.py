@@ -1,0 +1,79 @@
+"""Replay a run's layer steps: record every call of a decode (its arguments cloned as they were), then run two
+implementations of the step on identical copies of each call and name the first output or input state in which
+they differ. Tells a difference of the step itself (e.g. a compiled step against the eager one) from one of the
+harness around it (both give the same results on the same inputs)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
+
+from qada.models.layer_step import LayerStep
+
+
+def clone(args: Any) -> Any:
+    """``args`` with every tensor cloned (strides kept), anything else as is."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args)
+
+
+@contextlib.contextmanager
+def recording_layer_steps() -> Iterator[list[tuple[LayerStep, bool, tuple]]]:
+    """Inside it, every :class:`~qada.models.layer_step.LayerStep` call is recorded as ``(step, buffered, arguments
+    cloned before the call)`` in the list it yields, then made as usual."""
+    calls: list[tuple[LayerStep, bool, tuple]] = []
+    original = LayerStep.__call__
+
+    def record(self: LayerStep, buffered: bool, *args: Any) -> Any:
+        calls.append((self, buffered, clone(args)))
+        return original(self, buffered, *args)
+
+    LayerStep.__call__ = record
+    try:
+        yield calls
+    finally:
+        LayerStep.__call__ = original
+
+
+def _differences(name: str, first: Any, second: Any) -> list[str]:
+    """The leaves of ``first`` and ``second`` (same structure) that differ, each as ``"name<path>: ..."``."""
+    left, left_spec = tree_flatten_with_path(first)
+    right, right_spec = tree_flatten_with_path(second)
+    if left_spec != right_spec:
+        return [f"{name}: structure {left_spec} vs {right_spec}"]
+    found = []
+    for (path, a), (_, b) in zip(left, right, strict=True):
+        where = name + keystr(path)
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                found.append(f"{where}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}")
+            elif not torch.equal(a, b) and not (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                                and torch.equal(a.nan_to_num(), b.nan_to_num())):  # fmt: skip
+                unequal = (a != b) & ~(a.isnan() & b.isnan()) if a.is_floating_point() else a != b
+                worst = (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
+                found.append(f"{where} {tuple(a.shape)}: {int(unequal.sum())} elements differ (max |diff| "
+                             f"{worst:.3g}), first at {tuple(unequal.nonzero()[0].tolist())}")
+        elif a != b and not (isinstance(a, float) and a != a and b != b):
+            found.append(f"{where}: {a!r} vs {b!r}")
+    return found
+
+
+def replay(calls: list[tuple[LayerStep, bool, tuple]], first: Callable[[LayerStep, tuple], Any],
+           second: Callable[[LayerStep, tuple], Any]) -> list[str]:
+    """Run ``first(step, args)`` and ``second(step, args)`` on two identical copies of each recorded call, in order;
+    return the differences of the first call whose results (the :class:`~qada.models.layer_step.LayerStepResult`)
+    or arguments after the call (the states a step updates in place) differ, each prefixed with the call's index,
+    or ``[]`` when every call agrees."""
+    for index, (step, _, args) in enumerate(calls):
+        a, b = clone(args), clone(args)
+        with torch.no_grad():
+            result_a, result_b = first(step, a), second(step, b)
+        found = [line for field in result_a._fields
+                 for line in _differences(f"result.{field}", getattr(result_a, field), getattr(result_b, field))]
+        found += _differences("arguments after", a, b)
+        if found:
+            return [f"call {index}: {line}" for line in found]
+    return []

@@ -6,7 +6,8 @@
 # Builds (once) a virtual environment in $QADA_GPU_VENV (default /tmp/qada-gpu-versions) with those versions (torch
 # from PyPI: its CUDA build, ~3 GB, which also runs on a CPU; numpy < 2.3, which Triton 3.6's interpreter needs),
 # then runs pytest there. Default tests: the compile trace of the fused step for sm_90 (torch's write analysis of
-# the kernels, as the GPU machine's torch does it) and the layer-type, layer-step and Triton interpreter tests.
+# the kernels, as the GPU machine's torch does it), Inductor's CUDA code for the compiled step (needs the CUDA build)
+# and the layer-type, layer-step and Triton interpreter tests.
 # Versions can be changed with QADA_GPU_TORCH / QADA_GPU_TRITON / QADA_GPU_TRANSFORMERS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,8 @@ if [ "${1:-}" = "--python" ]; then  # a script (or python's own arguments) inste
   exec "$VENV/bin/python" "$@"
 fi
 if [ $# -eq 0 ]; then
-  set -- tests/test_compile_trace.py tests/test_hybrid_models.py tests/test_layer_step.py tests/test_fused_decision.py \
+  set -- tests/test_compile_trace.py tests/test_inductor_code.py tests/test_hybrid_models.py tests/test_layer_step.py \
+      tests/test_fused_decision.py \
       tests/test_moment_step_kernel.py tests/test_device_parity.py
 fi
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

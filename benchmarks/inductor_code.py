@@ -354,11 +354,12 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"{name}: {row['per_layer']} kernels per layer ({row['launch']} launches, {row['inductor']} "
               f"Inductor, {row['extern']} extern, {row['fallback']} fallbacks, {row['executor_launches']} by the "
               f"executor after the step); differences from eager: {row.get('differences', 'n/a')}", flush=True)
-    results = {"command": f"python benchmarks/inductor_code.py --length {args.length}", "machine": machine_info("cpu"),
+    command = f"bash scripts/gpu-versions.sh --python benchmarks/inductor_code.py --length {args.length}"
+    results = {"command": command, "machine": machine_info("cpu"),
                "torch": torch.__version__, "triton": triton.__version__, "model": "SmolLM2-135M (embedded)",
                "rows_of_batch": 2, "prompt_tokens": args.length, "rows": rows}
     lines = ["# The kernels of a compiled layer step on a CUDA GPU, from Inductor's output code (made on the CPU)", "",
-             f"Command: `bash scripts/gpu-versions.sh --python benchmarks/inductor_code.py --length {args.length}`; "
+             f"Command: `{command}`; "
              f"torch {torch.__version__}, triton {triton.__version__}, a pretended sm_90 device (132 SMs). "
              "SmolLM2-135M, two rows (the second left-padded), the first decode step's layer step compiled as a run "
              "with `compile=True` compiles it; nothing is run. *per layer*: the kernels one layer's step launches "

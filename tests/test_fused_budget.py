@@ -136,7 +136,7 @@ def test_four_launches_and_no_host_reads(monkeypatch):
                      "qada_tail_fused_split_kernel", "qada_budget_decision_kernel", "qada_decode_split_kernel",
                      "qada_decode_combine_kernel"]
     assert record.launches[1][1] == (4, 1) and record.launches[2][1] == (2,)
-    views = {"aten.view.dtype", "aten.select.int", "aten.detach.default", "aten.clone.default",
+    views = {"aten.view.dtype", "aten.view.default", "aten.select.int", "aten.detach.default", "aten.clone.default",
              "aten._to_copy.default"}  # (the test's own state copies)
     assert set(record.ops) <= {"aten.empty.memory_format"} | views, record.ops
 

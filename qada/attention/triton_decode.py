@@ -207,7 +207,8 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
     pairs, S, G = m.shape
     output = torch.empty(b, H, 1, d, dtype=query.dtype, device=query.device)
     # a 0-d view of a 1-element buffer: Inductor lowers a 0-d ``empty`` to a kernel that fills it with zeros (one
-    # launch per layer in a compiled step), a 1-d one to no kernel
+    # launch per layer in a compiled step), a 1-d one to no kernel; a whole-tensor view, not an element (``[0]``),
+    # which a kernel writing it would make Inductor copy and scatter back
     bulk_blocks = torch.empty(1, dtype=torch.int64, device=query.device).view(())
     BLOCK_S = _next_pow2(S)
     stats = statistics if statistics is not None else StepStatistics(m, m, m, None, None, 0, 0, m)

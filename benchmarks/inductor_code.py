@@ -241,6 +241,10 @@ def compare_launches(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]
                 problems.append(f"{where}: {a} is {b} here but {mapping[a]} before")
 
     for e, c in zip(eager, compiled, strict=True):
+        if len(c["args"]) < len(e["args"]):
+            problems.append(f"{e['name']}: {len(e['args'])} arguments (eager) vs {len(c['args'])} with the grid "
+                            "(compiled)")
+            continue
         tail = c["args"][len(e["args"]):]
         grid = tuple(int(x) for x in tail) if all(x.lstrip("-").isdigit() for x in tail) else tail
         padded = tuple(e["grid"]) + (1,) * (len(grid) - len(e["grid"])) if isinstance(grid, tuple) else e["grid"]

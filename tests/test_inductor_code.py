@@ -93,6 +93,7 @@ def test_compare_launches_accepts_the_same_launch():
     (lambda c: c["args"].__setitem__(3, "0.2"), "0.1 (eager) vs 0.2"),
     (lambda c: c["args"].__setitem__(4, "3"), "grid"),
     (lambda c: c.__setitem__("name", "qada_other"), "launches"),
+    (lambda c: c.__setitem__("args", c["args"][:3]), "arguments"),  # an argument missing
 ])  # fmt: skip
 def test_compare_launches_names_each_difference(change, expected):
     eager, compiled, args = _launch_pair()

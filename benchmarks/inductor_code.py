@@ -109,10 +109,12 @@ def fake_cuda(args: Any) -> Any:
     return tree_map(fake, args)
 
 
-def inductor_code(step: Any, args: tuple) -> str:
+def inductor_code(step: Any, *arg_sets: tuple) -> list[str]:
     """The Python wrapper code Inductor writes for ``step`` (a run's :class:`~qada.models.layer_step.LayerStep`)
-    compiled as a run with ``compile=True`` compiles it, on fake CUDA copies of ``args`` (its first call's
-    arguments); :func:`pretend_cuda_device` first."""
+    compiled as a run with ``compile=True`` compiles it, on fake CUDA copies of each of ``arg_sets`` in turn (a first
+    call's arguments, then those of a call at another cache size): one code per compile, the first with static
+    shapes, the second with symbolic sizes (as a run that meets a second cache size recompiles). Call
+    :func:`pretend_cuda_device` first."""
     import torch
     import torch._inductor.codecache as codecache
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -133,15 +135,18 @@ def inductor_code(step: Any, args: tuple) -> str:
     compiled = compile_layer_step(bound, "inductor", fused_layer_step if step.fused is not None else None)
     codecache.PyCodeCache.load_by_key_path = take
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            compiled(*fake_cuda(args))
-    except Exception as error:  # noqa: BLE001 - the expected stop arrives wrapped by dynamo
-        if not codes:
-            raise RuntimeError("Inductor wrote no code for the layer step") from error
+        for args in arg_sets:
+            written = len(codes)
+            try:
+                with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+                    compiled(*fake_cuda(args))
+            except Exception as error:  # noqa: BLE001 - the expected stop arrives wrapped by dynamo
+                if len(codes) == written:
+                    raise RuntimeError("Inductor wrote no code for the layer step") from error
     finally:
         codecache.PyCodeCache.load_by_key_path = load
         torch._dynamo.reset()
-    return codes[0]
+    return codes
 
 
 def call_body(code: str) -> list[str]:
@@ -304,14 +309,19 @@ def _constant(expression: str) -> Any:
     return ast.literal_eval(text)
 
 
-def measure(model: Any, run: Any, ids: Any, mask: Any) -> dict[str, Any]:
-    """One configuration's row: the compiled step's kernels (and, fused, the launch comparison with eager)."""
+def measure(model: Any, run: Any, ids: Any, mask: Any, longer: tuple[Any, Any] | None = None) -> dict[str, Any]:
+    """One configuration's row: the compiled step's kernels (and, fused, the launch comparison with eager) after
+    prefilling ``ids [b, T]`` with ``mask``; with ``longer`` (``(ids, mask)`` of another length), also the kernels
+    of the step compiled once more with symbolic sizes (``kernels_symbolic``)."""
     from benchmarks.compile_trace import capture_layer_step
 
     step, args = capture_layer_step(model, run, ids, mask)
-    code = inductor_code(step, args)
-    found = kernels(code)
+    arg_sets = [args] + ([capture_layer_step(model, run, *longer)[1]] if longer is not None else [])
+    codes = inductor_code(step, *arg_sets)
+    found = kernels(codes[0])
     row: dict[str, Any] = {"kernels": [{"kind": k["kind"], "name": k["name"]} for k in found]}
+    if longer is not None:
+        row["kernels_symbolic"] = [{"kind": k["kind"], "name": k["name"]} for k in kernels(codes[1])]
     for kind in ("launch", "inductor", "extern", "fallback"):
         row[kind] = sum(k["kind"] == kind for k in found)
     executor = run.executor.registry_name
@@ -345,16 +355,21 @@ def main(argv: list[str] | None = None) -> Path:
     pretend_cuda_device()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     model, tokenizer = load_default_model()
-    one = passkey_prompt(tokenizer, length=args.length, depth=0.5).input_ids
-    ids = torch.cat([one, one.roll(7, dims=1)])  # two rows, the second left-padded by 5 tokens
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
+    def two_rows(length: int) -> tuple[Any, Any]:  # the second row left-padded by 5 tokens
+        one = passkey_prompt(tokenizer, length=length, depth=0.5).input_ids
+        ids = torch.cat([one, one.roll(7, dims=1)])
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        return ids, mask
+
+    ids, mask = two_rows(args.length)
+    longer = two_rows(args.length + 64)  # a second cache size: the step compiles once more, sizes symbolic
     rows = {}
     for name in names:
         config = CONFIGS[name]
         run = prepare_run(build_run(moments=config.get("moments", "stored"), criterion=config["criterion"],
                                     executor=config["executor"], compile=True), model, tokenizer)
-        rows[name] = row = measure(model, run, ids, mask)
+        rows[name] = row = measure(model, run, ids, mask, longer)
         print(f"{name}: {row['per_layer']} kernels per layer ({row['launch']} launches, {row['inductor']} "
               f"Inductor, {row['extern']} extern, {row['fallback']} fallbacks, {row['executor_launches']} by the "
               f"executor after the step); differences from eager: {row.get('differences', 'n/a')}", flush=True)
@@ -369,13 +384,17 @@ def main(argv: list[str] | None = None) -> Path:
              "with `compile=True` compiles it; nothing is run. *per layer*: the kernels one layer's step launches "
              "inside the model's CUDA graph: qada's Triton launches, the kernels Inductor generates, external ones "
              "(cuBLAS), aten fallbacks, and the `triton` executor's two launches after an unfused step. "
-             "*as eager*: each compiled launch is the eager step's (kernel, grid, every argument).", "",
+             "*as eager*: each compiled launch is the eager step's (kernel, grid, every argument). *symbolic "
+             f"sizes*: the kernels of the step compiled once more at a second cache size ({args.length + 64}-token "
+             "prompts), sizes symbolic, as a run meeting a second cache size recompiles.", "",
              table(["configuration", "per layer", "launches", "Inductor", "extern", "fallbacks", "executor after",
-                    "as eager"],
+                    "as eager", "symbolic sizes"],
                    [[name, row["per_layer"], row["launch"], row["inductor"], row["extern"], row["fallback"],
                      row["executor_launches"],
                      "n/a" if "differences" not in row else ("yes" if not row["differences"]
-                                                              else "; ".join(row["differences"][:3]))]
+                                                              else "; ".join(row["differences"][:3])),
+                     "the same kernels" if row["kernels_symbolic"] == row["kernels"]
+                     else f"{len(row['kernels_symbolic'])} kernels"]
                     for name, row in rows.items()]), "", "Kernels in order:", ""]
     for name, row in rows.items():
         lines.append(f"- **{name}**: " + ", ".join(f"{k['name']} ({k['kind']})" for k in row["kernels"]))

@@ -138,9 +138,14 @@ SCRIPT = textwrap.dedent(
     model = tiny_model("llama")  # the model of tests/test_fused_decision.py's GPU tests, two rows as there
     reference = collect_reference_keys(model, torch.randint(1, 128, (1, 64), generator=torch.Generator()
                                        .manual_seed(7)), chunk_size=16)
-    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
+    def two_rows(length, seed):
+        ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(seed))
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        return ids, mask
+
+    ids, mask = two_rows(20, 3)
+    longer = two_rows(37, 4)  # a second cache size: compiled once more, sizes symbolic
     rows = {{}}
     for name, (source, criterion, executor) in json.loads({cases!r}).items():
         if source == "stored":
@@ -148,7 +153,7 @@ SCRIPT = textwrap.dedent(
             source.set_reference(reference)
         run = build_run(criterion=criterion, moments=source, executor={{"name": "triton_fused", "block_size": 16,
                         **executor}}, window={{"t_local": 8, "t_sink": 2}}, compile=True)
-        rows[name] = measure(model, run, ids, mask)
+        rows[name] = measure(model, run, ids, mask, longer)
     print("ROWS" + json.dumps(rows))
     """
 )
@@ -173,7 +178,8 @@ def measured():
 def test_compiled_fused_step_launches_what_the_eager_step_launches(measured, case):
     """Inductor's code for the compiled ``triton_fused`` step (``compile_step=True``) launches the step's kernels
     and nothing else (no kernel of its own, no external call, no fallback: a 0-d ``torch.empty`` once became a
-    fill kernel), each launch exactly the eager step's: the same kernel, grid, tensors and values."""
+    fill kernel), each launch exactly the eager step's: the same kernel, grid, tensors and values; compiled once
+    more at a second cache size (symbolic sizes), the same kernels."""
     source, criterion, executor = CASES[case]
     row = measured[case]
     expected = fused_step_launches(source, criterion["name"], executor.get("decide_once", False),
@@ -181,3 +187,4 @@ def test_compiled_fused_step_launches_what_the_eager_step_launches(measured, cas
     assert [k["name"] for k in row["kernels"]] == expected
     assert (row["inductor"], row["extern"], row["fallback"]) == (0, 0, 0)
     assert row["differences"] == []
+    assert row["kernels_symbolic"] == row["kernels"]

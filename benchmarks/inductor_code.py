@@ -9,8 +9,8 @@ decode step's layer step is then compiled by ``torch.compile`` (Inductor, as a r
 fake CUDA copies of its arguments (shapes, strides and storage offsets kept) for a pretended sm_90 device with 132
 SMs. Inductor lowers, schedules and writes its wrapper code; the code is taken when Inductor would load it (its
 kernels compiled and run: that needs the GPU), so nothing runs. Two of Inductor's passes need a device and are off:
-constant folding of uniform values and the padding of matrix products (each may change a kernel or two of the
-``triton`` executor's step; neither touches a Triton launch).
+constant folding of uniform values and the padding of matrix products. On a GPU they may add or remove kernels of
+the unfused (``triton`` executor) steps; neither changes a Triton launch.
 
 Per configuration it reports the step's kernels: the user-defined Triton launches (qada's kernels), the kernels
 Inductor generates (each fused torch operation group is one), and the calls to external kernels (cuBLAS products).

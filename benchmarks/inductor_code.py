@@ -62,10 +62,11 @@ class CodeTaken(Exception):
     """Raised where Inductor would load its output code (which compiles and runs the kernels): the code is taken."""
 
 
-def pretend_cuda_device(sms: int = 132) -> None:
+def pretend_cuda_device(sms: int | None = None) -> None:
     """:func:`~benchmarks.compile_trace.pretend_cuda_triton`, and torch reports one sm_90 device with ``sms``
-    multiprocessors to Inductor and to qada (its split count); Inductor's passes that run operations on the device
-    are off. Process-wide; irreversible. Needs torch's CUDA build (fake CUDA tensors)."""
+    multiprocessors (default an H100's, :data:`~benchmarks.kernel_resources.H100_SMS`) to Inductor and to qada (its
+    split count); Inductor's passes that run operations on the device are off. Process-wide; irreversible. Needs
+    torch's CUDA build (fake CUDA tensors)."""
     import types
 
     import torch
@@ -73,6 +74,9 @@ def pretend_cuda_device(sms: int = 132) -> None:
     from torch._inductor.runtime import hints
 
     from benchmarks.compile_trace import pretend_cuda_triton
+    from benchmarks.kernel_resources import H100_SMS
+
+    sms = H100_SMS if sms is None else sms
 
     if torch.version.cuda is None:
         raise RuntimeError("Inductor's CUDA code needs torch's CUDA build (a CPU build cannot make fake CUDA "
@@ -349,6 +353,7 @@ def main(argv: list[str] | None = None) -> Path:
     import triton
 
     from benchmarks.common import machine_info, table, write_results
+    from benchmarks.kernel_resources import H100_SMS
     from qada.eval.passkey import passkey_prompt
     from qada.models import build_run, load_default_model, prepare_run
 
@@ -379,7 +384,7 @@ def main(argv: list[str] | None = None) -> Path:
                "rows_of_batch": 2, "prompt_tokens": args.length, "rows": rows}
     lines = ["# The kernels of a compiled layer step on a CUDA GPU, from Inductor's output code (made on the CPU)", "",
              f"Command: `{command}`; "
-             f"torch {torch.__version__}, triton {triton.__version__}, a pretended sm_90 device (132 SMs). "
+             f"torch {torch.__version__}, triton {triton.__version__}, a pretended sm_90 device ({H100_SMS} SMs). "
              "SmolLM2-135M, two rows (the second left-padded), the first decode step's layer step compiled as a run "
              "with `compile=True` compiles it; nothing is run. *per layer*: the kernels one layer's step launches "
              "inside the model's CUDA graph: qada's Triton launches, the kernels Inductor generates, external ones "

@@ -313,6 +313,24 @@ def _constant(expression: str) -> Any:
     return ast.literal_eval(text)
 
 
+def launches_over_calls(step: Any, calls: list[tuple]) -> dict[str, Any]:
+    """Inductor's code for ``step`` (fused) compiled on the first of ``calls`` (the arguments of every layer-step call
+    of a decode, in order, e.g. recorded by an eager decode in Triton's interpreter), its launches against the eager
+    launches of each call, as one compiled step serves every layer and step: ``{"calls": n, "differences": {call
+    index: what differs}}`` (``{}``: every call launches what the code launches, values included), and
+    ``"same_code_at_last_call"``: whether the code compiled on the last call is the first one's (the graph's own
+    identifiers aside)."""
+    codes = inductor_code(step, calls[0], calls[-1])
+    launches = [k for k in kernels(codes[0]) if k["kind"] == "launch"]
+    differences = {}
+    for index, args in enumerate(calls):
+        found = compare_launches(eager_launches(step, args), launches, args)
+        if found:
+            differences[str(index)] = found
+    unnamed = [re.sub(r"^# AOT ID: .*$", "", code, flags=re.M) for code in codes]
+    return {"calls": len(calls), "differences": differences, "same_code_at_last_call": unnamed[0] == unnamed[1]}
+
+
 def measure(model: Any, run: Any, ids: Any, mask: Any, longer: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """One configuration's row: the compiled step's kernels (and, fused, the launch comparison with eager) after
     prefilling ``ids [b, T]`` with ``mask``; with ``longer`` (``(ids, mask)`` of another length), also the kernels

@@ -546,7 +546,8 @@ def test_gpu_compiled_fused_step_equals_eager_on_the_same_inputs(model, referenc
     pytest.param({"name": "qada", "tau": 0.3}, id="qada", marks=pytest.mark.xfail(
         strict=True, reason="H200, torch 2.11, Triton 3.6: the compiled step's sparsity .9375 against the eager "
                             "step's .9167 (4 of 96 head-steps decided otherwise), same tokens; cause not found (the "
-                            "launches in Inductor's code for this step are the eager ones: tests/test_inductor_code.py)"
+                            "launches in Inductor's code for this step are the eager ones at every call of the "
+                            "decode: tests/test_inductor_code.py)"
     )),
     pytest.param({"name": "qada_tail", "tau": 0.3}, id="qada_tail"),
 ])

@@ -128,7 +128,8 @@ SCRIPT = textwrap.dedent(
     import json, sys
     sys.path[:0] = [{root!r}, {tests!r}]
     import torch
-    from benchmarks.inductor_code import pretend_cuda_device, measure
+    from benchmarks.compile_trace import capture_layer_step
+    from benchmarks.inductor_code import launches_over_calls, measure, pretend_cuda_device
     pretend_cuda_device()
     from tiny_models import tiny_model
     from qada.models import build_run
@@ -147,29 +148,60 @@ SCRIPT = textwrap.dedent(
     ids, mask = two_rows(20, 3)
     longer = two_rows(37, 4)  # a second cache size: compiled once more, sizes symbolic
     rows = {{}}
-    for name, (source, criterion, executor) in json.loads({cases!r}).items():
+    for index, (name, (source, criterion, executor)) in enumerate(json.loads({cases!r}).items()):
         if source == "stored":
             source = StoredMoments(offset=12, min_bulk_keys=4)
             source.set_reference(reference)
         run = build_run(criterion=criterion, moments=source, executor={{"name": "triton_fused", "block_size": 16,
                         **executor}}, window={{"t_local": 8, "t_sink": 2}}, compile=True)
         rows[name] = measure(model, run, ids, mask, longer)
+        step, _ = capture_layer_step(model, run, ids, mask)  # the code against every call of an eager decode
+        rows[name]["over_calls"] = launches_over_calls(step, torch.load(f"{calls}/{{index}}.pt"))
     print("ROWS" + json.dumps(rows))
+    """
+)
+
+RECORD = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import torch
+    from tiny_models import tiny_model
+    from qada.moments.reference import collect_reference_keys
+    from tests.step_replay import recording_layer_steps
+    from tests.test_fused_decision import greedy, make_run
+
+    model = tiny_model("llama")  # with the reference and the runs of the GPU tests in tests/test_fused_decision.py
+    keys = collect_reference_keys(model, torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7)),
+                                  chunk_size=16)
+    for index, (name, (source, criterion, executor)) in enumerate(json.loads({cases!r}).items()):
+        run = make_run(source, {{"name": "triton_fused", "block_size": 16, **executor}}, keys, criterion,
+                       compile=False)
+        with recording_layer_steps() as calls, torch.no_grad():
+            greedy(model, run, "static")  # the decode of the GPU tests: 6 steps, two rows (one left-padded)
+        torch.save([args for _, _, args in calls], f"{calls}/{{index}}.pt")
     """
 )
 
 
 @pytest.fixture(scope="module")
-def measured():
+def measured(tmp_path_factory):
+    """The rows of :data:`SCRIPT` for :data:`CASES`, the layer-step calls of each case's eager decode recorded first
+    (:data:`RECORD`, in Triton's interpreter: the kernels run; Inductor's code is made without it)."""
     import triton.backends
 
     if torch.version.cuda is None:
         pytest.skip("Inductor's CUDA code needs torch's CUDA build (bash scripts/gpu-versions.sh runs this)")
     if "nvidia" not in triton.backends.backends:
         pytest.skip("triton has no nvidia backend")
+    calls = tmp_path_factory.mktemp("calls")
+    where = dict(root=str(ROOT), tests=str(ROOT / "tests"), cases=json.dumps(CASES), calls=str(calls))
+    recorded = subprocess.run([sys.executable, "-c", RECORD.format(**where)], capture_output=True, text=True,
+                              timeout=900, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert recorded.returncode == 0, recorded.stderr[-4000:]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    script = SCRIPT.format(root=str(ROOT), tests=str(ROOT / "tests"), cases=json.dumps(CASES))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-c", SCRIPT.format(**where)], env=env, capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.split("ROWS", 1)[1])
 
@@ -188,3 +220,16 @@ def test_compiled_fused_step_launches_what_the_eager_step_launches(measured, cas
     assert (row["inductor"], row["extern"], row["fallback"]) == (0, 0, 0)
     assert row["differences"] == []
     assert row["kernels_symbolic"] == row["kernels"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_fused_step_launches_what_eager_launches_at_every_call_of_a_decode(measured, case):
+    """The code compiled on the first layer-step call of a decode (6 steps, 2 layers: 12 calls, each layer's states
+    and stored reference its own, one at a storage offset) launches, at every call, what the eager step launches
+    there: the same kernels, tensors and values; compiled on the last call, the same code. So one compiled step
+    serves every layer and step as the eager step would (what the code does on a GPU beyond its launches, e.g.
+    how its kernels are compiled, is not seen here)."""
+    over = measured[case]["over_calls"]
+    assert over["calls"] == 12
+    assert over["differences"] == {}
+    assert over["same_code_at_last_call"]

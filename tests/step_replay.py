@@ -1,7 +1,9 @@
 """Replay a run's layer steps: record every call of a decode (its arguments cloned as they were), then run two
 implementations of the step on identical copies of each call and name the first output or input state in which
 they differ. Tells a difference of the step itself (e.g. a compiled step against the eager one) from one of the
-harness around it (both give the same results on the same inputs)."""
+harness around it (both give the same results on the same inputs). The same one level down: every kernel launch of
+a decode recorded (:func:`recording_launches`), then replayed by two launchers (:func:`replay_launches`), names the
+first kernel whose launches differ."""
 
 from __future__ import annotations
 
@@ -76,4 +78,62 @@ def replay(calls: list[tuple[LayerStep, bool, tuple]], first: Callable[[LayerSte
         found += _differences("arguments after", a, b)
         if found:
             return [f"call {index}: {line}" for line in found]
+    return []
+
+
+def clone_aliased(args: Any) -> Any:
+    """``args`` with every tensor copied, the tensors that share a storage sharing one copy of it (the same views:
+    offsets, shapes and strides), anything else as is."""
+    copies: dict[int, Any] = {}
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in copies:
+            copies[key] = storage.clone()
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(copies[key], t.storage_offset(), t.shape,
+                                                                   t.stride())  # fmt: skip
+
+    return tree_map(copy, args)
+
+
+@contextlib.contextmanager
+def recording_launches() -> Iterator[list[tuple[Any, tuple, tuple, dict]]]:
+    """Inside it, every kernel launch through :func:`qada.attention._triton_kernel.run` is recorded as ``(kernel,
+    grid, positional arguments copied before the launch (:func:`clone_aliased`), keyword arguments)`` in the list it
+    yields, then made as usual."""
+    from qada.attention import _triton_kernel
+
+    launches: list[tuple[Any, tuple, tuple, dict]] = []
+    original = _triton_kernel.run
+
+    def record(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+        launches.append((kernel, tuple(grid), clone_aliased(args), dict(kwargs)))
+        return original(kernel, grid, *args, **kwargs)
+
+    _triton_kernel.run = record
+    try:
+        yield launches
+    finally:
+        _triton_kernel.run = original
+
+
+Launcher = Callable[[Any, tuple, tuple, dict], None]
+
+
+def replay_launches(launches: list[tuple[Any, tuple, tuple, dict]], first: Launcher, second: Launcher) -> list[str]:
+    """Make each recorded launch with ``first(kernel, grid, args, kwargs)`` and ``second(...)`` on two identical
+    copies of its arguments, in order; return the tensors that differ after the first launch whose results differ
+    (every argument compared: what the kernel wrote), each prefixed with the launch's index and kernel, or ``[]``."""
+    for index, (kernel, grid, args, kwargs) in enumerate(launches):
+        a, b = clone_aliased(args), clone_aliased(args)
+        with torch.no_grad():
+            first(kernel, grid, a, kwargs)
+            second(kernel, grid, b, kwargs)
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
+        found = _differences("arguments after", a, b)
+        if found:
+            return [f"launch {index} ({name}): {line}" for line in found]
     return []

@@ -540,6 +540,69 @@ def test_gpu_compiled_fused_step_equals_eager_on_the_same_inputs(model, referenc
     assert found == []
 
 
+def _eager_launch(kernel, grid, args, kwargs):
+    """A recorded launch made eagerly (Triton's own launcher; the interpreter without a GPU)."""
+    from qada.attention import _triton_kernel
+
+    _triton_kernel._launch(kernel, grid, *args, **kwargs)
+
+
+def test_replayed_launches_agree_with_themselves_and_name_a_difference(model, reference):
+    """The launch-level replay (:func:`tests.step_replay.replay_launches`): the launches of an eager fused decode
+    step (three per layer) made twice eagerly agree; a launcher that makes the split kernel decide at another
+    ``tau`` is named, with the launch, the kernel and the flags it wrote otherwise."""
+    from tests.step_replay import recording_launches, replay_launches
+
+    run = make_run("stored", {"name": "triton_fused", "block_size": 16}, reference, {"name": "qada", "tau": 0.3},
+                   compile=False)
+    with recording_launches() as launches, torch.no_grad():
+        greedy(model, run, "static", steps=1)
+    names = [kernel.fn.__name__ for kernel, *_ in launches]
+    assert names == ["stored_moment_step_kernel", "qada_fused_split_kernel",
+                     "qada_decode_combine_kernel"] * model.config.num_hidden_layers  # fmt: skip
+    assert replay_launches(launches, _eager_launch, _eager_launch) == []
+
+    def other_tau(kernel, grid, args, kwargs):  # log_tau: the split kernel's last positional argument
+        if kernel.fn.__name__ == "qada_fused_split_kernel":
+            args = (*args[:-1], math.log(0.999))
+        _eager_launch(kernel, grid, args, kwargs)
+
+    found = replay_launches(launches, _eager_launch, other_tau)
+    assert found and all(line.startswith("launch 1 (qada_fused_split_kernel): ") for line in found), found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("criterion", [{"name": "qada", "tau": 0.3}, {"name": "qada_tail", "tau": 0.3}],
+                         ids=["qada", "qada_tail"])
+def test_gpu_each_fused_launch_compiled_equals_eager(model, reference, criterion):
+    """On a GPU every kernel launch of an eager fused decode (6 steps), made once by ``torch.compile`` (Inductor
+    compiles the kernel as inside the compiled step: its own specialisation, Python floats as fp64) and once by
+    Triton's launcher, on identical copies of its arguments: the same tensors after each. Where the compiled step
+    differs from the eager one on the same inputs (the test above), this names the kernel and the launch."""
+    import functools
+
+    from qada.attention import _triton_kernel
+    from tests.step_replay import recording_launches, replay_launches
+
+    run = make_run("stored", {"name": "triton_fused", "block_size": 16}, reference, criterion, compile=False)
+    with recording_launches() as launches, torch.no_grad():
+        greedy(model, run, "static")
+    torch._dynamo.reset()
+    compiled = {}
+
+    def inductor(kernel, grid, args, kwargs):
+        key = (kernel, grid, repr(sorted(kwargs.items())))
+        if key not in compiled:
+            compiled[key] = torch.compile(functools.partial(_triton_kernel._launch, kernel, grid, **kwargs),
+                                          fullgraph=True, backend="inductor")
+        compiled[key](*args)
+
+    with torch._dynamo.config.patch(cache_size_limit=64):
+        found = replay_launches(launches, _eager_launch, inductor)
+    assert found == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("criterion", [

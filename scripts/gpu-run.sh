@@ -13,11 +13,11 @@
 #                                                       # not fit one 10-minute call
 # Stages: env, tests, fused (the triton_fused tests, on CUDA), graphs (triton_fused inside a model's CUDA graph, and
 # its layer step compiled by Inductor, against eager, over a decode, call by call and launch by launch on the same
-# inputs: a tiny model, no bundle needed, ~2-3 min), parity (every layer's decisions on the CPU and on CUDA, needs
-# the model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the
-# compiled ones), smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, qada, qada fused, qada_tail fused and qada_tail_budget
-# fused, graph-captured), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused, graph-captured),
-# llama, llama-32k, llama-128k.
+# inputs: a tiny model, no bundle needed, ~2-3 min), parity (every layer's decisions on the CPU and on CUDA, needs the
+# model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
+# smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, qada, qada fused, qada_tail fused and
+# qada_tail_budget fused, graph-captured), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused,
+# graph-captured), llama, llama-32k, llama-128k.
 # Each stage's limit (seconds) can be changed with LIMIT_<stage>=..., e.g. LIMIT_smollm2=300.
 set -u
 out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"

@@ -1,6 +1,6 @@
-"""Replay a run's layer steps: record every call of a decode (its arguments cloned as they were), then run two
-implementations of the step on identical copies of each call and name the first output or input state in which
-they differ. Tells a difference of the step itself (e.g. a compiled step against the eager one) from one of the
+"""Replay a run's layer steps: record every call of a decode (its arguments copied as they were, views kept), then
+run two implementations of the step on identical copies of each call and name the first output or input state in
+which they differ. Tells a difference of the step itself (e.g. a compiled step against the eager one) from one of the
 harness around it (both give the same results on the same inputs). The same one level down: every kernel launch of
 a decode recorded (:func:`recording_launches`), then replayed by two launchers (:func:`replay_launches`), names the
 first kernel whose launches differ."""
@@ -17,20 +17,33 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 from qada.models.layer_step import LayerStep
 
 
-def clone(args: Any) -> Any:
-    """``args`` with every tensor cloned (strides kept), anything else as is."""
-    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args)
+def clone_aliased(args: Any) -> Any:
+    """``args`` with every tensor copied, the tensors that share a storage sharing one copy of it (the same views:
+    offsets, shapes and strides), anything else as is."""
+    copies: dict[int, Any] = {}
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in copies:
+            copies[key] = storage.clone()
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(copies[key], t.storage_offset(), t.shape,
+                                                                   t.stride())  # fmt: skip
+
+    return tree_map(copy, args)
 
 
 @contextlib.contextmanager
 def recording_layer_steps() -> Iterator[list[tuple[LayerStep, bool, tuple]]]:
     """Inside it, every :class:`~qada.models.layer_step.LayerStep` call is recorded as ``(step, buffered, arguments
-    cloned before the call)`` in the list it yields, then made as usual."""
+    copied before the call (:func:`clone_aliased`))`` in the list it yields, then made as usual."""
     calls: list[tuple[LayerStep, bool, tuple]] = []
     original = LayerStep.__call__
 
     def record(self: LayerStep, buffered: bool, *args: Any) -> Any:
-        calls.append((self, buffered, clone(args)))
+        calls.append((self, buffered, clone_aliased(args)))
         return original(self, buffered, *args)
 
     LayerStep.__call__ = record
@@ -70,7 +83,7 @@ def replay(calls: list[tuple[LayerStep, bool, tuple]], first: Callable[[LayerSte
     or arguments after the call (the states a step updates in place) differ, each prefixed with the call's index,
     or ``[]`` when every call agrees."""
     for index, (step, _, args) in enumerate(calls):
-        a, b = clone(args), clone(args)
+        a, b = clone_aliased(args), clone_aliased(args)
         with torch.no_grad():
             result_a, result_b = first(step, a), second(step, b)
         found = [line for field in result_a._fields
@@ -79,24 +92,6 @@ def replay(calls: list[tuple[LayerStep, bool, tuple]], first: Callable[[LayerSte
         if found:
             return [f"call {index}: {line}" for line in found]
     return []
-
-
-def clone_aliased(args: Any) -> Any:
-    """``args`` with every tensor copied, the tensors that share a storage sharing one copy of it (the same views:
-    offsets, shapes and strides), anything else as is."""
-    copies: dict[int, Any] = {}
-
-    def copy(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in copies:
-            copies[key] = storage.clone()
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(copies[key], t.storage_offset(), t.shape,
-                                                                   t.stride())  # fmt: skip
-
-    return tree_map(copy, args)
 
 
 @contextlib.contextmanager

@@ -128,6 +128,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     sys.path[:0] = [{root!r}, {tests!r}]
     import torch
+    from torch.utils._pytree import tree_flatten
     from benchmarks.compile_trace import capture_layer_step
     from benchmarks.inductor_code import launches_over_calls, measure, pretend_cuda_device
     pretend_cuda_device()
@@ -156,7 +157,10 @@ SCRIPT = textwrap.dedent(
                         **executor}}, window={{"t_local": 8, "t_sink": 2}}, compile=True)
         rows[name] = measure(model, run, ids, mask, longer)
         step, _ = capture_layer_step(model, run, ids, mask)  # the code against every call of an eager decode
-        rows[name]["over_calls"] = launches_over_calls(step, torch.load(f"{calls}/{{index}}.pt"))
+        calls = torch.load(f"{calls}/{{index}}.pt")
+        rows[name]["over_calls"] = launches_over_calls(step, calls)
+        rows[name]["over_calls"]["at_an_offset"] = sum(  # tensor arguments that are views at a storage offset
+            isinstance(t, torch.Tensor) and t.storage_offset() > 0 for args in calls for t in tree_flatten(args)[0])
     print("ROWS" + json.dumps(rows))
     """
 )
@@ -231,5 +235,6 @@ def test_compiled_fused_step_launches_what_eager_launches_at_every_call_of_a_dec
     how its kernels are compiled, is not seen here)."""
     over = measured[case]["over_calls"]
     assert over["calls"] == 12
+    assert over["at_an_offset"] > 0 or CASES[case][0] != "stored"  # (a layer's stored-moment state: a view)
     assert over["differences"] == {}
     assert over["same_code_at_last_call"]

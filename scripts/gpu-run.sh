@@ -13,7 +13,7 @@
 #                                                       # not fit one 10-minute call
 # Stages: env, tests, fused (the triton_fused tests, on CUDA), graphs (triton_fused inside a model's CUDA graph, and
 # its layer step compiled by Inductor, against eager, over a decode, call by call and launch by launch on the same
-# inputs: a tiny model, no bundle needed, ~2-3 min), parity (every layer's decisions on the CPU and on CUDA, needs the
+# inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
 # model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
 # smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, qada, qada fused, qada_tail fused and
 # qada_tail_budget fused, graph-captured), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused,
@@ -41,7 +41,7 @@ for s in "$@"; do
              tests/test_attention_triton_buffer.py tests/test_buffer_decode.py ;;
     fused) stage fused 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decision.py tests/test_fused_tail.py \
         tests/test_fused_budget.py tests/test_moment_step_kernel.py ;;
-    graphs) stage graphs 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_decision.py \
+    graphs) stage graphs 360 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_decision.py \
              tests/test_buffer_decode.py -k "cuda_graphs or compiles_and_decides or same_inputs or each_fused_launch" ;;
     parity) stage parity 540 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;
     attention) stage attention 300 "$py" benchmarks/run.py --gpu --out "$out" --only attention,overhead ;;

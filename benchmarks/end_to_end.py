@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import Timing, device_sync
+from benchmarks.packed_dense import packed_attention
 from qada.criteria import StaticCriterion
 from qada.eval.decode import prefill_from_cache
 from qada.models import attach, build_run, prepare_run
@@ -67,12 +68,16 @@ class DecodeConfig:
         make_run: ``() ->`` a prepared :class:`~qada.models.QAdARun`, or ``None`` for the unwrapped model.
         compiled: decode steps through ``torch.compile(model.forward, fullgraph=True)`` (:func:`compile_options`).
         count_events: count kernels and host syncs per step (CUDA only) in the last repetition.
+        packed: the unwrapped model decodes with :func:`~benchmarks.packed_dense.packed_sdpa_forward` (the query
+            heads of a KV group as rows of its K/V) instead of its own attention, which copies the K/V of a
+            grouped-query model (``dense packed``: the dense anchor without that copy).
     """
 
     cache: str = "static"
     make_run: Callable[[], Any] = _no_run
     compiled: bool = False
     count_events: bool = False
+    packed: bool = False
 
 
 CACHE_KINDS = ("static", "dynamic")
@@ -309,8 +314,9 @@ def run_end_to_end(
             context's ``base_rows`` attribute says so ahead, for the memory check on CUDA).
         configs: ``B ->`` name -> :class:`DecodeConfig`; the config named ``dense`` is the reference for the
             ratios and the agreement (its cache is the suite's), ``speedup_vs_dense`` compares on the same cache,
-            ``speedup_vs_dense_compiled`` with ``dense compiled``; a compiled row's ``eager_*`` agreement compares
-            with its eager twin.
+            ``speedup_vs_dense_compiled`` with ``dense compiled``, ``speedup_vs_best_dense`` with the fastest row of the
+            unwrapped model (``best_dense``: any mode, cache or attention, e.g. ``dense packed compiled``); a
+            compiled row's ``eager_*`` agreement compares with its eager twin.
         warmup: untimed steps per decode (at least 1; the first is reported apart as ``first_step_s``).
         count_steps: steps profiled for :func:`count_step_events` (configs with ``count_events``, last repetition).
         bandwidth_gbs: the measured copy bandwidth, for the byte ceiling columns.
@@ -365,7 +371,8 @@ def run_end_to_end(
                         cache = static_cache
                     else:
                         cache = fresh_cache(model, base, config.cache, capacity, B)
-                    with _no_silent_fallback():
+                    packed = packed_attention(model) if config.packed else contextlib.nullcontext()
+                    with _no_silent_fallback(), packed:
                         done = _decode(model, cache, T, first, runs[name], forwards.get(name), warmup, steps, device,
                                        cudagraphs and config.compiled,
                                        count_steps if config.count_events and rep == reps - 1 else 0,
@@ -427,6 +434,8 @@ def _rows(model, T, B, cases, results, errors, steps, reps, warmup, bandwidth_gb
     per_token = {name: Timing.of([t for r in res for t in r["step_s"]]) for name, res in measured.items()}
     first_step = {name: Timing.of([r["first_s"] for r in res]) for name, res in measured.items()}
     dense = measured.get("dense")
+    unwrapped = [name for name in measured if cases[name].make_run is _no_run]  # the dense rows, every mode and cache
+    best = min(unwrapped, key=lambda name: per_token[name]["median"], default=None)
     for name, config in cases.items():
         head = {"model": model_name, "T": T, "B": B, "config": name, "cache": config.cache, "compiled": config.compiled}
         if name not in measured:
@@ -473,6 +482,8 @@ def _rows(model, T, B, cases, results, errors, steps, reps, warmup, bandwidth_gb
             )  # fmt: skip
         if "dense compiled" in per_token:
             row["speedup_vs_dense_compiled"] = per_token["dense compiled"]["median"] / timing["median"]
+        if best is not None:  # the fastest way to run the model unwrapped, of those measured
+            row.update(best_dense=best, speedup_vs_best_dense=per_token[best]["median"] / timing["median"])
         twin = name.removesuffix(" compiled")
         if config.compiled and twin in measured:
             agreement, prefix, _ = _agreement(res, measured[twin][0])
@@ -506,7 +517,7 @@ def _extra_kernels(rows: list[dict[str, Any]]) -> None:
     by_name = {r["config"]: r for r in rows if "counters" in r}
     for row in by_name.values():
         c = row["counters"]
-        if row["config"] in ("dense", "dense compiled") or "kernels_per_step" not in c:
+        if row["config"].startswith("dense") or "kernels_per_step" not in c:  # the unwrapped model's rows
             continue
         dense = by_name.get("dense compiled" if row["compiled"] else "dense")
         d = dense and dense["counters"]

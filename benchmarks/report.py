@@ -85,7 +85,7 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
 
     def detail(r):
         return r and (f"T={r['T']}, {r.get('cache', 'dynamic')} cache, sparsity {r['sparsity']:.3f}, "
-                      f"kv_sparsity {r['kv_sparsity']:.3f}")
+                      f"kv_sparsity {r['kv_sparsity']:.3f}" + _vs_best(r))
 
     for (low, high, where), targets in (((7000, 8192, "~8k"), {"qada": 1.15, "qada_tail": 1.0, "qada_tail_budget": 1.0,
                                                                 "static rho_kv=0.875": 1.35}),
@@ -144,11 +144,12 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         value, r = compiled_ratio("qada compiled", 7680, "smollm2", B)
         goal(f"GPU: SmolLM2 at 7.68k, B={B}: graph-captured QAdA tau 0.6 / compiled dense tokens/s", value, target,
              detail=r and f"{results['machine'].get('gpu')}; sparsity {r['sparsity']:.3f}, kv_sparsity "
-             f"{r['kv_sparsity']:.3f}, same tokens as eager {r.get('eager_agreement', float('nan')):.2f}",
+             f"{r['kv_sparsity']:.3f}, same tokens as eager {r.get('eager_agreement', float('nan')):.2f}"
+             + _vs_best(r),
              unmeasured=gpu_unmeasured)  # fmt: skip
     value, r = compiled_ratio("static rho_kv=0.875 compiled", 131072, "llama3-8b-random", 1)
     goal("GPU: Llama-3-8B shapes at 128k, B=1: graph-captured forced rho_kv=0.875 / compiled dense tokens/s", value,
-         2.0, detail="random weights", unmeasured=gpu_unmeasured)
+         2.0, detail=r and "random weights" + _vs_best(r), unmeasured=gpu_unmeasured)
     r = e2e_row("qada dense", 131072, 131072, "llama3-8b-random")
     goal("GPU: Llama-3-8B shapes at 128k, B=1: qada with the dense criterion on its executor, fraction of the byte "
          "ceiling", r and r.get("ceiling_fraction"), 0.5, unmeasured=gpu_unmeasured,
@@ -199,7 +200,7 @@ def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmea
         value, r = compiled_ratio("qada fused compiled", 7680, "smollm2", B)
         goal(f"GPU: SmolLM2 at 7.68k, B={B}: graph-captured QAdA tau 0.6, decision in the kernel (triton_fused) / "
              "compiled dense tokens/s", value, target, unmeasured=unmeasured,
-             detail=r and f"sparsity {r['sparsity']:.3f}, kv_read {r.get('kv_read', float('nan')):.3f}")
+             detail=r and f"sparsity {r['sparsity']:.3f}, kv_read {r.get('kv_read', float('nan')):.3f}" + _vs_best(r))
         q, _ = compiled_ratio("qada compiled", 7680, "smollm2", B)
         t, _ = compiled_ratio("qada_tail compiled", 7680, "smollm2", B)
         goal(f"GPU: SmolLM2 at 7.68k, B={B}: graph-captured qada_tail tau 0.3 / qada tau 0.6 tokens/s, both "
@@ -216,7 +217,8 @@ def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmea
     goal("GPU: Llama-3-8B shapes at 128k, B=1: graph-captured qada_tail_budget 0.85 / qada's own all-dense path",
          budget and own and budget / own, 1.5, unmeasured=unmeasured, detail=which)
     goal("GPU: Llama-3-8B shapes at 128k, B=1: graph-captured qada_tail_budget 0.85 / transformers' compiled dense",
-         budget, 4.0, unmeasured=unmeasured, detail=r and f"{which}; kv_read {r.get('kv_read', float('nan')):.3f}")
+         budget, 4.0, unmeasured=unmeasured,
+         detail=r and f"{which}; kv_read {r.get('kv_read', float('nan')):.3f}" + _vs_best(r))
     dense = [r for r in attention if r["executor"] == "triton" and r["local_groups"] == 0 and r["T"] >= 32768
              and "graphed_bandwidth_gbs" in r]  # fmt: skip
     worst = min(dense, key=lambda r: r["graphed_bandwidth_gbs"]) if dense and copy_bw else None
@@ -236,6 +238,14 @@ def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmea
          "the worst-case goal below covers every qada row)",
          kernels and kernels["counters"]["extra_kernels_per_layer"], 6, higher_is_better=False,
          unmeasured=unmeasured, detail=kernels and _where(kernels))
+
+
+def _vs_best(r: dict[str, Any]) -> str:
+    """``"; x<ratio> the fastest dense row (<name>)"``: the row against the fastest way to run the model unwrapped
+    (:func:`benchmarks.end_to_end.run_end_to_end`'s ``speedup_vs_best_dense``), or nothing where none was measured."""
+    if r.get("speedup_vs_best_dense") is None:
+        return ""
+    return f"; x{r['speedup_vs_best_dense']:.2f} the fastest dense row ({r['best_dense']})"
 
 
 def _where(r: dict[str, Any]) -> str:
@@ -314,7 +324,10 @@ def markdown(results: dict[str, Any]) -> str:
             "and on a GPU records its CUDA graph, in the first). `compiled` rows decode through "
             "`torch.compile(model.forward, fullgraph=True)` after an eager prefill (`mode=\"reduce-overhead\"`, "
             "CUDA graphs, on a GPU). Configurations alternate within each repetition; `x dense` compares with the "
-            "unwrapped eager model on the same cache, `x dense compiled` with the unwrapped compiled one. Byte "
+            "unwrapped eager model on the same cache, `x dense compiled` with the unwrapped compiled one, `x best "
+            "dense` with the fastest row of the unwrapped model (any mode, cache or attention; `dense packed`: "
+            "its query heads attend as rows of their KV group, without the copy of the K/V that transformers' "
+            "attention makes for a grouped-query model under a mask, compiled or eager by version). Byte "
             "ceiling: (weights + per row the K/V an ideal kernel reads: all T tokens of dense KV groups, the window "
             "of skipped ones) / measured copy bandwidth; `of ceiling` = ceiling time / measured step time. sparsity "
             "/ kv_sparsity / kv_read (the K/V a step reads over dense's, the criterion's reads to decide "
@@ -326,8 +339,8 @@ def markdown(results: dict[str, Any]) -> str:
             rows = [r for r in results["end_to_end"] if r.get("model", "") == model]
             out.append(f"### {description}\n\n")
             out.append(table(["T", "B", "config", "cache", "tokens/s median [min-max] xreps", "x dense",
-                              "x dense compiled", "first step ms", "warm-up s", "ceiling ms", "of ceiling", "sparsity",
-                              "kv_sparsity", "kv_read", "token agreement", "identical prefix",
+                              "x dense compiled", "x best dense", "first step ms", "warm-up s", "ceiling ms",
+                              "of ceiling", "sparsity", "kv_sparsity", "kv_read", "token agreement", "identical prefix",
                               "first-step max abs logit diff", "same as eager"],
                              [_e2e_cells(r) for r in rows]))  # fmt: skip
             out.append(_moments_lines(rows))
@@ -377,15 +390,16 @@ def _e2e_cells(r: dict[str, Any]) -> list[Any]:
                             if eager in (FUSED_STEP_EAGER, INTERPRETED_STEP_EAGER) else " (layer step eager!)")
     head = [r["T"], r.get("B", 1), config, r.get("cache", "")]
     if "skipped" in r:
-        return head + ["skipped: " + r["skipped"]] + [""] * 13
+        return head + ["skipped: " + r["skipped"]] + [""] * 14
     if "tokens_per_s_median" not in r:
-        return head + ["FAILED: " + r.get("error", "")[:160]] + [""] * 13
+        return head + ["FAILED: " + r.get("error", "")[:160]] + [""] * 14
     warm = r.get("warmup_s")
     warm_cell = "n/a" if not warm else (f"{warm['times'][0]:.2f}" + (
         f" / {statistics.median(warm['times'][1:]):.2f}" if len(warm["times"]) > 1 else ""))
     return head + [
         f"{r['tokens_per_s_median']:.2f} [{r['tokens_per_s_min']:.2f}-{r['tokens_per_s_max']:.2f}] x{r['reps']}",
         _fmt(r.get("speedup_vs_dense")), _fmt(r.get("speedup_vs_dense_compiled")),
+        _fmt(r.get("speedup_vs_best_dense")) + (f" ({r['best_dense']})" if r.get("best_dense") else ""),
         _fmt(1e3 * r["first_step_s"]["median"], 0) if "first_step_s" in r else "n/a", warm_cell,
         _fmt(1e3 * r["t_min_s"], 1) if "t_min_s" in r else "n/a",
         f"{r['ceiling_fraction']:.0%}" if r.get("ceiling_fraction") is not None else "n/a",

@@ -15,15 +15,15 @@
 # its layer step compiled by Inductor, against eager, over a decode, call by call and launch by launch on the same
 # inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
 # model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
-# smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, qada, qada fused, qada_tail fused and
-# qada_tail_budget fused, graph-captured), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused,
-# graph-captured), llama, llama-32k, llama-128k.
+# smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, dense packed, qada, qada fused, qada_tail fused
+# and qada_tail_budget fused, graph-captured), goals-llama (128k, B = 1: dense, dense packed, qada's all-dense path,
+# the budget fused, graph-captured), llama, llama-32k, llama-128k.
 # Each stage's limit (seconds) can be changed with LIMIT_<stage>=..., e.g. LIMIT_smollm2=300.
 set -u
 out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
-smollm2_goal_rows="dense compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled"
+smollm2_goal_rows="dense compiled,dense packed compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled"
 
 stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   local name=$1 default=$2; shift 2
@@ -56,7 +56,7 @@ for s in "$@"; do
              --models smollm2 --batches "${s#goals-smollm2-b}" \
              --configs "$smollm2_goal_rows" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \
-             --lengths 131072 --batches 1 --configs "dense compiled,qada dense compiled,qada_tail_budget fused compiled" ;;
+             --lengths 131072 --batches 1 --configs "dense compiled,dense packed compiled,qada dense compiled,qada_tail_budget fused compiled" ;;
     llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;
     llama-32k) stage llama-32k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 32768 ;;
     llama-128k) stage llama-128k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 131072 ;;

@@ -28,9 +28,9 @@ from benchmarks.end_to_end import (  # noqa: E402
 from benchmarks.report import NEEDS_GPU, evaluate_goals, markdown  # noqa: E402
 
 STATUSES = {"met", "miss", "not measured", NEEDS_GPU, "not measured (CPU suite)"}
-COMPILED = {"dense compiled", "qada compiled"}
+COMPILED = {"dense compiled", "dense packed compiled", "qada compiled"}
 TAIL = {"qada_tail", "qada_tail_budget"}  # the CPU suites' tail-aware rows (issue 23), smoke included
-EAGER = {"dense", "qada dense", "qada", "static rho_kv=0.5", "static rho_kv=0.875"} | TAIL
+EAGER = {"dense", "dense packed", "qada dense", "qada", "static rho_kv=0.5", "static rho_kv=0.875"} | TAIL
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,16 @@ def test_smoke_rows(smoke):
         e2e = {c: rows[(B, c)] for c in EAGER | COMPILED}
         assert e2e["dense"]["token_agreement"] == 1.0 and e2e["dense"]["speedup_vs_dense"] == pytest.approx(1.0)
         assert e2e["dense"]["cache"] == "static" and e2e["dense compiled"]["speedup_vs_dense_compiled"] == 1.0
-        # the same greedy tokens with qada's wrapper around the dense criterion, and compiled as eager
+        # the same greedy tokens with qada's wrapper around the dense criterion, packed, and compiled as eager
         assert e2e["qada dense"]["token_agreement"] == 1.0 and e2e["dense compiled"]["token_agreement"] == 1.0
+        assert e2e["dense packed"]["token_agreement"] == e2e["dense packed compiled"]["token_agreement"] == 1.0
+        assert e2e["dense packed"]["first_step_max_abs_logit_diff"] < 1e-4
+        # every row against the fastest unwrapped one, which is one of the four dense rows of this batch size
+        best = {r["best_dense"] for r in e2e.values()}
+        assert len(best) == 1 and best <= {"dense", "dense packed", "dense compiled", "dense packed compiled"} | (
+            {"dense dynamic cache"} if B == 1 else set())
+        assert rows[(B, best.pop())]["speedup_vs_best_dense"] == 1.0
+        assert all(0 < r["speedup_vs_best_dense"] <= 1.0 for r in e2e.values() if r["config"].startswith("dense"))
         for name in COMPILED:
             row, twin = e2e[name], e2e[name.removesuffix(" compiled")]
             assert row["compiled"] and not twin["compiled"]

@@ -199,9 +199,9 @@ def kernels(code: str) -> list[dict[str, Any]]:
 
 
 def eager_launches(step: Any, args: tuple) -> list[dict[str, Any]]:
-    """The launches of ``step`` (fused) run eagerly on ``args`` with no kernel run: ``{"name", "args": [value]}``,
-    each kernel's arguments bound by name and kept where Inductor passes them too (every parameter not declared
-    ``tl.constexpr``, in order)."""
+    """The launches of ``step`` (fused) run eagerly on ``args`` with no kernel run: ``{"name", "args": [value],
+    "grid", "names": [parameter], "kernel", "options": {launch option: value}}``, each kernel's arguments bound by
+    name and kept where Inductor passes them too (every parameter not declared ``tl.constexpr``, in order)."""
     import torch
 
     from qada.attention import _triton_kernel
@@ -214,9 +214,10 @@ def eager_launches(step: Any, args: tuple) -> list[dict[str, Any]]:
         bound = kernel.signature.bind(*positional, **{k: v for k, v in keywords.items() if k not in options})
         bound.apply_defaults()
         constexprs = {kernel.arg_names[i] for i in kernel.constexprs}
-        values = [value for name, value in bound.arguments.items() if name in kernel.arg_names
-                  and name not in constexprs]  # fmt: skip
-        found.append({"name": kernel.fn.__name__, "args": values, "grid": tuple(grid)})
+        names = [name for name in bound.arguments if name in kernel.arg_names and name not in constexprs]
+        found.append({"name": kernel.fn.__name__, "args": [bound.arguments[name] for name in names],
+                      "grid": tuple(grid), "names": names, "kernel": kernel,
+                      "options": {k: v for k, v in keywords.items() if k in options}})
 
     launch = _triton_kernel.run
     _triton_kernel.run = record
@@ -311,6 +312,113 @@ def _constant(expression: str) -> Any:
     if text.lstrip("+-") in ("inf", "nan"):
         return float(text)
     return ast.literal_eval(text)
+
+
+def triton_metas(code: str) -> dict[str, dict[str, Any]]:
+    """``{kernel function name: {"signature", "constants", "divisible": {parameter}, "num_warps", "num_stages"}}``:
+    how Inductor's code compiles each user-defined Triton kernel (its ``triton_meta`` and launch configuration;
+    Triton's defaults, 4 warps and 3 stages, where it lists none)."""
+    found = {}
+    for wrapper, name in user_kernels(code).items():
+        block = code.split(f"{wrapper} = async_compile.triton(", 1)[1].split("device_str=", 1)[0]
+        meta = re.search(r"triton_meta=(\{.*?\}),\s*\n", block, re.S)
+        configs = re.search(r"configs=\[(.*?)\],\s*\n", block, re.S)
+        if meta is None or configs is None:
+            raise ValueError(f"no triton_meta or configs for {name} in Inductor's code")
+        meta = ast.literal_eval(re.sub(r"DeviceProperties\(.*?\)", "None", meta.group(1)))
+        config = ast.literal_eval(configs.group(1)) if configs.group(1).strip() else {}
+        parameters = list(meta["signature"])
+        found[name] = {"signature": meta["signature"], "constants": meta["constants"],
+                       "divisible": {parameters[i[0]] for i in meta["configs"][0]},
+                       "attrs": meta["configs"][0], "num_warps": config.get("num_warps", 4),
+                       "num_stages": config.get("num_stages", 3)}  # fmt: skip
+    return found
+
+
+def jit_specialization(value: Any) -> str:
+    """How Triton's launcher specialises one argument (Triton 3.x): ``"1"`` for an int equal to 1 (a constant),
+    ``"D"`` for a pointer or an int divisible by 16 (``tt.divisibility``), ``""`` otherwise; ``"-"`` for floats and
+    bools (never specialised)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "D" if value.data_ptr() % 16 == 0 else ""
+    if isinstance(value, bool) or isinstance(value, float):
+        return "-"
+    if isinstance(value, int):
+        return "1" if value == 1 else "D" if value % 16 == 0 else ""
+    return "-"
+
+
+def specialization_over_calls(step: Any, calls: list[tuple], code: str) -> list[str]:
+    """Where ``code`` (Inductor's, for ``step`` compiled on ``calls[0]``) compiles a kernel otherwise than Triton's
+    launcher would for the eager launch at some call: a parameter Inductor takes as a constant that the launch
+    passes another value, or divisible by 16 (``tt.divisibility``) where the launch's is not, or the reverse; and
+    launch options (warps, stages) that differ. ``[]``: every launch of every call runs a kernel compiled as
+    Triton's launcher compiles it."""
+    metas = triton_metas(code)
+    found = []
+    for index, args in enumerate(calls):
+        for launch in eager_launches(step, args):
+            meta = metas.get(launch["name"])
+            if meta is None:
+                found.append(f"call {index}: {launch['name']} is not among the code's kernels")
+                continue
+            where = f"call {index} {launch['name']}"
+            for key, default in (("num_warps", 4), ("num_stages", 3)):
+                if launch["options"].get(key, default) != meta[key]:
+                    found.append(f"{where}: {key} {launch['options'].get(key, default)} eagerly, {meta[key]} compiled")
+            for name, value in zip(launch["names"], launch["args"], strict=True):
+                spec = jit_specialization(value)
+                if name in meta["constants"]:
+                    if spec != "1" or meta["constants"][name] != 1:
+                        found.append(f"{where}: {name} = {value!r} eagerly, the constant {meta['constants'][name]!r}"
+                                     " compiled")
+                elif spec == "1":
+                    found.append(f"{where}: {name} = 1 eagerly (a constant), a run-time value compiled")
+                elif spec != "-" and (spec == "D") != (name in meta["divisible"]):
+                    found.append(f"{where}: {name} {'divisible' if spec == 'D' else 'not divisible'} by 16 eagerly, "
+                                 f"{'' if name in meta['divisible'] else 'not '}compiled so")
+    return found
+
+
+def ptx_operations(kernel: Any, meta: dict[str, Any], inductor: bool) -> list[str]:
+    """The PTX instructions (opcodes, in order) of ``kernel`` compiled for sm_90 with ``meta``
+    (:func:`triton_metas`' entry): as Inductor compiles it (its signature, floats as fp64, ``debug=True``,
+    ``sanitize_overflow=False``) or as Triton's launcher does (floats as fp32, the defaults); the loads of the
+    parameters and the conversions of fp64 ones left out."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = dict(meta["signature"])
+    options = {"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]}
+    if inductor:
+        options.update(debug=True, sanitize_overflow=False)
+    else:
+        signature = {name: "fp32" if kind == "fp64" else kind for name, kind in signature.items()}
+    compiled = triton.compile(ASTSource(kernel, signature, meta["constants"], meta["attrs"]),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    found = []
+    for line in compiled.asm["ptx"].splitlines():
+        line = line.strip()
+        if not line or line.startswith(("//", ".", "$", "{", "}")) or "param" in line or "cvt.rn.f32.f64" in line:
+            continue
+        words = line.split()
+        found.append(words[1] if words[0].startswith("@") else words[0])
+    return found
+
+
+def compiled_as_launched(step: Any, calls: list[tuple]) -> dict[str, Any]:
+    """Whether Inductor's code for ``step`` (fused), compiled on ``calls[0]``, runs at every call the kernels
+    Triton's launcher runs there: ``{"specialization": [differences] (:func:`specialization_over_calls`),
+    "ptx": {kernel: whether its PTX instructions are the same compiled both ways (:func:`ptx_operations`)}}``."""
+    code = inductor_code(step, calls[0])[0]
+    metas = triton_metas(code)
+    kernels_by_name = {launch["name"]: launch["kernel"] for launch in eager_launches(step, calls[0])}
+    return {"specialization": specialization_over_calls(step, calls, code),
+            "ptx": {name: ptx_operations(kernels_by_name[name], meta, True)
+                    == ptx_operations(kernels_by_name[name], meta, False) for name, meta in metas.items()}}
 
 
 def launches_over_calls(step: Any, calls: list[tuple]) -> dict[str, Any]:

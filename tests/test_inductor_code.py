@@ -130,7 +130,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from torch.utils._pytree import tree_flatten
     from benchmarks.compile_trace import capture_layer_step
-    from benchmarks.inductor_code import launches_over_calls, measure, pretend_cuda_device
+    from benchmarks.inductor_code import compiled_as_launched, launches_over_calls, measure, pretend_cuda_device
     pretend_cuda_device()
     from tiny_models import tiny_model
     from qada.models import build_run
@@ -161,6 +161,7 @@ SCRIPT = textwrap.dedent(
         rows[name]["over_calls"] = launches_over_calls(step, calls)
         rows[name]["over_calls"]["at_an_offset"] = sum(  # tensor arguments that are views at a storage offset
             isinstance(t, torch.Tensor) and t.storage_offset() > 0 for args in calls for t in tree_flatten(args)[0])
+        rows[name]["compiled_as_launched"] = compiled_as_launched(step, calls)
     print("ROWS" + json.dumps(rows))
     """
 )
@@ -238,3 +239,16 @@ def test_compiled_fused_step_launches_what_eager_launches_at_every_call_of_a_dec
     assert over["at_an_offset"] > 0 or CASES[case][0] != "stored"  # (a layer's stored-moment state: a view)
     assert over["differences"] == {}
     assert over["same_code_at_last_call"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_fused_step_compiles_each_kernel_as_triton_launches_it_at_every_call(measured, case):
+    """At every call of the decode, each kernel of the compiled step is compiled as Triton's launcher compiles it
+    for the eager launch there: the same constants (ints equal to 1), the same divisibility by 16 of every pointer
+    and int, the same warps and stages; and compiled with Inductor's options (floats as fp64 parameters,
+    ``debug=True``, ``sanitize_overflow=False``) its PTX is the launcher's instruction for instruction (registers
+    and the parameters' conversions aside). So a compiled step that decides otherwise than the eager one on a GPU
+    (an H200, 2026-11-27) does so for a reason that is not in how its kernels are compiled or launched."""
+    row = measured[case]["compiled_as_launched"]
+    assert row["specialization"] == []
+    assert row["ptx"] and all(row["ptx"].values()), row["ptx"]

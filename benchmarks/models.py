@@ -147,7 +147,8 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     ``dense`` (the unwrapped model, the reference), the unwrapped model on the other cache kind (what a user who
     changes nothing gets; at B = 1 only: a growing cache doubles the memory of large batches), ``dense packed`` (the
     unwrapped model attending without transformers' copy of a grouped-query model's K/V:
-    :mod:`benchmarks.packed_dense`; not for a model whose every query head has its own KV head), ``qada dense`` (the
+    :mod:`benchmarks.packed_dense`; transformers' own attention for a model whose every query head has its own KV
+    head), ``qada dense`` (the
     wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor; with the
     ``triton`` executor also ``qada fused``, ``qada_tail fused`` and ``qada_tail_budget fused``: the same decisions
     made in the kernels, ``triton_fused``, and the first two's ``once`` twins with ``decide_once``: the decision
@@ -165,8 +166,7 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     configs: dict[str, DecodeConfig] = {"dense": DecodeConfig(kind, count_events=True)}
     if batch == 1:
         configs[f"dense {other} cache"] = DecodeConfig(other)
-    if c.num_key_value_heads < c.num_attention_heads:
-        configs["dense packed"] = DecodeConfig(kind, packed=True, count_events=True)
+    configs["dense packed"] = DecodeConfig(kind, packed=True, count_events=True)
     configs["qada dense"] = DecodeConfig(kind, lambda: dense_run(suite.e2e_executor), count_events=True)
     criteria = {"qada": {"name": "qada", "tau": 0.6}, **(TAIL_CONFIGS if workload.tail else {})}
     moments = workload.moments or suite.e2e_moments

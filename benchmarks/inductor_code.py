@@ -167,12 +167,16 @@ def call_body(code: str) -> list[str]:
     return body
 
 
+def kernel_block(code: str, wrapper: str) -> str:
+    """The source Inductor's code gives the kernel bound to ``wrapper`` (its decorators and body)."""
+    return code.split(f"{wrapper} = async_compile.triton(", 1)[1].split("device_str=", 1)[0]
+
+
 def user_kernels(code: str) -> dict[str, str]:
     """``{wrapper name: kernel function name}`` of the user-defined Triton kernels the code defines."""
     found = {}
     for wrapper, name in re.findall(r"^(\w+) = async_compile\.triton\('(\w+)', (?:'''|\"\"\")", code, re.M):
-        block = code.split(f"{wrapper} = async_compile.triton(", 1)[1].split("device_str=", 1)[0]
-        if "user_autotune" in block:
+        if "user_autotune" in kernel_block(code, wrapper):
             found[wrapper] = name
     return found
 
@@ -314,13 +318,17 @@ def _constant(expression: str) -> Any:
     return ast.literal_eval(text)
 
 
+TRITON_LAUNCH_DEFAULTS = {"num_warps": 4, "num_stages": 3}
+"""The launch options Triton uses where a launch (or Inductor's ``triton.Config({})``) names none."""
+
+
 def triton_metas(code: str) -> dict[str, dict[str, Any]]:
     """``{kernel function name: {"signature", "constants", "divisible": {parameter}, "num_warps", "num_stages"}}``:
     how Inductor's code compiles each user-defined Triton kernel (its ``triton_meta`` and launch configuration;
     Triton's defaults, 4 warps and 3 stages, where it lists none)."""
     found = {}
     for wrapper, name in user_kernels(code).items():
-        block = code.split(f"{wrapper} = async_compile.triton(", 1)[1].split("device_str=", 1)[0]
+        block = kernel_block(code, wrapper)
         meta = re.search(r"triton_meta=(\{.*?\}),\s*\n", block, re.S)
         configs = re.search(r"configs=\[(.*?)\],\s*\n", block, re.S)
         if meta is None or configs is None:
@@ -330,8 +338,8 @@ def triton_metas(code: str) -> dict[str, dict[str, Any]]:
         parameters = list(meta["signature"])
         found[name] = {"signature": meta["signature"], "constants": meta["constants"],
                        "divisible": {parameters[i[0]] for i in meta["configs"][0]},
-                       "attrs": meta["configs"][0], "num_warps": config.get("num_warps", 4),
-                       "num_stages": config.get("num_stages", 3)}  # fmt: skip
+                       "attrs": meta["configs"][0],
+                       **{key: config.get(key, default) for key, default in TRITON_LAUNCH_DEFAULTS.items()}}
     return found
 
 
@@ -343,20 +351,19 @@ def jit_specialization(value: Any) -> str:
 
     if isinstance(value, torch.Tensor):
         return "D" if value.data_ptr() % 16 == 0 else ""
-    if isinstance(value, bool) or isinstance(value, float):
-        return "-"
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return "1" if value == 1 else "D" if value % 16 == 0 else ""
     return "-"
 
 
-def specialization_over_calls(step: Any, calls: list[tuple], code: str) -> list[str]:
+def specialization_over_calls(step: Any, calls: list[tuple], code: str,
+                              metas: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """Where ``code`` (Inductor's, for ``step`` compiled on ``calls[0]``) compiles a kernel otherwise than Triton's
     launcher would for the eager launch at some call: a parameter Inductor takes as a constant that the launch
     passes another value, or divisible by 16 (``tt.divisibility``) where the launch's is not, or the reverse; and
     launch options (warps, stages) that differ. ``[]``: every launch of every call runs a kernel compiled as
-    Triton's launcher compiles it."""
-    metas = triton_metas(code)
+    Triton's launcher compiles it. ``metas``: :func:`triton_metas` of ``code``, where already read."""
+    metas = triton_metas(code) if metas is None else metas
     found = []
     for index, args in enumerate(calls):
         for launch in eager_launches(step, args):
@@ -365,7 +372,7 @@ def specialization_over_calls(step: Any, calls: list[tuple], code: str) -> list[
                 found.append(f"call {index}: {launch['name']} is not among the code's kernels")
                 continue
             where = f"call {index} {launch['name']}"
-            for key, default in (("num_warps", 4), ("num_stages", 3)):
+            for key, default in TRITON_LAUNCH_DEFAULTS.items():
                 if launch["options"].get(key, default) != meta[key]:
                     found.append(f"{where}: {key} {launch['options'].get(key, default)} eagerly, {meta[key]} compiled")
             for name, value in zip(launch["names"], launch["args"], strict=True):
@@ -409,26 +416,28 @@ def ptx_operations(kernel: Any, meta: dict[str, Any], inductor: bool) -> list[st
     return found
 
 
-def compiled_as_launched(step: Any, calls: list[tuple]) -> dict[str, Any]:
-    """Whether Inductor's code for ``step`` (fused), compiled on ``calls[0]``, runs at every call the kernels
-    Triton's launcher runs there: ``{"specialization": [differences] (:func:`specialization_over_calls`),
-    "ptx": {kernel: whether its PTX instructions are the same compiled both ways (:func:`ptx_operations`)}}``."""
-    code = inductor_code(step, calls[0])[0]
+def compiled_as_launched(step: Any, calls: list[tuple], code: str | None = None) -> dict[str, Any]:
+    """Whether Inductor's code for ``step`` (fused), compiled on ``calls[0]`` (``code``, where already made), runs at
+    every call the kernels Triton's launcher runs there: ``{"specialization": [differences]
+    (:func:`specialization_over_calls`), "ptx": {kernel: whether its PTX instructions are the same compiled both ways
+    (:func:`ptx_operations`)}}``."""
+    code = inductor_code(step, calls[0])[0] if code is None else code
     metas = triton_metas(code)
     kernels_by_name = {launch["name"]: launch["kernel"] for launch in eager_launches(step, calls[0])}
-    return {"specialization": specialization_over_calls(step, calls, code),
+    return {"specialization": specialization_over_calls(step, calls, code, metas),
             "ptx": {name: ptx_operations(kernels_by_name[name], meta, True)
                     == ptx_operations(kernels_by_name[name], meta, False) for name, meta in metas.items()}}
 
 
-def launches_over_calls(step: Any, calls: list[tuple]) -> dict[str, Any]:
+def launches_over_calls(step: Any, calls: list[tuple], codes: list[str] | None = None) -> dict[str, Any]:
     """Inductor's code for ``step`` (fused) compiled on the first of ``calls`` (the arguments of every layer-step call
     of a decode, in order, e.g. recorded by an eager decode in Triton's interpreter), its launches against the eager
     launches of each call, as one compiled step serves every layer and step: ``{"calls": n, "differences": {call
     index: what differs}}`` (``{}``: every call launches what the code launches, values included), and
     ``"same_code_at_last_call"``: whether the code compiled on the last call is the first one's (the graph's own
-    identifiers aside)."""
-    codes = inductor_code(step, calls[0], calls[-1])
+    identifiers aside). ``codes``: :func:`inductor_code` of ``step`` on ``calls[0]`` and ``calls[-1]``, where already
+    made."""
+    codes = inductor_code(step, calls[0], calls[-1]) if codes is None else codes
     launches = [k for k in kernels(codes[0]) if k["kind"] == "launch"]
     differences = {}
     for index, args in enumerate(calls):

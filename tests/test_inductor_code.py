@@ -130,7 +130,8 @@ SCRIPT = textwrap.dedent(
     import torch
     from torch.utils._pytree import tree_flatten
     from benchmarks.compile_trace import capture_layer_step
-    from benchmarks.inductor_code import compiled_as_launched, launches_over_calls, measure, pretend_cuda_device
+    from benchmarks.inductor_code import (compiled_as_launched, inductor_code, launches_over_calls, measure,
+                                          pretend_cuda_device)
     pretend_cuda_device()
     from tiny_models import tiny_model
     from qada.models import build_run
@@ -158,10 +159,11 @@ SCRIPT = textwrap.dedent(
         rows[name] = measure(model, run, ids, mask, longer)
         step, _ = capture_layer_step(model, run, ids, mask)  # the code against every call of an eager decode
         calls = torch.load(f"{calls}/{{index}}.pt")
-        rows[name]["over_calls"] = launches_over_calls(step, calls)
+        codes = inductor_code(step, calls[0], calls[-1])  # made once for both comparisons below
+        rows[name]["over_calls"] = launches_over_calls(step, calls, codes)
         rows[name]["over_calls"]["at_an_offset"] = sum(  # tensor arguments that are views at a storage offset
             isinstance(t, torch.Tensor) and t.storage_offset() > 0 for args in calls for t in tree_flatten(args)[0])
-        rows[name]["compiled_as_launched"] = compiled_as_launched(step, calls)
+        rows[name]["compiled_as_launched"] = compiled_as_launched(step, calls, codes[0])
     print("ROWS" + json.dumps(rows))
     """
 )

@@ -3,6 +3,7 @@ attention only for the KV groups that read their bulk."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +67,14 @@ class SDPAExecutor(AttentionExecutor):
         decision on the host only on the CPU, where that is no round trip (there is no device queue to drain)."""
         return self.host_skip is not True
 
-    def _chunks(self, step: DecodeStep, real: torch.Tensor | None, length: int) -> int:
-        """How many key chunks one read group of ``length`` keys is split into (1: none); ``real``: the mask of the
-        keys attended (``None``: every row holds all of them)."""
+    def _chunks(self, step: DecodeStep, real: torch.Tensor | None, length: int, items: int) -> int:
+        """How many key chunks each of the ``items`` KV heads of one call, ``length`` keys each, is split into (1:
+        none); ``real``: the mask of the keys attended (``None``: every row holds all of them)."""
         if step.device.type != "cpu" or real is not None or _FLASH_CPU is None or not step.plain_softmax:
             return 1
         if step.query.dtype not in (torch.float32, torch.bfloat16) or step.keys.stride(-1) != 1:
             return 1
-        wanted = self.splits if self.splits is not None else torch.get_num_threads()
+        wanted = self.splits if self.splits is not None else balanced_chunks(items, torch.get_num_threads())
         return max(1, min(wanted, length // self.min_split))
 
     def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, None]:
@@ -106,8 +107,7 @@ class SDPAExecutor(AttentionExecutor):
         if step.end is not None:  # a preallocated buffer: read on the host how far the rows reach, attend only there
             key, value, real = _filled(key, value, real, step)
             T = key.shape[2]
-        chunks = self._chunks(step, real, T)
-        if n == b * H_kv and chunks == 1:
+        if n == b * H_kv and self._chunks(step, real, T, n) == 1:
             mask = None if real is None else real[:, None, None, :]
             full = sdpa(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
         else:
@@ -119,8 +119,9 @@ class SDPAExecutor(AttentionExecutor):
                 for run in _progressions(groups):
                     q = rows[row : row + 1, run]  # [1, n, G, d]
                     k, v = _head_view(key, row, run), _head_view(value, row, run)
-                    if chunks > 1 and len(run) == 1:
-                        full[row, run[0]] = split_k_attention(q, k, v, scale, chunks)
+                    chunks = self._chunks(step, real, T, len(run))
+                    if chunks > 1:
+                        full[row, run] = split_k_attention(q, k, v, scale, chunks)
                     else:
                         full[row, run] = sdpa(
                             q, k, v, attn_mask=None if real is None else real[row : row + 1, None, None, :],
@@ -188,9 +189,10 @@ def _filled(key: torch.Tensor, value: torch.Tensor, real: torch.Tensor, step: De
     """``key, value [b, H_kv, T', d]`` and ``real [b, T']`` (``None`` when every row fills them) cut to the slots
     some row holds (``T' = max end``): two host reads, for the host-skipping path only. A masked
     ``scaled_dot_product_attention`` costs several times an unmasked one on the CPU."""
-    lo, hi = int(step.end.min()), int(step.end.max())
+    bounds = [step.end.min(), step.end.max()] + ([] if step.start is None else [step.start.max()])
+    lo, hi, *first = torch.stack(bounds).tolist()  # one host read
     key, value, real = key[:, :, :hi], value[:, :, :hi], real[:, :hi]
-    if step.start is None and lo == hi:
+    if lo == hi and not any(first):  # every row holds the slots [0, hi): attend unmasked
         real = None
     return key, value, real
 
@@ -199,22 +201,37 @@ def _filled(key: torch.Tensor, value: torch.Tensor, real: torch.Tensor, step: De
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks: int) -> torch.Tensor:
-    """Attention of ``q [1, 1, G, d]`` over ``k, v [1, 1, T, d]`` (last dim contiguous), ``[G, d]`` out.
+def balanced_chunks(items: int, threads: int) -> int:
+    """Key chunks per item so that ``items * chunks`` work items share ``threads`` evenly: ``threads / gcd``
+    (1 item on 2 threads: 2 chunks; 3 items: 2, i.e. 6 items, 3 per thread; 2 items: 1)."""
+    return threads // math.gcd(items, threads)
 
-    The keys are cut into ``chunks`` equal views (strides only, no copy) attended in one call, as ``chunks``
-    independent work items; the rest (``T mod chunks`` keys) in a second call; the partial outputs are merged by
-    the softmax of their log-sum-exps. No padding: every key is attended.
+
+def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunks: int) -> torch.Tensor:
+    """Attention of ``q [1, n, G, d]`` over ``k, v [1, n, T, d]`` (views whose last dim is contiguous, e.g. the
+    strided view of a progression of KV heads), ``[n, G, d]`` out: split-K (flash-decoding) on the CPU.
+
+    Each head's keys are cut into ``chunks`` equal views (strides only, no copy): ``n * chunks`` independent work
+    items in one call of the CPU flash kernel, which parallelises over them (one head alone would be one item, one
+    core). The ``T mod chunks < chunks`` keys left over are attended in explicit scores (a second kernel call costs
+    more than they do); the parts are merged by the softmax of their log-sum-exps. No padding: every key is
+    attended once.
     """
-    T, d = k.shape[2], k.shape[3]
+    n, G, d = q.shape[1], q.shape[2], q.shape[3]
+    T = k.shape[2]
     c = T // chunks
-    kg, vg = k[0, 0], v[0, 0]  # [T, d]
-    size = (1, chunks, c, d)
-    ks = kg.as_strided(size, (0, c * kg.stride(0), kg.stride(0), 1))
-    vs = vg.as_strided(size, (0, c * vg.stride(0), vg.stride(0), 1))
-    out, lse = _FLASH_CPU(q.expand(1, chunks, -1, -1), ks, vs, scale=scale)[:2]  # [1, n, G, d], [1, n, G]
-    if chunks * c < T:
-        tail, tail_lse = _FLASH_CPU(q, k[:, :, chunks * c :], v[:, :, chunks * c :], scale=scale)[:2]
-        out, lse = torch.cat([out, tail], 1), torch.cat([lse, tail_lse], 1)
-    weight = torch.softmax(lse.float(), dim=1)  # [1, n, G]
-    return (out.float() * weight[..., None]).sum(1)[0].to(q.dtype)
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [n, chunks, c, d]: head h's chunk j = keys j*c .. j*c+c-1
+        return x.as_strided((n, chunks, c, d), (x.stride(1), c * x.stride(2), x.stride(2), x.stride(3)),
+                            x.storage_offset())
+
+    out, lse = _FLASH_CPU(q[0][:, None].expand(n, chunks, G, d), chunked(k), chunked(v), scale=scale)[:2]
+    out, lse = out.float(), lse.float()  # [n, chunks, G, d], [n, chunks, G]
+    if chunks * c < T:  # the rest, [n, r, d]: scores in float32
+        rest_k, rest_v = k[0, :, chunks * c :].float(), v[0, :, chunks * c :].float()
+        scores = (q[0].float() @ rest_k.transpose(1, 2)) * scale  # [n, G, r]
+        rest_lse = torch.logsumexp(scores, -1)  # [n, G]
+        rest = torch.softmax(scores, -1) @ rest_v  # [n, G, d]
+        out, lse = torch.cat([out, rest[:, None]], 1), torch.cat([lse, rest_lse[:, None]], 1)
+    weight = torch.softmax(lse, dim=1)  # [n, parts, G]
+    return (out * weight[..., None]).sum(1).to(q.dtype)

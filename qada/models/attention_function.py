@@ -59,7 +59,7 @@ def qada_attention_forward(
     if query.shape[2] == 1 and run.on_buffer(layer, key.shape[2]):
         # A decode step on a preallocated cache: the whole buffer, the rows' ends as device tensors, no sync.
         output = decode_step(run, layer, query, key, value, attention_mask, scaling, kwargs.get("position_ids"),
-                             features)
+                             features, buffered=True)
         return output.transpose(1, 2), None
     T = run.filled_length(layer, query.shape[2], attention_mask, key.shape[2])
     capacity = None
@@ -79,10 +79,18 @@ def qada_attention_forward(
 
 def decode_step(run: QAdARun, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, scaling: float, position_ids: torch.Tensor | None,
-                features: AttentionFeatures = PLAIN) -> torch.Tensor:
-    """:meth:`QAdARun.decode`, as one opaque operator when ``torch.compile`` traces the model (see
-    :mod:`qada.models.compiled`): the compiler sees one call without host syncs, not qada's Python."""
+                features: AttentionFeatures = PLAIN, buffered: bool = False) -> torch.Tensor:
+    """:meth:`QAdARun.decode`; when ``torch.compile`` traces the model, a step on a preallocated cache
+    (``buffered``) that the run traces inline (:meth:`QAdARun.inlines`: the CPU, built-in components) is the layer
+    step in the model's graph and the executor as one operator (:mod:`qada.models.inline_step`); any other is one
+    opaque operator (:mod:`qada.models.compiled`): the compiler sees one call without host syncs, not qada's
+    Python."""
     if torch.compiler.is_compiling():
+        if buffered and run.inlines(key.device, features.softcap):
+            from qada.models.inline_step import inline_decode
+
+            return inline_decode(run, layer, query, key, value, attention_mask, scaling, position_ids,
+                                 features.sink_logits)
         from qada.models.compiled import decode_op
 
         return decode_op(run, layer, query, key, value, attention_mask, scaling, position_ids, features.sink_logits,

@@ -55,10 +55,13 @@ def row_bounds(
         raise UnsupportedModelError(
             f"expected a 4D attention mask [batch, 1, q, {key_len}] but got shape {tuple(attention_mask.shape)}"
         )
-    allowed = _last_query_allowed(attention_mask[..., :key_len]).to(torch.int8)  # [b, key_len]
-    start = allowed.argmax(-1)
-    end = key_len - allowed.flip(-1).argmax(-1)
-    return start, end
+    allowed = _last_query_allowed(attention_mask[..., :key_len])  # [b, key_len]
+    slots = torch.arange(key_len, device=allowed.device)
+    # a min and a max over the slots (an argmax of the mask would do; compiled for the CPU it is several times
+    # slower, and a compiled model computes this once per layer); a row that sees no key: (0, key_len)
+    start = torch.where(allowed, slots, key_len).amin(-1).remainder(key_len)
+    end = torch.where(allowed, slots + 1, 0).amax(-1)
+    return start, torch.where(end > 0, end, key_len)
 
 
 def check_contiguous_rows(attention_mask: torch.Tensor | None, length: int) -> None:
@@ -137,6 +140,11 @@ class CacheGuard:
         one key since the previous step; a violation sets a device flag that :meth:`check` raises at the next
         host point (``run.summary()`` or ``run.check()``). Returns the step index, a Python counter kept for observers
         only (observers read the host; a replayed CUDA graph does not run Python, so it stops there)."""
+        self.check_buffer_growth(layer, end, first_layer)
+        return self.count_step(layer)
+
+    def check_buffer_growth(self, layer: int, end: torch.Tensor, first_layer: bool) -> None:
+        """The device half of :meth:`decode_buffer` (tensor operations only: ``torch.compile`` traces it)."""
         if self._length.get(layer) is None:
             raise StaleStateError(
                 f"layer {layer} decodes without a prefill seen by qada: enable qada before the prompt is processed"
@@ -147,6 +155,9 @@ class CacheGuard:
                                       "between decode steps")
             self._stale |= (end != self._last_end + 1).any()
             self._last_end.copy_(end)
+
+    def count_step(self, layer: int) -> int:
+        """The host half of :meth:`decode_buffer`: ``layer``'s step index (for observers), counted up."""
         step = self._step.get(layer, 0)
         self._step[layer] = step + 1
         return step

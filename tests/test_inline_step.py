@@ -1,0 +1,124 @@
+"""A compiled model takes qada's decode step into its graph on the CPU (:mod:`qada.models.inline_step`).
+
+* the same tokens and statistics as eager decoding, for the paper's criterion and the tail-aware ones, with the
+  default (host-skipping) CPU executor and without host skips, over rows with left padding;
+* the layer step then never runs as a compiled function of its own (it is in the model's graph); with
+  ``run.inline = False`` it does (the whole step one operator), with the same tokens;
+* a second sequence on the same cache and compiled forward compiles nothing new;
+* :meth:`~qada.models.run.QAdARun.inlines`: only on the CPU, with qada's own components, a compiled layer step and
+  no soft cap.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_buffer_decode import (  # noqa: F401  (the model and reference fixtures)
+    WINDOW,
+    count_buffer_steps,
+    greedy_compiled,
+    make_run,
+    model,
+    moments,
+    prompt,
+    reference,
+)
+from transformers import StaticCache
+
+from qada.criteria import QAdACriterion
+from qada.models import attach, build_run
+
+CONFIGS = [
+    ({"name": "qada", "tau": 0.3}, "stored", "sdpa"),
+    ({"name": "qada_tail", "tau": 0.3, "heavy": 4, "observe": 4, "page_size": 2, "pages": 2}, "stored", "sdpa"),
+    ({"name": "qada_budget", "sparsity": 0.6}, "current", {"name": "sdpa", "host_skip": False}),
+]
+STEPS = 6
+
+
+def compiling_run(criterion, source, executor, reference):  # noqa: F811
+    """:func:`make_run` with its layer step compiled (the tests' default is eager), which is what inlines."""
+    return build_run(criterion=criterion, moments=moments(source, reference), executor=executor, window=WINDOW,
+                     compile=True)
+
+
+@pytest.mark.parametrize("criterion, source, executor", CONFIGS, ids=["qada", "qada_tail", "qada_budget"])
+def test_a_compiled_model_takes_the_step_inline_and_equals_eager(model, reference, criterion, source, executor):  # noqa: F811
+    torch._dynamo.reset()
+    eager = greedy_compiled(model, make_run(criterion, source, executor, reference), STEPS,
+                            {"backend": "eager", "disable": True})
+    run = compiling_run(criterion, source, executor, reference)
+    assert run.inlines(torch.device("cpu"))
+    separate: list = []
+    with count_buffer_steps(separate):
+        compiled = greedy_compiled(model, run, STEPS, {"fullgraph": True})
+    assert separate == []  # the layer step ran inside the model's graph, never as a function of its own
+    assert torch.equal(compiled[0], eager[0])
+    for key in ("sparsity", "kv_sparsity", "kv_read", "decode_steps", "fail_safe"):
+        assert compiled[1][key] == pytest.approx(eager[1][key])
+    assert 0.0 < compiled[1]["sparsity"] < 1.0
+
+
+def test_inline_off_calls_the_whole_step_as_one_operator(model, reference):  # noqa: F811
+    torch._dynamo.reset()
+    criterion, source, executor = CONFIGS[0]
+    inline = greedy_compiled(model, compiling_run(criterion, source, executor, reference), STEPS, {"fullgraph": True})
+    torch._dynamo.reset()
+    run = compiling_run(criterion, source, executor, reference)
+    run.inline = False
+    assert not run.inlines(torch.device("cpu"))
+    separate: list = []
+    with count_buffer_steps(separate):
+        opaque = greedy_compiled(model, run, STEPS, {"fullgraph": True})
+    assert len(separate) == STEPS * model.config.num_hidden_layers
+    assert torch.equal(opaque[0], inline[0])
+    assert opaque[1]["sparsity"] == pytest.approx(inline[1]["sparsity"])
+
+
+def test_a_second_sequence_compiles_nothing_new(model, reference):  # noqa: F811
+    """One run, one cache, one compiled forward over two prompts: the second decodes with the first's graph (the
+    per-layer state tensors are rewritten in place at its prefill, not replaced)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    criterion, source, executor = CONFIGS[1]
+    run = compiling_run(criterion, source, executor, reference)
+    counter = CompileCounterWithBackend("inductor")
+    forward = torch.compile(model.forward, backend=counter, fullgraph=True)
+    ids, mask = prompt(3)
+    capacity = ids.shape[1] + STEPS + 3
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    attach(model, run)
+    try:
+        for seed in (3, 5):
+            ids, mask = prompt(seed)
+            cache.reset()
+            run.reset_stats()
+            full_mask = torch.cat([mask, torch.ones(2, capacity - ids.shape[1], dtype=mask.dtype)], 1)
+            with torch.no_grad():
+                out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                for _ in range(STEPS):
+                    token = out.logits[:, -1].argmax(-1, keepdim=True)
+                    out = forward(input_ids=token, attention_mask=full_mask, past_key_values=cache, use_cache=True)
+            assert 0.0 < run.summary()["sparsity"] < 1.0
+            if seed == 3:
+                first = counter.frame_count
+    finally:
+        run.remove()
+    assert first == 1 and counter.frame_count == 1
+
+
+class HostReadingCriterion(QAdACriterion):
+    """A user's criterion (defined outside qada): it might read the host, so a traced model keeps it opaque."""
+
+
+def test_what_inlines():
+    cpu = torch.device("cpu")
+    assert build_run(criterion="qada", moments="stored", compile=True).inlines(cpu)
+    assert not build_run(criterion="qada", moments="stored", compile=True).inlines(torch.device("cuda"))
+    assert not build_run(criterion="qada", moments="stored", compile=True).inlines(cpu, softcap=30.0)
+    assert not build_run(criterion="qada", moments="stored", compile=False).inlines(cpu)
+    assert not build_run(criterion=HostReadingCriterion(), moments="stored", compile=True).inlines(cpu)
+    assert not build_run(criterion={"name": "any_of", "criteria": [HostReadingCriterion(), "local"]},
+                         moments="stored", compile=True).inlines(cpu)
+    assert build_run(criterion="dense", moments="none", compile=True).inlines(cpu)

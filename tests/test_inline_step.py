@@ -3,10 +3,10 @@
 * the same tokens and statistics as eager decoding, for the paper's criterion and the tail-aware ones, with the
   default (host-skipping) CPU executor and without host skips, over rows with left padding;
 * the layer step then never runs as a compiled function of its own (it is in the model's graph); with
-  ``run.inline = False`` it does (the whole step one operator), with the same tokens;
+  ``run.inline = False`` (the default) it does (the whole step one operator), with the same tokens;
 * a second sequence on the same cache and compiled forward compiles nothing new;
-* :meth:`~qada.models.run.QAdARun.inlines`: only on the CPU, with qada's own components, a compiled layer step and
-  no soft cap.
+* :meth:`~qada.models.run.QAdARun.inlines`: only when asked (``run.inline = True``), on the CPU, with qada's own
+  components, a compiled layer step and no soft cap.
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ STEPS = 6
 
 
 def compiling_run(criterion, source, executor, reference):  # noqa: F811
-    """:func:`make_run` with its layer step compiled (the tests' default is eager), which is what inlines."""
-    return build_run(criterion=criterion, moments=moments(source, reference), executor=executor, window=WINDOW,
-                     compile=True)
+    """:func:`make_run` with its layer step compiled (the tests' default is eager) and ``inline`` on."""
+    run = build_run(criterion=criterion, moments=moments(source, reference), executor=executor, window=WINDOW,
+                    compile=True)
+    run.inline = True
+    return run
 
 
 @pytest.mark.parametrize("criterion, source, executor", CONFIGS, ids=["qada", "qada_tail", "qada_budget"])
@@ -114,11 +116,19 @@ class HostReadingCriterion(QAdACriterion):
 
 def test_what_inlines():
     cpu = torch.device("cpu")
-    assert build_run(criterion="qada", moments="stored", compile=True).inlines(cpu)
-    assert not build_run(criterion="qada", moments="stored", compile=True).inlines(torch.device("cuda"))
-    assert not build_run(criterion="qada", moments="stored", compile=True).inlines(cpu, softcap=30.0)
-    assert not build_run(criterion="qada", moments="stored", compile=False).inlines(cpu)
-    assert not build_run(criterion=HostReadingCriterion(), moments="stored", compile=True).inlines(cpu)
-    assert not build_run(criterion={"name": "any_of", "criteria": [HostReadingCriterion(), "local"]},
-                         moments="stored", compile=True).inlines(cpu)
-    assert build_run(criterion="dense", moments="none", compile=True).inlines(cpu)
+
+    def run(criterion="qada", moments="stored", compile=True, inline=True):
+        built = build_run(criterion=criterion, moments=moments, compile=compile)
+        if inline is not None:
+            built.inline = inline
+        return built
+
+    assert run().inlines(cpu)
+    assert not run(inline=None).inlines(cpu)  # off by default
+    assert not run(inline=False).inlines(cpu)
+    assert not run().inlines(torch.device("cuda"))
+    assert not run().inlines(cpu, softcap=30.0)
+    assert not run(compile=False).inlines(cpu)
+    assert not run(criterion=HostReadingCriterion()).inlines(cpu)
+    assert not run(criterion={"name": "any_of", "criteria": [HostReadingCriterion(), "local"]}).inlines(cpu)
+    assert run(criterion="dense", moments="none").inlines(cpu)

@@ -27,9 +27,10 @@ class SDPAExecutor(AttentionExecutor):
     The ``G`` query heads of a KV group attend as ``G`` query rows of its single KV head (no repeat of K/V).
     Full attention runs once over the whole batch when every group reads its bulk; otherwise each read
     (row, group) attends over views of its own K/V (no copy of the cache). With ``splits > 1`` (CPU, no padding)
-    a read group's keys are cut into that many chunks attended in one call and merged by log-sum-exp (split-K),
-    since one group is otherwise a single work item, i.e. a single core: twice as fast for one group in
-    isolation on 2 cores, but no end-to-end gain measured on the embedded model, hence off by default. On the
+    each read group's keys are cut into that many chunks attended in one call and merged by log-sum-exp (split-K),
+    since one group is otherwise a single work item, i.e. a single core: 1.6-1.9x as fast for one group in
+    isolation on 2 cores, but no end-to-end gain measured on the embedded model (between two layers the model's
+    weights stream through the caches; measured again in place, ratio 0.99-1.01), hence off by default. On the
     CPU the window is skipped when no head is local. A step with a soft cap or sink logits (Gemma-2, gpt-oss)
     attends in explicit scores instead of ``scaled_dot_product_attention``, which cannot apply them, over the same
     keys.
@@ -42,8 +43,8 @@ class SDPAExecutor(AttentionExecutor):
     both without a sync. The reported sparsities stay on the device.
 
     Args:
-        splits: key chunks per read group on the CPU (1: no split-K, the default; ``None``: the number of torch
-            threads).
+        splits: key chunks per read group on the CPU (1: no split-K, the default; ``None``: as many as spread the
+            KV heads of each call evenly over the torch threads, :func:`balanced_chunks`).
         min_split: shortest chunk worth a split, in tokens.
         host_skip: skip the bulk of unread groups by a host-side choice (``None``: on the CPU only).
     """
@@ -187,8 +188,8 @@ def _head_view(x: torch.Tensor, row: int, heads: list[int]) -> torch.Tensor:
 
 def _filled(key: torch.Tensor, value: torch.Tensor, real: torch.Tensor, step: DecodeStep):
     """``key, value [b, H_kv, T', d]`` and ``real [b, T']`` (``None`` when every row fills them) cut to the slots
-    some row holds (``T' = max end``): two host reads, for the host-skipping path only. A masked
-    ``scaled_dot_product_attention`` costs several times an unmasked one on the CPU."""
+    some row holds (``T' = max end``): one host read, for the host-skipping path only; unmasked where every row
+    holds slots ``[0, T')`` (a ``start`` of zeros included)."""
     bounds = [step.end.min(), step.end.max()] + ([] if step.start is None else [step.start.max()])
     lo, hi, *first = torch.stack(bounds).tolist()  # one host read
     key, value, real = key[:, :, :hi], value[:, :, :hi], real[:, :hi]

@@ -43,8 +43,9 @@ class QAdARun:
         criterion, moments, executor, window: the components.
         observers: callbacks that see every decision (none by default: recording costs nothing when off).
         stats: the run's :class:`~qada.models.statistics.DecodeStatistics` (global layers only).
-        inline: whether a model that ``torch.compile`` traces may take the run's decode steps into its graph where
-            :meth:`inlines` allows (default ``True``; ``False``: always one opaque operator per layer and step).
+        inline: whether a model that ``torch.compile`` traces may take the run's layer step into its graph where
+            :meth:`inlines` allows (default ``False``: one opaque operator per layer and step; ``True`` decodes
+            faster on the CPU but compiles each layer's copy: minutes for 30 layers instead of seconds).
         layers: the model's :class:`~qada.models.layer_types.LayerTypes`, set when the run is attached
             (``None`` before): sliding-window layers pass through and are counted as local in the all-layer
             summary.
@@ -75,7 +76,7 @@ class QAdARun:
         self._step: LayerStep | None = None
         self._inputs: dict[int, tuple] = {}  # layer -> (slots, the layer step's per-layer arguments)
         self._kept_inputs: dict[int, tuple] = {}  # layer -> the last arguments, kept across sequences
-        self.inline = True  # see inlines(); False: a traced model calls the whole decode step as one operator
+        self.inline = False  # see inlines(); True: a traced model on the CPU takes the layer step into its graph
         if getattr(executor, "fuses_decision", False):  # the decision is made in the executor's kernel: said now
             from qada.models.fused_step import check_fusable
 
@@ -144,8 +145,8 @@ class QAdARun:
     def inlines(self, device: torch.device, softcap: float | None = None) -> bool:
         """Whether ``torch.compile`` traces this run's decode step on a preallocated cache into the model's graph
         (:mod:`qada.models.inline_step`) rather than as one opaque operator (:mod:`qada.models.compiled`): on the
-        CPU, where entering a compiled layer step of its own costs more than its kernels, when :attr:`inline` allows
-        it, the layer step compiles (``compile`` not off, no fused executor) and every component is one of qada's
+        CPU, where entering a compiled layer step of its own costs more than its kernels, when :attr:`inline` asks
+        for it, the layer step compiles (``compile`` not off, no fused executor) and every component is one of qada's
         own (a user's may read the host, which a traced model cannot), for a model without a logit soft cap."""
         if not self.inline or device.type != "cpu" or softcap is not None:
             return False

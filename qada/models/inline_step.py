@@ -1,6 +1,7 @@
 """qada's decode step inside a compiled model's graph: the layer step traced inline, the executor one operator.
 
-When ``torch.compile`` traces a wrapped model on the CPU, a global layer's decode step on a preallocated cache is
+When ``torch.compile`` traces a wrapped model on the CPU and the run asks for it (``run.inline = True``,
+:meth:`~qada.models.run.QAdARun.inlines`), a global layer's decode step on a preallocated cache is
 traced as (1) the rows' bounds from the mask and the growth check (tensor operations), (2) the run's
 :func:`~qada.models.layer_step.layer_step` itself (the moment step, the decision, the group policy, the
 statistics, the window gather), inline in the model's graph, and (3) one call of the custom operator
@@ -8,9 +9,11 @@ statistics, the window gather), inline in the model's graph, and (3) one call of
 decision on the host to skip the bulk of local KV groups, which no compiled graph can do. Compared with the whole
 step as one opaque operator (:mod:`qada.models.compiled`, the route on other devices and for CUDA graphs), the
 decision's kernels join the model's graph: no compiled function of its own to enter per layer (its guards, its
-wrappers), which on a 2-core CPU cost more than its kernels.
+wrappers), which on a 2-core CPU cost more than its kernels. The price: the compiler compiles every layer's copy
+of the step (minutes for a 30-layer model, against seconds for the one shared compiled step).
 
-The operator is registered on first use (no global side effect at import).
+The operator is registered when a run is attached (:func:`~qada.models.compiled.register_run`; no global side effect
+at import).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from qada.models.guards import UnsupportedModelError, row_bounds
 from qada.models.layer_step import LayerStepResult
 from qada.step import BulkMoments
 
-__all__ = ["attend_op", "inline_decode", "unflatten_result"]
+__all__ = ["attend_op", "flatten_result", "inline_decode", "unflatten_result"]
 
 _TENSOR_FIELDS = [name for name in LayerStepResult._fields if name != "moments"]
 

@@ -1,6 +1,6 @@
 """A compiled model takes qada's decode step into its graph on the CPU (:mod:`qada.models.inline_step`).
 
-* the same tokens and statistics as eager decoding, for the paper's criterion and the tail-aware ones, with the
+* the same tokens and statistics as eager decoding, for the paper's criterion, a tail-aware one and a budget, with the
   default (host-skipping) CPU executor and without host skips, over rows with left padding;
 * the layer step then never runs as a compiled function of its own (it is in the model's graph); with
   ``run.inline = False`` (the default) it does (the whole step one operator), with the same tokens;
@@ -45,7 +45,7 @@ def compiling_run(criterion, source, executor, reference):  # noqa: F811
 
 
 @pytest.mark.parametrize("criterion, source, executor", CONFIGS, ids=["qada", "qada_tail", "qada_budget"])
-def test_a_compiled_model_takes_the_step_inline_and_equals_eager(model, reference, criterion, source, executor):  # noqa: F811
+def test_the_step_traced_inline_equals_eager(model, reference, criterion, source, executor):  # noqa: F811
     torch._dynamo.reset()
     eager = greedy_compiled(model, make_run(criterion, source, executor, reference), STEPS,
                             {"backend": "eager", "disable": True})

@@ -132,3 +132,23 @@ def test_what_inlines():
     assert not run(criterion=HostReadingCriterion()).inlines(cpu)
     assert not run(criterion={"name": "any_of", "criteria": [HostReadingCriterion(), "local"]}).inlines(cpu)
     assert run(criterion="dense", moments="none").inlines(cpu)
+
+
+def test_row_bounds_as_traced_equal_the_eager_ones():
+    """The min/max form the traced step uses gives the argmax form's ``(start, end)`` for any row of one run of keys,
+    an empty row included, from bool and additive masks."""
+    from qada.models.guards import _last_query_allowed, bounds_by_min_max, row_bounds
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        b, T = (int(x) for x in torch.randint(1, 40, (2,), generator=generator))
+        b = b % 4 + 1
+        mask = torch.zeros(b, 1, 1, T, dtype=torch.bool)
+        for row in range(b):
+            first = int(torch.randint(0, T, (1,), generator=generator))
+            last = int(torch.randint(first, T + 1, (1,), generator=generator))
+            mask[row, 0, 0, first:last] = True
+        for kind in (mask, torch.where(mask, 0.0, float("-inf"))):
+            start, end = row_bounds(kind, T)
+            traced = bounds_by_min_max(_last_query_allowed(kind))
+            assert torch.equal(traced[0], start) and torch.equal(traced[1], end)

@@ -56,13 +56,24 @@ def row_bounds(
             f"expected a 4D attention mask [batch, 1, q, {key_len}] but got shape {tuple(attention_mask.shape)}"
         )
     allowed = _last_query_allowed(attention_mask[..., :key_len])  # [b, key_len]
-    slots = torch.arange(key_len, device=allowed.device)
-    # a min and a max over the slots, not an argmax of the int8 mask: compiled for the CPU into a model that computes
-    # this once per layer (qada.models.inline_step), that argmax took ~0.25 ms per layer in place; a row that sees no
-    # key: (0, key_len), as the argmax gave
-    start = torch.where(allowed, slots, key_len).amin(-1).remainder(key_len)
+    if torch.compiler.is_compiling():
+        return bounds_by_min_max(allowed)
+    allowed = allowed.to(torch.int8)
+    start = allowed.argmax(-1)
+    end = key_len - allowed.flip(-1).argmax(-1)
+    return start, end
+
+
+def bounds_by_min_max(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_bounds` of ``allowed [b, T]`` bool by a min and a max over the slots, as traced: compiled for the
+    CPU into a model that computes it once per layer (:mod:`qada.models.inline_step`), the argmax of the int8 mask
+    took ~0.25 ms per layer in place; eagerly it is a few more operations. A row that sees no key: ``(0, T)``, as the
+    argmax gives."""
+    T = allowed.shape[-1]
+    slots = torch.arange(T, device=allowed.device)
+    start = torch.where(allowed, slots, T).amin(-1).remainder(T)
     end = torch.where(allowed, slots + 1, 0).amax(-1)
-    return start, torch.where(end > 0, end, key_len)
+    return start, torch.where(end > 0, end, T)
 
 
 def check_contiguous_rows(attention_mask: torch.Tensor | None, length: int) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["decode_op", "register_run"]
+__all__ = ["decode_op", "register_run", "run_named", "unaliased"]
 
 # number -> run, for the operator's integer argument (a run is not a tensor); weak: runs are not kept alive.
 _RUNS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -41,6 +41,20 @@ def register_run(run: Any) -> int:
     return number
 
 
+def run_named(run_id: int) -> Any:
+    """The run that :func:`register_run` numbered ``run_id`` (what an operator's call names); an error once it is
+    gone."""
+    run = _RUNS.get(run_id)
+    if run is None:
+        raise RuntimeError("the qada run of this compiled model was removed: compile the model again")
+    return run
+
+
+def unaliased(output: torch.Tensor) -> torch.Tensor:
+    """``output``, copied where it is a view (an operator's output must not alias)."""
+    return output if output._base is None else output.clone()
+
+
 @functools.cache
 def _operator():
     @torch.library.custom_op("qada::decode_buffer", mutates_args=())
@@ -56,11 +70,9 @@ def _operator():
         sink_logits: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        run = _RUNS.get(run_id)
-        if run is None:
-            raise RuntimeError("the qada run of this compiled model was removed: compile the model again")
-        output = run.decode(layer, query, key, value, scaling, attention_mask, position_ids, sink_logits, softcap)
-        return output if output._base is None else output.clone()  # an operator's output must not alias
+        output = run_named(run_id).decode(layer, query, key, value, scaling, attention_mask, position_ids,
+                                          sink_logits, softcap)
+        return unaliased(output)
 
     @decode_buffer.register_fake
     def _(query, key, value, attention_mask, position_ids, run_id, layer, scaling, sink_logits=None, softcap=None):

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["CacheGuard", "StaleStateError", "UnsupportedModelError", "check_contiguous_rows", "mask_filled_length",
-           "row_bounds", "row_starts"]
+__all__ = ["CacheGuard", "StaleStateError", "UnsupportedModelError", "bounds_by_min_max", "buffer_row_bounds",
+           "check_contiguous_rows", "mask_filled_length", "row_bounds", "row_starts"]
 
 
 class UnsupportedModelError(ValueError):
@@ -62,6 +62,19 @@ def row_bounds(
     start = allowed.argmax(-1)
     end = key_len - allowed.flip(-1).argmax(-1)
     return start, end
+
+
+def buffer_row_bounds(attention_mask: torch.Tensor | None, key_len: int,
+                      position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`row_bounds` of a decode step on a preallocated cache, which needs them: raises
+    :class:`UnsupportedModelError` when the step has neither a mask nor positions."""
+    bounds = row_bounds(attention_mask, key_len, position_ids)
+    if bounds is None:
+        raise UnsupportedModelError(
+            "a decode step on a preallocated cache came without an attention mask and without position_ids: "
+            "qada cannot tell where the rows end"
+        )
+    return bounds
 
 
 def bounds_by_min_max(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from qada.models.guards import UnsupportedModelError, row_bounds
+from qada.models.guards import buffer_row_bounds
 from qada.models.layer_step import LayerStepResult
 from qada.step import BulkMoments
 
@@ -53,13 +53,7 @@ def inline_decode(run: Any, layer: int, query: torch.Tensor, key: torch.Tensor, 
     value [b, H_kv, C, d]`` (the whole buffer) -> ``[b, H, 1, d]``; a model without a logit soft cap
     (:meth:`~qada.models.run.QAdARun.inlines`)."""
     C = key.shape[2]
-    bounds = row_bounds(attention_mask, C, position_ids)  # per layer: two reductions, no state
-    if bounds is None:
-        raise UnsupportedModelError(
-            "a decode step on a preallocated cache came without an attention mask and without position_ids: "
-            "qada cannot tell where the rows end"
-        )
-    start, end = bounds
+    start, end = buffer_row_bounds(attention_mask, C, position_ids)  # per layer: two reductions, no state
     run.guard.check_buffer_growth(layer, end, first_layer=layer == run._first_layer)
     inputs = run._layer_inputs(layer, C, key.device)
     result = run.layer_step.eager(query, key, value, start, end, float(scaling), *inputs, sink_logits, None,
@@ -68,32 +62,28 @@ def inline_decode(run: Any, layer: int, query: torch.Tensor, key: torch.Tensor, 
 
 
 def attend_op(run: Any, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              result: LayerStepResult, scaling: float, sink_logits: torch.Tensor | None = None,
-              softcap: float | None = None) -> torch.Tensor:
-    """The run's executor on ``result`` through the ``qada::attend_step`` operator -> ``[b, H, 1, d]``."""
+              result: LayerStepResult, scaling: float, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """The run's executor on ``result`` through the ``qada::attend_step`` operator -> ``[b, H, 1, d]`` (a model
+    without a logit soft cap, as :func:`inline_decode`)."""
     return torch.ops.qada.attend_step(query, key, value, flatten_result(result), run.op_number, layer, float(scaling),
-                                      sink_logits, softcap)
+                                      sink_logits)
 
 
 @functools.cache
 def _operator():
-    from qada.models.compiled import _RUNS
+    from qada.models.compiled import run_named, unaliased
 
     @torch.library.custom_op("qada::attend_step", mutates_args=())
     def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, parts: list[torch.Tensor | None],
-                    run_id: int, layer: int, scaling: float, sink_logits: torch.Tensor | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
-        run = _RUNS.get(run_id)
-        if run is None:
-            raise RuntimeError("the qada run of this compiled model was removed: compile the model again")
+                    run_id: int, layer: int, scaling: float, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+        run = run_named(run_id)
         result = unflatten_result(parts)
         step_index = run.guard.count_step(layer)
-        output = run._attend(layer, step_index, query, key, value, scaling, result.start, result.end, result,
-                             sink_logits, softcap, True)
-        return output if output._base is None else output.clone()  # an operator's output must not alias
+        return unaliased(run._attend(layer, step_index, query, key, value, scaling, result.start, result.end, result,
+                                     sink_logits, None, True))
 
     @attend_step.register_fake
-    def _(query, key, value, parts, run_id, layer, scaling, sink_logits=None, softcap=None):
+    def _(query, key, value, parts, run_id, layer, scaling, sink_logits=None):
         return torch.empty_like(query)
 
     return attend_step

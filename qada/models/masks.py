@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from qada.models.guards import check_contiguous_rows, mask_filled_length, row_bounds, row_starts
+from qada.models.guards import buffer_row_bounds, check_contiguous_rows, mask_filled_length, row_starts
 
 __all__ = ["RowBounds"]
 
@@ -44,11 +44,11 @@ class RowBounds:
         self._once("contiguous", attention_mask, length, lambda: check_contiguous_rows(attention_mask, length))
 
     def bounds(self, attention_mask: torch.Tensor | None, length: int,
-               position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+               position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(start [b] or None, end [b])`` of each row's tokens in a preallocated cache of ``length`` slots, as
-        device tensors (:func:`~qada.models.guards.row_bounds`)."""
-        return self._once("bounds", attention_mask, length, lambda: row_bounds(attention_mask, length, position_ids),
-                          also=position_ids)
+        device tensors (:func:`~qada.models.guards.buffer_row_bounds`: an error without a mask and positions)."""
+        return self._once("bounds", attention_mask, length,
+                          lambda: buffer_row_bounds(attention_mask, length, position_ids), also=position_ids)
 
     def _once(self, what: str, attention_mask: torch.Tensor | None, length: int, compute: Callable[[], Any],
               also: torch.Tensor | None = None) -> Any:

@@ -198,13 +198,7 @@ class QAdARun:
             hermite_rule()  # the quadrature of the capped estimate, made eagerly: the compiled step reads constants
         buffered = self.on_buffer(layer, key.shape[2])
         if buffered:
-            bounds = self.rows.bounds(attention_mask, key.shape[2], position_ids)
-            if bounds is None:
-                raise UnsupportedModelError(
-                    "a decode step on a preallocated cache came without an attention mask and without position_ids: "
-                    "qada cannot tell where the rows end"
-                )
-            start, end = bounds
+            start, end = self.rows.bounds(attention_mask, key.shape[2], position_ids)
             step_index = self.guard.decode_buffer(layer, end, first_layer=layer == self._first_layer)
         else:
             start, end = self.rows.starts(attention_mask, key.shape[2]), None

@@ -594,8 +594,10 @@ def test_gpu_each_fused_launch_compiled_equals_eager(model, reference, criterion
     def inductor(kernel, grid, args, kwargs):
         key = (kernel, grid, repr(sorted(kwargs.items())))
         if key not in compiled:
+            # dynamic=False: at a second shape, a recompile with symbolic sizes failed in AOT's merge of the
+            # aliased arguments (``set_`` on a storage of symbolic size, H200, torch 2.11)
             compiled[key] = torch.compile(functools.partial(_triton_kernel._launch, kernel, grid, **kwargs),
-                                          fullgraph=True, backend="inductor")
+                                          fullgraph=True, backend="inductor", dynamic=False)
         compiled[key](*args)
 
     with torch._dynamo.config.patch(cache_size_limit=64):
@@ -605,15 +607,8 @@ def test_gpu_each_fused_launch_compiled_equals_eager(model, reference, criterion
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("criterion", [
-    pytest.param({"name": "qada", "tau": 0.3}, id="qada", marks=pytest.mark.xfail(
-        strict=True, reason="H200, torch 2.11, Triton 3.6: the compiled step's sparsity .9375 against the eager "
-                            "step's .9167 (4 of 96 head-steps decided otherwise), same tokens; cause not found (the "
-                            "launches in Inductor's code for this step are the eager ones at every call of the "
-                            "decode: tests/test_inductor_code.py)"
-    )),
-    pytest.param({"name": "qada_tail", "tau": 0.3}, id="qada_tail"),
-])
+@pytest.mark.parametrize("criterion", [{"name": "qada", "tau": 0.3}, {"name": "qada_tail", "tau": 0.3}],
+                         ids=["qada", "qada_tail"])
 def test_gpu_fused_layer_step_compiles_and_decides_as_eager(model, reference, criterion):
     """On a GPU the ``triton_fused`` layer step with ``compile_step=True`` compiles with its launches (no eager
     fallback, which warns: the executor's runtime check is not traced) and gives the eager step's tokens and

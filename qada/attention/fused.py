@@ -226,8 +226,10 @@ class FusedTritonExecutor(TritonExecutor):
     ``torch.compile`` (on a GPU: under Triton's interpreter it always runs eagerly). ``False`` (the default): it runs
     eagerly, the same kernels launched by Triton itself; a model compiled with ``mode="reduce-overhead"`` records
     them into its CUDA graph all the same, so a replayed step costs the same. ``True``: Inductor launches them.
-    Measured on an H200 (torch 2.11, Triton 3.6): that compiled step decided 4 of a tiny model's 96 head-steps
-    otherwise than the eager one (the cause is not found yet), so it is not the default."""
+    On an H200 (torch 2.11, Triton 3.6) a first version of that compiled step decided 4 of a tiny model's 96
+    head-steps otherwise than the eager one; the current one decides as the eager one for ``qada`` and ``qada_tail``
+    (the same tokens and statistics, measured there). It stays opt-in until its speed in a CUDA graph is measured:
+    there the eager step's kernels are replayed all the same."""
 
     _hermite_held: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
                                                                       compare=False)

@@ -432,7 +432,7 @@ COMPILE = textwrap.dedent(
                         BROKEN="*u8", LOG_RATIO="*fp32", N_EXACT="*i32", CAND_VALS="*fp32", CAND_IDS="*i32",
                         CAND_OKS="*i32")
         constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, BLOCK_H=32,
-                         BLOCK_P=32, PAGE=16, BLOCK_S=16, TOP=8, BLOCK_M=8, HAS_START=rows, HAS_END=rows,
+                         BLOCK_P=32, PAGE=16, BLOCK_S=16, TOP=8, BLOCK_M=8, ENTRIES=2, HAS_START=rows, HAS_END=rows,
                          HAS_SINKS=features, PROMOTE=features, INPUT_PRECISION="ieee" if dtype == "fp32" else None,
                          DOT_FP32=False, SOFTCAP=features, ATTEND=not features, SCORE=features,
                          CANDIDATES=features)

@@ -12,8 +12,9 @@ What it computes is :class:`~qada.criteria.TailCriterion`'s decision with one-le
 * per query head the ``TOP`` pages overlapping the bulk with the highest bound ``scale [q, |q|]·halves`` (the halves
   made from the extrema, which a 16-bit cache keeps in its own dtype: half the bytes of the float32 halves)
   (:func:`~qada.functional.tail.top_pages`; a NaN bound ranks first and marks its page invalid, as ``topk`` does),
-  chosen by repeated max-extraction over tiles of ``BLOCK_P`` pages, and their tokens inside the bulk that are not
-  heavy (``MEMBER``);
+  kept in a running list over tiles of ``BLOCK_P`` pages, where a tile's page enters only if it beats the list's
+  worst (:func:`insert_top`), and their tokens inside the bulk that are not heavy (``MEMBER``), ``ENTRIES`` pages of
+  a head at a time;
 * ``log A_E = logsumexp`` of those (soft-capped) scores, ``|E|`` their count, ``log Â_rest = log(T_bulk - |E|) +
   LME`` (each head's ``log E[exp(s)]``, made once per step by the moment launch; ``-inf`` when nothing is left) and
   ``log Â_bulk = logaddexp(log A_E, log Â_rest)``;
@@ -62,37 +63,36 @@ def add_scores(m, total, count, bad, s, valid):
 
 
 @triton.jit
-def merge_top(vals, ids, oks, rank, page_ids, page_ok, TOP: tl.constexpr, BLOCK_P: tl.constexpr,
-              BLOCK_M: tl.constexpr):  # fmt: skip
+def insert_top(vals, ids, oks, rank, page_ids, page_ok, TOP: tl.constexpr, BLOCK_M: tl.constexpr):
     """The ``TOP`` best of a running list ``vals, ids, oks [BLOCK_G, BLOCK_M]`` (rank, page, valid; entries from
-    ``TOP`` on stay ``-inf``) and a tile ``rank, page_ok [BLOCK_G, BLOCK_P]`` of pages ``page_ids`` (``[1, BLOCK_P]``
-    for all heads, or ``[BLOCK_G, BLOCK_P]``: another list), by ``TOP`` rounds of max-extraction (ties: the list
-    first, then the lower tile position; a loop, not unrolled)."""
-    offs_p = tl.arange(0, BLOCK_P)
+    ``TOP`` on stay ``-inf``; in no particular order) and a tile ``rank, page_ok [BLOCK_G, n]`` of pages ``page_ids``
+    (``[1, n]`` for all heads, or ``[BLOCK_G, n]``: another list; each page at most once per head): while some
+    head's tile holds an entry above its list's worst, that head's best such entry (ties: the lower page) replaces
+    its worst (ties: the higher page), so a tile ties with the list in the list's favour, as one pass over the pages
+    in order ranks them. One round per entry inserted into the head that takes the most, usually none: not ``TOP``
+    rounds per tile."""
     offs_m = tl.arange(0, BLOCK_M)
-    new_vals = tl.full(vals.shape, float("-inf"), dtype=tl.float32)
-    new_ids = tl.zeros(ids.shape, dtype=tl.int32)
-    new_oks = tl.zeros(oks.shape, dtype=tl.int32)
-    for r in range(TOP):
-        t_best = tl.max(rank, axis=1)
-        l_best = tl.max(vals, axis=1)
-        take = t_best > l_best  # [BLOCK_G]
-        t_pos = tl.min(tl.where(rank == t_best[:, None], offs_p[None, :], BLOCK_P), axis=1)
-        l_pos = tl.min(tl.where(vals == l_best[:, None], offs_m[None, :], BLOCK_M), axis=1)
-        t_hit = (offs_p[None, :] == t_pos[:, None]) & take[:, None]
-        l_hit = (offs_m[None, :] == l_pos[:, None]) & (take == 0)[:, None]
-        best = tl.where(take, t_best, l_best)
-        page = tl.sum(tl.where(t_hit, page_ids, 0), axis=1) + tl.sum(tl.where(l_hit, ids, 0), axis=1)
-        ok = tl.maximum(tl.max(tl.where(t_hit, page_ok, 0), axis=1), tl.max(tl.where(l_hit, oks, 0), axis=1))
-        put = (offs_m == r)[None, :]
-        new_vals = tl.where(put, best[:, None], new_vals)
-        new_ids = tl.where(put, page[:, None], new_ids)
-        new_oks = tl.where(put, ok[:, None], new_oks)
-        rank = tl.where(t_hit, float("-inf"), rank)  # taken: never again, and never valid again
-        page_ok = tl.where(t_hit, 0, page_ok)
-        vals = tl.where(l_hit, float("-inf"), vals)
-        oks = tl.where(l_hit, 0, oks)
-    return new_vals, new_ids, new_oks
+    slot = (offs_m < TOP)[None, :]
+    worst = tl.min(tl.where(slot, vals, float("inf")), axis=1)  # [BLOCK_G]
+    pending = tl.max(tl.where(rank > worst[:, None], 1, 0))
+    while pending > 0:
+        best = tl.max(rank, axis=1)
+        take = best > worst  # [BLOCK_G]
+        top = rank == best[:, None]
+        page = tl.min(tl.where(top, page_ids, 2147483647), axis=1)
+        hit = top & (page_ids == page[:, None]) & take[:, None]
+        ok = tl.max(tl.where(hit, page_ok, 0), axis=1)
+        at_worst = slot & (vals == worst[:, None])
+        out_page = tl.max(tl.where(at_worst, ids, -1), axis=1)
+        out_pos = tl.max(tl.where(at_worst & (ids == out_page[:, None]), offs_m[None, :], -1), axis=1)
+        put = (offs_m[None, :] == out_pos[:, None]) & take[:, None]
+        vals = tl.where(put, best[:, None], vals)
+        ids = tl.where(put, page[:, None], ids)
+        oks = tl.where(put, ok[:, None], oks)
+        rank = tl.where(hit, float("-inf"), rank)  # taken: never again
+        worst = tl.min(tl.where(slot, vals, float("inf")), axis=1)
+        pending = tl.max(tl.where(rank > worst[:, None], 1, 0))
+    return vals, ids, oks
 
 
 @triton.jit
@@ -178,7 +178,7 @@ def page_top(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stri
         bound = bound * scale  # [BLOCK_G, BLOCK_P]
         rank = tl.where(p_ok[None, :], tl.where(bound != bound, float("inf"), bound), float("-inf"))
         page_ok = tl.where(p_ok[None, :] & (tl.abs(bound) < float("inf")), 1, 0)
-        vals, ids, oks = merge_top(vals, ids, oks, rank, pages[None, :], page_ok, TOP, BLOCK_P, BLOCK_M)
+        vals, ids, oks = insert_top(vals, ids, oks, rank, pages[None, :], page_ok, TOP, BLOCK_M)
     return vals, ids, oks
 
 
@@ -248,7 +248,7 @@ def qada_tail_fused_split_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     ATTEND: tl.constexpr, SCORE: tl.constexpr, CANDIDATES: tl.constexpr,
@@ -335,14 +335,19 @@ def qada_tail_fused_split_kernel(
 
     # --- the exact set E: each query head's TOP pages by bound (top_pages), by tiles of BLOCK_P pages ----------
     offs_m = tl.arange(0, BLOCK_M)
-    if CANDIDATES:  # merged from the stretches' lists, in page order (ties: the lower page, as one pass would)
+    if CANDIDATES:  # merged from the stretches' lists, 4 lists per tile (ties: the lower page, as one pass would)
         vals = tl.full([BLOCK_G, BLOCK_M], float("-inf"), dtype=tl.float32)
         ids = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
         oks = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
-        for c in range(0, n_stretches):
-            at = ((pair.to(tl.int64) * n_stretches + c) * BLOCK_G + offs_g[:, None]) * BLOCK_M + offs_m[None, :]
-            vals, ids, oks = merge_top(vals, ids, oks, tl.load(CAND_VALS + at), tl.load(CAND_IDS + at),
-                                       tl.load(CAND_OKS + at), TOP, BLOCK_M, BLOCK_M)  # fmt: skip
+        offs_c = tl.arange(0, 4 * BLOCK_M)  # [list, entry] flattened
+        for c0 in range(0, n_stretches, 4):
+            c = c0 + offs_c // BLOCK_M
+            at = ((pair.to(tl.int64) * n_stretches + c[None, :]) * BLOCK_G + offs_g[:, None]) * BLOCK_M \
+                + (offs_c % BLOCK_M)[None, :]
+            there = (c < n_stretches)[None, :] & (offs_g >= 0)[:, None]
+            vals, ids, oks = insert_top(vals, ids, oks, tl.load(CAND_VALS + at, mask=there, other=float("-inf")),
+                                        tl.load(CAND_IDS + at, mask=there, other=0),
+                                        tl.load(CAND_OKS + at, mask=there, other=0), TOP, BLOCK_M)  # fmt: skip
     else:
         p_lo, p_hi = page_range(bulk_lo, bulk_hi, has_bulk, PAGE)
         extrema = row64 * stride_eb + kv64 * stride_eh
@@ -350,27 +355,30 @@ def qada_tail_fused_split_kernel(
                                   p_lo, p_hi, new_page, low, high, scale, G, D, BLOCK_G, BLOCK_D,
                                   BLOCK_P, TOP, BLOCK_M)  # fmt: skip
 
-    # --- the top pages' tokens: in the bulk, not heavy (one query head and page at a time: [BLOCK_S, BLOCK_D]) --
-    offs_s = tl.arange(0, BLOCK_S)
+    # --- the top pages' tokens: in the bulk, not heavy (one query head and ENTRIES of its pages at a time) ------
+    offs_j = tl.arange(0, ENTRIES * BLOCK_S)  # [entry, slot] flattened
+    j_slot = offs_j % BLOCK_S
     member_base = MEMBER + row64 * stride_ub + kv64 * stride_uh
     for g in range(G):
         is_g = offs_g == g
         q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
-        for r in range(TOP):
-            pick = is_g[:, None] & (offs_m == r)[None, :]
-            page = tl.sum(tl.where(pick, ids, 0))
-            ok = tl.max(tl.where(pick, oks, 0)) != 0
-            slots = page * PAGE + offs_s  # [BLOCK_S]
-            valid = (offs_s < PAGE) & (slots >= bulk_lo) & (slots < bulk_hi)
-            valid = tl.where(ok, valid, 0) != 0  # (tl.where: the interpreter turns tensor & scalar into int32)
+        ids_g = tl.sum(tl.where(is_g[:, None], ids, 0), axis=0)  # [BLOCK_M]: head g's list
+        oks_g = tl.max(tl.where(is_g[:, None], oks, 0), axis=0)
+        for r0 in range(0, TOP, ENTRIES):
+            entry = r0 + offs_j // BLOCK_S
+            pick = offs_m[None, :] == entry[:, None]  # [ENTRIES * BLOCK_S, BLOCK_M]
+            page = tl.sum(tl.where(pick, ids_g[None, :], 0), axis=1)
+            ok = tl.max(tl.where(pick, oks_g[None, :], 0), axis=1) != 0
+            slots = page * PAGE + j_slot
+            valid = ok & (entry < TOP) & (j_slot < PAGE) & (slots >= bulk_lo) & (slots < bulk_hi)
             heavy = tl.load(member_base + slots.to(tl.int64) * stride_ut, mask=valid, other=0)
             valid = valid & (heavy == 0)
             k = tl.load(k_base + slots[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
                         mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-            s = tl.sum(k * q_g[None, :], axis=1) * scale  # [BLOCK_S]
+            s = tl.sum(k * q_g[None, :], axis=1) * scale  # [ENTRIES * BLOCK_S]
             if SOFTCAP:
                 s = cap(s, softcap)
-            rows = is_g[:, None] & valid[None, :]  # [BLOCK_G, BLOCK_S]: head g's row only
+            rows = is_g[:, None] & valid[None, :]  # head g's row only
             s_rows = tl.where(rows, s[None, :], float("-inf"))
             m_e, total_e, n_exact, bad_e = add_scores(m_e, total_e, n_exact, bad_e, s_rows, rows)
     log_exact = tl.where(total_e > 0, m_e + tl.log(total_e), float("-inf"))

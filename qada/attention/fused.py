@@ -145,8 +145,15 @@ class FusedTail(NamedTuple):
         return dict(BLOCK_H=max(16, min(64, _next_pow2(self.heavy.shape[2]))),
                     BLOCK_P=max(8, _PAGE_TILE_FEATURES // max(16, _next_pow2(head_dim))),
                     PAGE=self.page_size, BLOCK_S=max(2, _next_pow2(self.page_size)), TOP=self.pages,
-                    BLOCK_M=max(2, _next_pow2(self.pages)))
+                    BLOCK_M=max(2, _next_pow2(self.pages)),
+                    ENTRIES=max(1, min(_next_pow2(self.pages), _TOKEN_TILE_FEATURES // (
+                        max(2, _next_pow2(self.page_size)) * max(16, _next_pow2(head_dim))))))
 
+
+_TOKEN_TILE_FEATURES = 4096
+"""Tokens of the top pages read per tile of the ``qada_tail`` split kernel (``ENTRIES`` pages of one query head's
+list at a time), times the padded head dimension: 4 pages of 16 tokens of 64 features, 2 of 128. Each tile is one
+chain of two dependent loads (the heavy mask, then the keys); one page per tile made ``G x TOP`` chains."""
 
 _PAGE_TILE_FEATURES = 1024
 """Page bounds per tile of the ``qada_tail`` kernels, times the padded head dimension: 16 pages of 64 features, 8 of

@@ -1,0 +1,36 @@
+"""``benchmarks/tail_rounds.py``: its simulation of the fused kernels' top-page choice keeps ``topk``'s pages and
+counts no more insertion rounds than max-extraction takes, on random bounds with ties, NaN and short ranges."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from benchmarks.tail_rounds import insert_tile, same_as_topk, simulate_pair
+
+
+def test_insert_tile_keeps_the_best_and_lets_the_list_win_ties():
+    vals, ids = [-math.inf] * 3, [0] * 3
+    assert insert_tile(vals, ids, [(1.0, 4), (3.0, 5), (2.0, 6), (0.5, 7)]) == 3
+    assert sorted(zip(vals, ids, strict=True)) == [(1.0, 4), (2.0, 6), (3.0, 5)]
+    assert insert_tile(vals, ids, [(1.0, 9), (0.0, 10)]) == 0  # a tie with the list's worst: the list keeps its own
+    assert insert_tile(vals, ids, [(2.0, 11), (2.5, 12)]) == 1  # 2.5 replaces 1.0; 2.0 (page 11) ties: stays out
+    assert sorted(zip(vals, ids, strict=True)) == [(2.0, 6), (2.5, 12), (3.0, 5)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_simulated_choice_is_topk_and_takes_fewer_rounds(seed):
+    rng = random.Random(seed)
+    G, n, top = 3, rng.randint(20, 700), rng.choice([2, 5, 8])
+    bounds = torch.randn(G, n, generator=torch.Generator().manual_seed(seed)).round(decimals=1)  # (many ties)
+    bounds[0, rng.randrange(n)] = float("nan")
+    p_lo = rng.randrange(0, n // 2)
+    p_hi = rng.randrange(p_lo, n + 1)
+    got = simulate_pair(bounds, p_lo, p_hi, top, block_p=16, pages_per_program=64)
+    assert same_as_topk(got["rank"], got["chosen"], p_lo, p_hi, top)
+    assert got["decision_new"] <= got["decision_old"]
+    assert all(new <= old for new, old in zip(got["page_top_new"], got["page_top_old"], strict=True))
+    assert (p_hi - p_lo > 64) == bool(got["page_top_old"])  # page-top programs only where the range is spread

@@ -8,6 +8,8 @@
 #   bash scripts/gpu-run.sh fused parity                # issue 33: the fused kernels on CUDA, CPU-vs-CUDA decisions
 #   bash scripts/gpu-run.sh graphs                      # the fused step in a CUDA graph, and compiled (tiny model)
 #   bash scripts/gpu-run.sh goals-smollm2 goals-llama   # issue 33's speed goals only: the graph-captured rows they name
+#   bash scripts/gpu-run.sh tail-b1 tail-b32            # the qada_tail fused rows beside qada fused (SmolLM2, one
+#                                                       # batch size each): what insert_top changed
 #   bash scripts/gpu-run.sh goals-smollm2-b1            # the same SmolLM2 rows at one batch size (b1 or b32): each
 #                                                       # compiled row compiles ~35 s on an H200, so both at once may
 #                                                       # not fit one 10-minute call
@@ -24,6 +26,7 @@ out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 smollm2_goal_rows="dense compiled,dense packed compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled"
+tail_rows="dense compiled,qada fused compiled,qada_tail fused compiled,qada_tail fused once compiled,qada_tail_budget fused compiled"
 
 stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   local name=$1 default=$2; shift 2
@@ -55,6 +58,8 @@ for s in "$@"; do
     goals-smollm2-b1|goals-smollm2-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end \
              --models smollm2 --batches "${s#goals-smollm2-b}" \
              --configs "$smollm2_goal_rows" ;;
+    tail-b1|tail-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
+             --batches "${s#tail-b}" --configs "$tail_rows" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \
              --lengths 131072 --batches 1 --configs "dense compiled,dense packed compiled,qada dense compiled,qada_tail_budget fused compiled" ;;
     llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;

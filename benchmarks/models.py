@@ -153,7 +153,8 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     ``triton`` executor also ``qada fused``, ``qada_tail fused`` and ``qada_tail_budget fused``: the same decisions
     made in the kernels, ``triton_fused``, and the first two's ``once`` twins with ``decide_once``: the decision
     made once per group, by the moment step's launch for ``qada``, in a launch of its own for ``qada_tail``, then
-    the split), the
+    the split; ``qada fused inductor`` where ``workload.compiled`` names it: ``qada fused`` with its layer step
+    compiled by Inductor, ``compile_step=True``), the
     tail-aware rows of :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded
     prompt queries), ``static rho_kv=...`` (whole KV groups forced local): every qada row on the run's default path
     (its layer step compiled on the static cache); with ``workload.eager`` also ``<name> eager`` for ``qada`` and
@@ -184,6 +185,11 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
                     kind, lambda criterion=criteria[name], executor=executor: prepare_run(
                         build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer),
                     count_events=True)
+    if suite.e2e_executor == "triton" and "qada fused inductor" in workload.compiled:  # compile_step=True
+        executor = {"name": "triton_fused", "decide_once": False, "compile_step": True}
+        configs["qada fused inductor"] = DecodeConfig(kind, lambda: prepare_run(
+            build_run(criterion=criteria["qada"], moments=moments, executor=executor), model, tokenizer),
+            count_events=True)
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
         configs[f"static rho_kv={rho}"] = DecodeConfig(kind, lambda mask=mask: static_run(mask, suite.e2e_executor))

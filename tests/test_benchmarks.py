@@ -404,3 +404,26 @@ def test_a_row_says_when_its_layer_step_ran_eagerly():
     assert _e2e_cells(row | {"layer_step_eager": INTERPRETED_STEP_EAGER})[2].endswith("(layer step eager)")
     fallback = row | {"layer_step_eager": "SubprocException: ..."}
     assert _e2e_cells(fallback)[2] == "qada fused compiled (layer step eager!)"
+
+
+def test_qada_fused_inductor_row_only_where_a_workload_names_it():
+    """``qada fused inductor``: ``qada fused`` with ``compile_step=True``, built only where the workload's compiled
+    rows name it (the GPU suite, not its dry run: under the interpreter it would be ``qada fused`` again)."""
+    from dataclasses import replace
+
+    from tiny_models import tiny_model
+
+    from benchmarks.models import build_configs
+    from benchmarks.suites import DRY_RUN_COMPILED, SMOLLM2_GPU, SUITES, Workload
+
+    suite = replace(SUITES["gpu-dryrun"], e2e_executor="triton")
+    model = tiny_model("llama")
+    named = Workload("tiny-random", (64,), compiled=("qada fused inductor",), moments="current")
+    configs = build_configs(suite, named, model, None, 1)
+    assert {"qada fused inductor", "qada fused inductor compiled"} <= set(configs)
+    executor = configs["qada fused inductor"].make_run().executor
+    assert executor.registry_name == "triton_fused" and executor.compile_step is True
+    assert executor.decide_once is False
+    unnamed = replace(named, compiled=())
+    assert "qada fused inductor" not in build_configs(suite, unnamed, model, None, 1)
+    assert "qada fused inductor" in SMOLLM2_GPU.compiled and "qada fused inductor" not in DRY_RUN_COMPILED

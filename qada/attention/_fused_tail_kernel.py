@@ -176,7 +176,8 @@ def page_top(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stri
                        + tl.sum((high - low) * 0.5 * tl.abs(q_g)[None, :], axis=1))  # fmt: skip
             bound = tl.where(is_g[:, None], bound_g[None, :], bound)
         bound = bound * scale  # [BLOCK_G, BLOCK_P]
-        rank = tl.where(p_ok[None, :], tl.where(bound != bound, float("inf"), bound), float("-inf"))
+        rank = tl.where(p_ok[None, :] & (offs_g < G)[:, None], tl.where(bound != bound, float("inf"), bound),
+                        float("-inf"))  # (padding heads rank nothing: no insertion rounds of their own)
         page_ok = tl.where(p_ok[None, :] & (tl.abs(bound) < float("inf")), 1, 0)
         vals, ids, oks = insert_top(vals, ids, oks, rank, pages[None, :], page_ok, TOP, BLOCK_M)
     return vals, ids, oks

@@ -151,7 +151,7 @@ def record_top_pages(model: Any, run: Any, ids: Any, steps: int = 2) -> list[dic
 def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_program: int) -> list[dict[str, Any]]:
     """Per layer: the longest program's rounds each way (page-top launch, decision launch), the token chains, and
     whether insertion kept ``topk``'s pages, from :func:`record_top_pages`' records."""
-    from qada.attention.fused import _PAGE_TILE_FEATURES, _TOKEN_TILE_FEATURES, _next_pow2
+    from qada.attention.fused import page_tiles
     from qada.functional.tail import bounds_from_halves
 
     layers = []
@@ -159,9 +159,8 @@ def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_pro
         query, halves, top, page = r["query"], r["halves"], r["top"], r["page"]
         b, H, d = query.shape
         G = H // num_kv_heads
-        block_d, block_s = max(16, _next_pow2(d)), max(2, _next_pow2(page))
-        block_p = max(8, _PAGE_TILE_FEATURES // block_d)
-        entries = max(1, min(_next_pow2(top), _TOKEN_TILE_FEATURES // (block_s * block_d)))
+        tiles = page_tiles(page, top, d)
+        block_p, entries = tiles["BLOCK_P"], tiles["ENTRIES"]
         bounds = bounds_from_halves(query, halves, r["scale"])  # [b, H, n_pages]
         row = {"layer": layer, "pages": int(halves.shape[2]), "top": top, "block_p": block_p, "G": G,
                "page_top_old": 0, "page_top_new": 0, "decision_old": 0, "decision_new": 0, "same_pages": True,

@@ -143,11 +143,17 @@ class FusedTail(NamedTuple):
     def kernel_constants(self, head_dim: int) -> dict[str, int]:
         """The kernels' block sizes for queries and keys of ``head_dim`` features."""
         return dict(BLOCK_H=max(16, min(64, _next_pow2(self.heavy.shape[2]))),
-                    BLOCK_P=max(8, _PAGE_TILE_FEATURES // max(16, _next_pow2(head_dim))),
-                    PAGE=self.page_size, BLOCK_S=max(2, _next_pow2(self.page_size)), TOP=self.pages,
-                    BLOCK_M=max(2, _next_pow2(self.pages)),
-                    ENTRIES=max(1, min(_next_pow2(self.pages), _TOKEN_TILE_FEATURES // (
-                        max(2, _next_pow2(self.page_size)) * max(16, _next_pow2(head_dim))))))
+                    **page_tiles(self.page_size, self.pages, head_dim))
+
+
+def page_tiles(page_size: int, pages: int, head_dim: int) -> dict[str, int]:
+    """The ``qada_tail`` kernels' page sizes and tiles for pages of ``page_size`` slots, ``pages`` top pages per query
+    head and keys of ``head_dim`` features: ``PAGE``, ``TOP``, ``BLOCK_S`` (slots of a page, padded), ``BLOCK_M`` (a
+    head's list, padded), ``BLOCK_P`` (pages bounded per tile) and ``ENTRIES`` (a head's top pages read per tile)."""
+    block_s, block_d = max(2, _next_pow2(page_size)), max(16, _next_pow2(head_dim))
+    return dict(PAGE=page_size, TOP=pages, BLOCK_S=block_s, BLOCK_M=max(2, _next_pow2(pages)),
+                BLOCK_P=max(8, _PAGE_TILE_FEATURES // block_d),
+                ENTRIES=max(1, min(_next_pow2(pages), _TOKEN_TILE_FEATURES // (block_s * block_d))))
 
 
 _TOKEN_TILE_FEATURES = 4096

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Timing", "device_sync", "machine_info", "measure", "write_results"]
+__all__ = ["Timing", "device_sync", "greedy_decode", "machine_info", "measure", "write_results"]
 
 
 def device_sync(device: torch.device | str) -> None:
@@ -85,6 +86,24 @@ def graphed(fn: Callable[[], Any], device: torch.device | str) -> Callable[[], A
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def greedy_decode(model: Any, ids: torch.Tensor, steps: int, capacity: int,
+                  around: Callable[[int], contextlib.AbstractContextManager] | None = None) -> None:
+    """Prefill ``ids [1, T]`` into a fresh ``StaticCache`` of ``capacity`` slots and decode ``steps`` greedy tokens
+    (no gradients), each decode step's forward inside ``around(step)`` (a context manager, made just before it; the
+    place to record, count or clear for that step). Whatever is attached to ``model`` runs as it is."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    with torch.no_grad():
+        mask = torch.ones_like(ids)
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for step in range(steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            with around(step) if around is not None else contextlib.nullcontext():
+                out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
 
 
 def _cpu_model() -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -43,10 +44,9 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]] | None] = {  # name: (c
 def count_step(model: Any, run: Any, ids: Any, extra: int) -> dict[str, Any]:
     """Prefill ``ids [1, T]`` into a fresh static cache (``run`` attached, or the unwrapped model), decode one step,
     count the next: ``{"ops", "launches", "device_ops", "by_op"}``."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import StaticCache
 
+    from benchmarks.common import greedy_decode
     from qada.attention import _triton_kernel
     from qada.models import attach
 
@@ -74,23 +74,15 @@ def count_step(model: Any, run: Any, ids: Any, extra: int) -> dict[str, Any]:
         finally:
             counter.inside_launch = False
 
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + extra)
+    def second_step_counted(step: int) -> contextlib.AbstractContextManager:
+        launches.clear()
+        return counter if step == 1 else contextlib.nullcontext()
+
     if run is not None:
         attach(model, run)
     _triton_kernel.run = counted
     try:
-        with torch.no_grad():
-            mask = torch.ones_like(ids)
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            for step in range(2):
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-                mask = torch.cat([mask, torch.ones_like(token)], 1)
-                launches.clear()
-                if step == 1:
-                    with counter:
-                        out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
-                else:
-                    out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        greedy_decode(model, ids, 2, ids.shape[1] + extra, second_step_counted)
     finally:
         _triton_kernel.run = original
         if run is not None:

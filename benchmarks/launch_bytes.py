@@ -200,24 +200,20 @@ def count_step(model: Any, run: Any, ids: Any) -> dict[str, Any]:
     """Prefill ``ids [1, T]`` into a static cache with ``run`` attached, decode one step, record the next one's
     launches: ``{"kernels": summarise(...), "totals": totals(...), "launches": n, "sparsity", "kv_sparsity"}`` (the
     last two: ``run.summary()``'s, over both decode steps)."""
-    import torch
-    from transformers import StaticCache
-
+    from benchmarks.common import greedy_decode
     from qada.models import attach
 
     recorder = ByteRecorder()
     recorder.on = False  # (the prefill and the first step are not recorded)
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+
+    def second_step_only(step: int) -> contextlib.AbstractContextManager:
+        recorder.on = step == 1
+        return contextlib.nullcontext()
+
     attach(model, run)
     try:
-        with torch.no_grad(), recorder.recording():
-            mask = torch.ones_like(ids)
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            for step in range(2):
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-                mask = torch.cat([mask, torch.ones_like(token)], 1)
-                recorder.on = step == 1
-                out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        with recorder.recording():
+            greedy_decode(model, ids, 2, ids.shape[1] + 4, second_step_only)
         summary = run.summary()
     finally:
         run.remove()

@@ -116,9 +116,9 @@ def record_top_pages(model: Any, run: Any, ids: Any, steps: int = 2) -> list[dic
     """Prefill ``ids [1, T]`` with ``run`` attached and decode ``steps`` tokens; return what the criterion's
     ``top_pages`` received at the last step, per layer: ``{"query", "halves", "scale", "first", "last", "page",
     "top"}``."""
-    import torch
-    from transformers import StaticCache
+    import contextlib
 
+    from benchmarks.common import greedy_decode
     from qada.criteria import tail as tail_module
     from qada.models import attach
 
@@ -130,18 +130,14 @@ def record_top_pages(model: Any, run: Any, ids: Any, steps: int = 2) -> list[dic
                      "first": first.clone(), "last": last.clone(), "page": page_size, "top": m})
         return original(query, halves, scale, first, last, page_size, m)
 
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 2)
+    def last_step_only(step: int) -> contextlib.AbstractContextManager:
+        seen.clear()
+        return contextlib.nullcontext()
+
     attach(model, run)
     tail_module.top_pages = recording
     try:
-        with torch.no_grad():
-            mask = torch.ones_like(ids)
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            for _ in range(steps):
-                seen.clear()
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-                mask = torch.cat([mask, torch.ones_like(token)], 1)
-                out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        greedy_decode(model, ids, steps, ids.shape[1] + steps + 2, last_step_only)
     finally:
         tail_module.top_pages = original
         run.remove()

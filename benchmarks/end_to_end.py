@@ -39,7 +39,7 @@ from qada.models import attach, build_run, prepare_run
 from qada.models.prompt_queries import PromptQueries
 
 __all__ = ["CUDA_ONLY", "DecodeConfig", "Stepper", "byte_ceiling", "count_step_events", "group_static_mask",
-           "run_end_to_end", "summarize_events"]  # fmt: skip
+           "kernel_diff", "kernel_times", "run_end_to_end", "summarize_events"]  # fmt: skip
 
 CUDA_ONLY = "n/a (CUDA only)"
 
@@ -191,14 +191,39 @@ def summarize_events(events: Iterable[tuple[str, bool]], steps: int) -> dict[str
     return out
 
 
+def kernel_times(kernels: Iterable[tuple[str, float, float]], steps: int) -> dict[str, Any]:
+    """Where a step's device time goes, from profiled device kernels ``(name, start_us, end_us)`` covering ``steps``
+    decode steps (memcpy/memset excluded by the caller).
+
+    ``kernel_us_per_step``: the kernels' durations summed; ``span_us_per_step``: first start to last end (gaps
+    between the kernels of a CUDA graph and between steps included); ``busy``: their ratio (a step bound by launch
+    gaps or host work is far below 1); ``by_kernel``: every kernel name, longest total first, each ``{"name",
+    "per_step", "us_per_step"}`` (Inductor's names say what a kernel fused).
+    """
+    by_name: dict[str, list[float]] = {}
+    first, last = float("inf"), float("-inf")
+    for name, start, end in kernels:
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += end - start
+        first, last = min(first, start), max(last, end)
+    total = sum(t for _, t in by_name.values())
+    span = last - first if by_name else 0.0
+    ranked = sorted(by_name.items(), key=lambda item: (-item[1][1], item[0]))
+    return {"kernel_us_per_step": total / steps, "span_us_per_step": span / steps,
+            "busy": total / span if span > 0 else None,
+            "by_kernel": [{"name": name, "per_step": n / steps, "us_per_step": t / steps}
+                            for name, (n, t) in ranked]}  # fmt: skip
+
+
 def count_step_events(model: Any, cache: Any, tokens: torch.Tensor, position: int | torch.Tensor,
                       forward: Callable | None = None, steps: int = 4, cudagraphs: bool = False) -> dict[str, Any]:
     """Kernels and host syncs per decode step of ``model`` on ``cache`` (already prefilled; qada attached or not),
     from ``tokens [B]`` at ``position``, through ``forward`` (a compiled forward; default the eager model).
 
     CUDA only (``torch.profiler`` with ``ProfilerActivity.CUDA``): one unprofiled step, then ``steps`` profiled
-    ones (:func:`summarize_events`), plus ``layers``. On another device nothing runs and the result is
-    ``{"status": CUDA_ONLY}``: never a made-up number.
+    ones (:func:`summarize_events`, :func:`kernel_times`), plus ``layers``. On another device nothing runs and the
+    result is ``{"status": CUDA_ONLY}``: never a made-up number.
     """
     if tokens.device.type != "cuda":
         return {"status": CUDA_ONLY}
@@ -212,7 +237,11 @@ def count_step_events(model: Any, cache: Any, tokens: torch.Tensor, position: in
         for _ in range(steps):
             stepper()
         torch.cuda.synchronize()
-    counts = summarize_events(((e.name, e.device_type == DeviceType.CUDA) for e in prof.events()), steps)
+    events = list(prof.events())
+    counts = summarize_events(((e.name, e.device_type == DeviceType.CUDA) for e in events), steps)
+    counts.update(kernel_times(((e.name, e.time_range.start, e.time_range.end) for e in events
+                                if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))),
+                               steps))  # fmt: skip
     counts["layers"] = model.config.num_hidden_layers
     return counts
 
@@ -524,6 +553,21 @@ def _extra_kernels(rows: list[dict[str, Any]]) -> None:
         if d and "kernels_per_step" in d:
             c["extra_kernels_per_layer"] = (c["kernels_per_step"] - d["kernels_per_step"]) / c["layers"]
             c["extra_round_trips_per_step"] = c["host_round_trips_per_step"] - d["host_round_trips_per_step"]
+            if "by_kernel" in c and "by_kernel" in d:
+                c["kernel_diff"] = kernel_diff(c["by_kernel"], d["by_kernel"])
+
+
+def kernel_diff(kernels: list[dict[str, Any]], dense: list[dict[str, Any]], top: int = 12) -> list[dict[str, Any]]:
+    """The kernels (:func:`kernel_times`' ``by_kernel``) whose count or time per step differs from ``dense``'s,
+    largest time difference first (at most ``top``): ``{"name", "per_step", "us_per_step"}`` differences (a kernel
+    dense runs and qada not: negative)."""
+    mine = {k["name"]: k for k in kernels}
+    theirs = {k["name"]: k for k in dense}
+    zero = {"per_step": 0.0, "us_per_step": 0.0}
+    diff = [{"name": name, **{key: mine.get(name, zero)[key] - theirs.get(name, zero)[key] for key in zero}}
+            for name in mine.keys() | theirs.keys()]
+    diff = [k for k in diff if k["per_step"] != 0 or abs(k["us_per_step"]) >= 1.0]
+    return sorted(diff, key=lambda k: (-abs(k["us_per_step"]), k["name"]))[:top]
 
 
 def static_run(mask: torch.Tensor, executor: str):

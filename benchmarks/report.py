@@ -371,6 +371,7 @@ def markdown(results: dict[str, Any]) -> str:
             out.append(table(["model", "T", "B", "config", "kernels/step", "launches + graph launches/step",
                               "host waits/step", "DtoH copies/step", "item / _local_scalar_dense", "round trips/step",
                               "extra kernels/layer", "extra round trips/step"], rows))  # fmt: skip
+            out.append(_kernel_time_section(counted))
     if results.get("goals"):
         out.append("\n## 5. Goals\n\n")
         rows = [[g["goal"], g["target"], _fmt(g["measured"], 3),
@@ -380,6 +381,41 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("errors"):
         out.append("\n## Errors\n\n" + "\n".join(f"* {e}" for e in results["errors"]) + "\n")
     out.append("\n" + ANALYSIS)
+    return "".join(out)
+
+
+def _short(name: str, width: int = 70) -> str:
+    return f"`{name if len(name) <= width else name[:width - 3] + '...'}`"
+
+
+def _kernel_time_section(counted: list[dict[str, Any]]) -> str:
+    """Where each counted row's device time goes (:func:`~benchmarks.end_to_end.kernel_times`) and the kernels a
+    qada row runs beyond the dense row of the same mode (:func:`~benchmarks.end_to_end.kernel_diff`)."""
+    timed = [r for r in counted if "by_kernel" in r["counters"]]
+    if not timed:
+        return ""
+    rows = []
+    for r in timed:
+        c = r["counters"]
+        step_us = 1e6 * r.get("B", 1) / r["tokens_per_s_median"] if r.get("tokens_per_s_median") else None
+        longest = "; ".join(f"{_short(k['name'], 50)} x{k['per_step']:.0f}: {k['us_per_step']:.0f}"
+                            for k in c["by_kernel"][:3])
+        rows.append([r.get("model", ""), r["T"], r.get("B", 1), r["config"], _fmt(step_us, 0),
+                     _fmt(c["kernel_us_per_step"], 0), _fmt(c["span_us_per_step"], 0), _fmt(c["busy"], 2), longest])
+    out = ["\n### Device time per decode step, by kernel\n\n",
+           "From the same profiled steps: *kernels us*: the kernels' durations summed per step; *span us*: first "
+           "kernel start to last kernel end over the profiled steps, per step (the gaps between a CUDA graph's "
+           "kernels included); *busy*: their ratio; *step us*: the timed steps' median (without the profiler). "
+           "Longest: the three kernel names with the most time per step (count per step: us).\n\n",
+           table(["model", "T", "B", "config", "step us", "kernels us", "span us", "busy", "longest"], rows)]
+    diffs = [r for r in timed if r["counters"].get("kernel_diff")]
+    if diffs:
+        out.append("\nKernels beyond the dense row of the same mode (count per step, us per step; negative: dense "
+                   "runs it and the row does not), largest time difference first:\n\n")
+        for r in diffs:
+            items = ", ".join(f"{_short(k['name'])} {k['per_step']:+.0f} / {k['us_per_step']:+.0f} us"
+                              for k in r["counters"]["kernel_diff"])
+            out.append(f"- **{r.get('model', '')} T={r['T']} B={r.get('B', 1)} {r['config']}**: {items}\n")
     return "".join(out)
 
 

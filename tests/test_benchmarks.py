@@ -22,6 +22,8 @@ from benchmarks.end_to_end import (  # noqa: E402
     count_step_events,
     fresh_cache,
     group_static_mask,
+    kernel_diff,
+    kernel_times,
     run_end_to_end,
     summarize_events,
 )
@@ -127,6 +129,50 @@ def test_event_counts_per_step():
     assert counts["dtoh_copies_per_step"] == 0.5 and counts["item_per_step"] == 0.5
     assert counts["local_scalar_dense_per_step"] == 0.5 and counts["host_round_trips_per_step"] == 0.5
     assert summarize_events(step, 1)["host_round_trips_per_step"] == 0
+
+
+def test_kernel_times_per_step():
+    """Profiled device kernels -> per-step time by kernel name (longest first), the span and the busy fraction."""
+    kernels = [("split", 0.0, 6.0), ("combine", 8.0, 9.0), ("split", 10.0, 16.0), ("combine", 18.0, 19.0),
+               ("gemv", 20.0, 20.0)]  # fmt: skip
+    times = kernel_times(kernels, 2)
+    assert times["kernel_us_per_step"] == 7.0 and times["span_us_per_step"] == 10.0 and times["busy"] == 0.7
+    assert [k["name"] for k in times["by_kernel"]] == ["split", "combine", "gemv"]
+    assert times["by_kernel"][0] == {"name": "split", "per_step": 1.0, "us_per_step": 6.0}
+    assert kernel_times([], 3) == {"kernel_us_per_step": 0.0, "span_us_per_step": 0.0, "busy": None, "by_kernel": []}
+
+
+def test_kernel_diff_against_dense():
+    """The kernels a row runs beyond dense's: new ones positive, dropped ones negative, unchanged ones left out."""
+    dense = [{"name": "sdpa", "per_step": 30.0, "us_per_step": 90.0}, {"name": "mm", "per_step": 60.0,
+                                                                       "us_per_step": 500.0}]
+    row = [{"name": "split", "per_step": 30.0, "us_per_step": 150.0}, {"name": "combine", "per_step": 30.0,
+                                                                        "us_per_step": 40.0},
+           {"name": "mm", "per_step": 60.0, "us_per_step": 500.4}]  # fmt: skip
+    diff = kernel_diff(row, dense)
+    assert [(k["name"], k["per_step"], k["us_per_step"]) for k in diff] == [
+        ("split", 30.0, 150.0), ("sdpa", -30.0, -90.0), ("combine", 30.0, 40.0)]
+    assert kernel_diff(row, dense, top=1)[0]["name"] == "split"
+
+
+def test_report_shows_kernel_times():
+    """The report's section on device time by kernel, from counters as a GPU run writes them."""
+    from benchmarks.end_to_end import _extra_kernels
+    from benchmarks.report import _kernel_time_section
+
+    base = {"host_round_trips_per_step": 0.0, "layers": 30, "launches_per_step": 3.0, "graph_launches_per_step": 1.0,
+            "stream_syncs_per_step": 0.0, "dtoh_copies_per_step": 0.0, "item_per_step": 0.0,
+            "local_scalar_dense_per_step": 0.0}  # fmt: skip
+    dense = base | {"kernels_per_step": 60.0} | kernel_times([("sdpa", 0.0, 3.0), ("mm", 3.0, 5.0)] * 30, 1)
+    fused = base | {"kernels_per_step": 90.0} | kernel_times(
+        [("qada_fused_split_kernel", 0.0, 4.0), ("qada_decode_combine_kernel", 4.0, 5.0), ("mm", 5.0, 7.0)] * 30, 1)
+    rows = [_row("dense compiled", 7680, 1, "smollm2", 400.0, counters=dense),
+            _row("qada fused compiled", 7680, 1, "smollm2", 300.0, counters=fused)]
+    _extra_kernels(rows)
+    assert rows[1]["counters"]["extra_kernels_per_layer"] == 1.0
+    text = _kernel_time_section(rows)
+    assert "### Device time per decode step, by kernel" in text
+    assert "`qada_fused_split_kernel` +30 / +120 us" in text and "`sdpa` -30 / -90 us" in text
 
 
 @pytest.fixture(scope="module")

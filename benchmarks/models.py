@@ -141,6 +141,12 @@ TAIL_CONFIGS = {  # the tail-aware criteria (issue 23): the threshold rule at ta
 }
 
 
+SPREAD_PAGES = 32
+"""Pages per page-top program of the ``qada_tail fused spread`` row (``pages_per_program``; the executor's default is
+256): at 7,680 tokens 16 programs per (row, KV head) bound a row's 481 pages, two tiles each, where the default's two
+programs take 16 tiles each; the decision launch then merges 16 lists per query head instead of 2."""
+
+
 def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, batch: int) -> dict[str, DecodeConfig]:
     """name -> :class:`~benchmarks.end_to_end.DecodeConfig`, all on the suite's cache unless named otherwise.
 
@@ -154,7 +160,8 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     made in the kernels, ``triton_fused``, and the first two's ``once`` twins with ``decide_once``: the decision
     made once per group, by the moment step's launch for ``qada``, in a launch of its own for ``qada_tail``, then
     the split; ``qada fused inductor`` where ``workload.compiled`` names it: ``qada fused`` with its layer step
-    compiled by Inductor, ``compile_step=True``), the
+    compiled by Inductor, ``compile_step=True``; ``qada_tail fused spread`` likewise: ``qada_tail fused once`` with
+    its page bounds spread over programs of :data:`SPREAD_PAGES` pages), the
     tail-aware rows of :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded
     prompt queries), ``static rho_kv=...`` (whole KV groups forced local): every qada row on the run's default path
     (its layer step compiled on the static cache); with ``workload.eager`` also ``<name> eager`` for ``qada`` and
@@ -189,6 +196,11 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
         executor = {"name": "triton_fused", "decide_once": False, "compile_step": True}
         configs["qada fused inductor"] = DecodeConfig(kind, lambda: prepare_run(
             build_run(criterion=criteria["qada"], moments=moments, executor=executor), model, tokenizer),
+            count_events=True)
+    if suite.e2e_executor == "triton" and "qada_tail fused spread" in workload.compiled:  # narrow page-top programs
+        executor = {"name": "triton_fused", "decide_once": True, "pages_per_program": SPREAD_PAGES}
+        configs["qada_tail fused spread"] = DecodeConfig(kind, lambda: prepare_run(
+            build_run(criterion=criteria["qada_tail"], moments=moments, executor=executor), model, tokenizer),
             count_events=True)
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)

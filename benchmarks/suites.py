@@ -82,13 +82,16 @@ LLAMA8B_CASES = Workload("llama3-8b-random", (32768, 131072), batches=(1, 8),
 SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32),
                        compiled=("dense", "dense packed", "qada dense", "qada", "qada fused", "qada fused once",
                                  "qada fused inductor", "qada_tail", "qada_tail fused", "qada_tail fused once",
-                                 "qada_tail_budget", "qada_tail_budget fused"),
+                                 "qada_tail fused spread", "qada_tail_budget", "qada_tail_budget fused"),
                        eager=True, tail=True,
                        moments="stored")  # fmt: skip
 
-DRY_RUN_COMPILED = tuple(name for name in SMOLLM2_GPU.compiled if name != "qada fused inductor")
+DRY_RUN_COMPILED = tuple(name for name in SMOLLM2_GPU.compiled
+                         if name not in ("qada fused inductor", "qada_tail fused spread"))
 """The GPU suite's compiled rows in its dry run: not ``qada fused inductor``, which under Triton's interpreter is
-``qada fused`` again (a layer step with Triton launches runs eagerly there)."""
+``qada fused`` again (a layer step with Triton launches runs eagerly there), nor ``qada_tail fused spread``, which at
+the dry run's 256 tokens (16 pages) is ``qada_tail fused once`` again (its layout is tested in
+``tests/test_fused_tail.py``)."""
 
 SUITES = {
     "smoke": Suite(

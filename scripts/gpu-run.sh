@@ -9,8 +9,9 @@
 #   bash scripts/gpu-run.sh graphs                      # the fused step in a CUDA graph, and compiled (tiny model)
 #   bash scripts/gpu-run.sh goals-smollm2 goals-llama   # issue 33's speed goals only: the graph-captured rows they name
 #   bash scripts/gpu-run.sh tail-b1 tail-b32            # the qada_tail fused rows beside qada fused (SmolLM2, one
-#                                                       # batch size each): what insert_top changed; and qada fused
-#                                                       # with its layer step compiled by Inductor (compile_step)
+#                                                       # batch size each): what insert_top changed, the page bounds
+#                                                       # spread wider; qada fused once; and qada fused with its layer
+#                                                       # step compiled by Inductor (compile_step)
 #   bash scripts/gpu-run.sh goals-smollm2-b1            # the same SmolLM2 rows at one batch size (b1 or b32): each
 #                                                       # compiled row compiles ~35 s on an H200, so both at once may
 #                                                       # not fit one 10-minute call
@@ -28,7 +29,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 smollm2_goal_rows="dense compiled,dense packed compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled"
 tail_rows="dense compiled,qada fused compiled,qada fused once compiled,qada fused inductor compiled,qada_tail fused compiled,\
-qada_tail fused once compiled,qada_tail_budget fused compiled"
+qada_tail fused once compiled,qada_tail fused spread compiled,qada_tail_budget fused compiled"
 
 stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   local name=$1 default=$2; shift 2

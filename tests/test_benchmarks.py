@@ -473,3 +473,23 @@ def test_qada_fused_inductor_row_only_where_a_workload_names_it():
     unnamed = replace(named, compiled=())
     assert "qada fused inductor" not in build_configs(suite, unnamed, model, None, 1)
     assert "qada fused inductor" in SMOLLM2_GPU.compiled and "qada fused inductor" not in DRY_RUN_COMPILED
+
+
+def test_qada_tail_fused_spread_row_only_where_a_workload_names_it():
+    """``qada_tail fused spread``: ``qada_tail fused once`` with narrow page-top programs (``SPREAD_PAGES``), in the
+    GPU suite only (at the dry run's 16 pages it would be ``qada_tail fused once`` again)."""
+    from dataclasses import replace
+
+    from tiny_models import tiny_model
+
+    from benchmarks.models import SPREAD_PAGES, build_configs
+    from benchmarks.suites import DRY_RUN_COMPILED, SMOLLM2_GPU, SUITES, Workload
+
+    suite = replace(SUITES["gpu-dryrun"], e2e_executor="triton")
+    named = Workload("tiny-random", (64,), compiled=("qada_tail fused spread",), tail=True, moments="current")
+    configs = build_configs(suite, named, tiny_model("llama"), None, 1)
+    assert {"qada_tail fused spread", "qada_tail fused spread compiled"} <= set(configs)
+    run = configs["qada_tail fused spread"].make_run()
+    assert run.criterion.registry_name == "qada_tail" and run.executor.decide_once is True
+    assert run.executor.pages_per_program == SPREAD_PAGES < 256
+    assert "qada_tail fused spread" in SMOLLM2_GPU.compiled and "qada_tail fused spread" not in DRY_RUN_COMPILED

@@ -47,10 +47,11 @@ def prefilled(kind: str, d: int, T: int = 15, capacity: int = 40):
 
 
 @pytest.mark.parametrize("kind", ["current", "stored"])
-@pytest.mark.parametrize("d", [16, 24])
+@pytest.mark.parametrize("d", [16, 24, 40])
 def test_kernel_step_equals_the_source_step(kind, d):
     """Every state tensor and both moments, after each of 12 steps: equal to float64 rounding (the float32
-    moments to their last bit). Row 1 (start 5) reaches the stored source's short-prompt switch: its range jumps."""
+    moments to their last bit). Row 1 (start 5) reaches the stored source's short-prompt switch: its range jumps.
+    d = 40: two blocks of 32 (the second partly masked), so an off-diagonal block pair too."""
     moments, keys, eager, kernel = prefilled(kind, d)
     start = STARTS.to(DEVICE)
     for end in range(16, 28):
@@ -142,8 +143,8 @@ def test_moment_kernels_compile_for_the_gpu():
                     "READ": "*u8", "BROKEN": "*u8"}
         floats = {"scale": "fp32", "softcap": "fp32", "log_tau": "fp32"}
         for estimate, decide in ((False, False), (True, False), (True, True)):
-            constants = {"D": 128, "BLOCK_R": 16, "BLOCK_D": 128, "HAS_START": True, "ESTIMATE": estimate, "G": 4,
-                         "BLOCK_G": 16, "BLOCK_X": 32, "SOFTCAP": estimate, "BLOCK_K": 16, "DECIDE": decide,
+            constants = {"D": 128, "BLOCK_T": 32, "BLOCK_D": 128, "HAS_START": True, "ESTIMATE": estimate, "G": 4,
+                         "BLOCK_G": 16, "BLOCK_E": 4, "BLOCK_X": 32, "SOFTCAP": estimate, "DECIDE": decide,
                          "BLOCK_N": 64, "END_GIVEN": decide, "HAS_SINKS": decide, "PROMOTE": decide,
                          "INPUT_PRECISION": None, "DOT_FP32": False}
             for kernel in (K.current_moment_step_kernel, K.stored_moment_step_kernel, E.bulk_estimate_kernel):
@@ -183,16 +184,18 @@ def eager_log_mean_exp(query, moments, softcap):
 
 @pytest.mark.parametrize("kind", ["current", "stored"])
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "capped"])
-def test_kernel_step_writes_each_heads_log_mean_exp(kind, softcap):
+@pytest.mark.parametrize(("d", "heads"), [(24, 6), (40, 6), (40, 16)])
+def test_kernel_step_writes_each_heads_log_mean_exp(kind, softcap, d, heads):
     """With a :class:`~qada.attention.moment_step.BulkEstimate` the moment step's launch also writes each query
-    head's ``log E[exp(s)]`` (3 heads per KV head, d = 24): the eager criterion's value from the new moments, and
+    head's ``log E[exp(s)]`` (3 or 8 heads per KV head; d = 24: one block pair, d = 40: three, or ten of 16 with 8
+    heads (:func:`~qada.attention.moment_step.block_sizes`)): the eager criterion's value from the new moments, and
     what the estimate's own launch computes from them (what a source stepped in torch gets): bit for bit in Triton's
     interpreter; on a GPU, where each kernel is compiled on its own (its operations contracted into FMAs its own
     way; measured on an H200: equal to 4 decimals, not bit for bit), within float32 rounding."""
     from qada.attention.moment_step import estimate_launch
 
-    moments, keys, _, kernel = prefilled(kind, 24)
-    query = torch.randn(2, 6, 24, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 2
+    moments, keys, _, kernel = prefilled(kind, d)
+    query = torch.randn(2, heads, d, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 2
     start = STARTS.to(DEVICE)
     for end in (16, 17, 21):
         estimate = estimate_of(query, softcap)
@@ -223,6 +226,18 @@ def test_sources_without_a_kernel_step_get_the_estimate_in_one_launch(monkeypatc
                             device=DEVICE), WINDOW, estimate)  # fmt: skip
     assert [name for name, _ in record.launches] == ["bulk_estimate_kernel"]
     torch.testing.assert_close(estimate.out, eager_log_mean_exp(query, got, None), rtol=1e-5, atol=1e-5)
+
+
+def test_block_sizes():
+    """The block pairs' side: 32 where the estimate's running sum allows it (``BLOCK_E BLOCK_T^2 <= 4096``), never
+    more than the padded head dimension, at least 8."""
+    from qada.attention.moment_step import block_sizes
+
+    assert block_sizes(64, 3) == {"BLOCK_D": 64, "BLOCK_E": 4, "BLOCK_T": 32}  # SmolLM2: three pairs
+    assert block_sizes(128, 4) == {"BLOCK_D": 128, "BLOCK_E": 4, "BLOCK_T": 32}  # Llama-3-8B: ten pairs
+    assert block_sizes(128, 8)["BLOCK_T"] == 16 and block_sizes(256, 2)["BLOCK_T"] == 32
+    assert block_sizes(16, 1) == {"BLOCK_D": 16, "BLOCK_E": 1, "BLOCK_T": 16}
+    assert block_sizes(64, 64)["BLOCK_T"] == 8  # at least 8, however many heads
 
 
 def test_estimate_checks_its_output():

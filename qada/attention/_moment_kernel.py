@@ -4,8 +4,13 @@ program per (row, KV head). Imported lazily: importing it imports triton.
 
 Each program updates its (row, KV head)'s float64 state in place and writes the float32 moments criteria read:
 the mean and the population covariance ``Σ = ½ (M2 / n + (M2 / n)ᵀ)`` with ``n = max(count, 1)``, the very
-operations of :func:`~qada.moments.math.to_bulk_moments`, in the same order. The co-moment is updated row tile by
-row tile (pass 1), then, after a barrier, the covariance is written from the updated rows and columns (pass 2).
+operations of :func:`~qada.moments.math.to_bulk_moments`, in the same order. The ``d x d`` state is read once, in
+``BLOCK_T x BLOCK_T`` block pairs (``[I, J]`` and ``[J, I]``, ``I <= J``: three pairs at ``d = 64``): each pair is
+updated, written back and turned into the covariance's two blocks, whose share of each query head's ``q^T cov q``
+(eq. 6) the program sums on the way (:func:`~qada.attention._estimate_kernel.add_block_pair`). A launch is then a
+few dependent rounds of loads per program, where one pass to update the rows, one to read them and their transposes
+for the covariance and one to read the covariance back for the estimate made three times as many (what a launch of
+few programs, as at batch size 1, waits for).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qada.attention._estimate_kernel import estimate_and_decide
+from qada.attention._estimate_kernel import add_block_pair, decide_after_estimate, query_tile, store_log_mean_exp
 from qada.attention._triton_kernel import as_float32
 
 
@@ -28,27 +33,35 @@ def reference_end(n, t_local, offset, first, min_bulk_keys, N):
 
 
 @triton.jit
-def store_covariance(M2, S1, COV, count, SHIFTED: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_D: tl.constexpr):  # fmt: skip
-    """Pass 2: ``COV [D, D]`` float32 ``= ½ (C + Cᵀ)``, ``C = M2' / max(count, 1)``, from the updated float64
-    ``M2 [D, D]`` (``M2' = M2``), or with ``SHIFTED`` from shifted sums: ``M2' = M2 - count (c cᵀ)``, ``c = S1 /
-    max(count, 1)`` (:func:`~qada.moments.math.state_from_shifted_sums`)."""
-    n = tl.maximum(count, 1.0)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    if SHIFTED:
-        c_all = tl.load(S1 + offs_d, mask=d_ok, other=0.0) / n
-    for r0 in range(0, D, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        ok = (rows < D)[:, None] & d_ok[None, :]
-        a = tl.load(M2 + rows[:, None] * D + offs_d[None, :], mask=ok, other=0.0)  # M2[i, j]
-        a_t = tl.load(M2 + offs_d[None, :] * D + rows[:, None], mask=ok, other=0.0)  # M2[j, i]
-        if SHIFTED:
-            c_rows = tl.load(S1 + rows, mask=rows < D, other=0.0) / n
-            a = a - count * (c_rows[:, None] * c_all[None, :])
-            a_t = a_t - count * (c_all[None, :] * c_rows[:, None])
-        cov = 0.5 * (a / n + a_t / n)
-        tl.store(COV + rows[:, None] * D + offs_d[None, :], cov.to(tl.float32), mask=ok)
+def transposed_block(STATE, a, rows, cols, ok, i, j, D: tl.constexpr):
+    """``STATE[J, I]`` as a ``[T, T]`` block in its own orientation (``rows = I``, ``cols = J``, ``ok`` the ``[I, J]``
+    mask), given ``a = STATE[I, J]``: on the diagonal block (``i == j``) it is ``a`` itself (the same addresses in
+    the same layout), not read twice."""
+    off = i != j
+    return tl.where(off, tl.load(STATE + cols[:, None] * D + rows[None, :], mask=tl.trans(ok) & off, other=0.0), a)
+
+
+@triton.jit
+def store_block_pair(STATE, COV, a, b, cov, rows, cols, ok, i, j, D: tl.constexpr):
+    """Store one block pair: the updated float64 state ``a = STATE[I, J]`` and ``b = STATE[J, I]`` (``[T, T]`` each,
+    in their own orientation; ``b`` not on the diagonal block ``i == j``, where it is ``a``), and the float32
+    covariance ``cov = COV[I, J]`` and its transpose at ``COV[J, I]`` (``rows = I``, ``cols = J``, ``ok`` the
+    ``[I, J]`` mask). The caller has waited for every thread's loads of the pair (a barrier): on the diagonal block
+    ``a`` and ``b`` are the same memory."""
+    off = i != j
+    tl.store(STATE + rows[:, None] * D + cols[None, :], a, mask=ok)
+    tl.store(STATE + cols[:, None] * D + rows[None, :], b, mask=tl.trans(ok) & off)
+    tl.store(COV + rows[:, None] * D + cols[None, :], cov, mask=ok)
+    tl.store(COV + cols[:, None] * D + rows[None, :], tl.trans(cov), mask=tl.trans(ok) & off)
+
+
+@triton.jit
+def mean_query(Q, row, head, stride_qb, stride_qh, stride_qd, mean, offs_d, d_ok, scale, G: tl.constexpr,
+               BLOCK_E: tl.constexpr):  # fmt: skip
+    """``mu_s = scale q·mean`` (eq. 5) of the group's query heads ``[BLOCK_E]`` (``mean [BLOCK_D]`` float32): as
+    :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` computes it."""
+    q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
+    return tl.sum(query_tile(q_head, stride_qh, stride_qd, offs_d, d_ok, G, BLOCK_E) * mean[None, :], axis=1) * scale
 
 
 @triton.jit
@@ -57,18 +70,23 @@ def current_moment_step_kernel(
     Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN,
     H_kv, t_local, t_recent, stride_kb, stride_kh, stride_kt, stride_kd, stride_start, stride_end,
     stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
-    ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr,
-    DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
+    ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
+    SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """:func:`~qada.moments.current.current_buffer_step` of one (row, KV head): the key at ``end - 1 - T_recent``
     (clamped at 0) of ``KEYS [b, H_kv, C, D]`` joins the float64 state (``COUNT [b, H_kv]``, ``MEAN [b, H_kv, D]``,
     ``M2 [b, H_kv, D, D]``, contiguous) where the row's bulk grew; ``OUT_MEAN``, ``OUT_COV`` get the float32
     moments. ``START, END [b]``: the rows' bounds (``END`` one past the step's key; any strides). With ``ESTIMATE``,
-    then :func:`~qada.attention._estimate_kernel.estimate_and_decide` from the moments just written: the query side
-    of the lognormal estimate, and with ``DECIDE`` the group's decision (the other arguments as
-    :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` takes them; ``KEYS`` are the decision's keys)."""
+    the query side of the lognormal estimate from those moments (:func:`~qada.attention._estimate_kernel.
+    store_log_mean_exp`), and with ``DECIDE`` then the group's decision (the other arguments as
+    :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` takes them; ``KEYS`` are the decision's keys).
+
+    One pass over ``M2``, ``BLOCK_T x BLOCK_T`` block pair by block pair (``[I, J]`` and ``[J, I]``, ``I <= J``):
+    each pair is read once, updated (``M2 += w (x - mean)(x - mean')ᵀ``), written back, and gives the covariance's
+    two blocks ``½ (C + Cᵀ)``, ``C = M2 / max(n, 1)``, and their share of each head's ``q^T cov q``: no second pass
+    over ``M2``, no read of the covariance back."""
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     pid = tl.program_id(0)
     row = pid // H_kv
@@ -85,33 +103,58 @@ def current_moment_step_kernel(
     before = tl.maximum(end - 1 - start - t_local, 0)
     w = tl.where(end - start - t_local > before, 1.0, 0.0).to(tl.float64)
     key = KEYS + row.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh + index * stride_kt
-    x = tl.load(key + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float64)
     count = tl.load(COUNT + pair)
     n = count + w
-    mean = tl.load(MEAN + pair * D + offs_d, mask=d_ok, other=0.0)
-    mean_new = mean + (x - mean) * (w / tl.maximum(n, 1.0))
+    mean = MEAN + pair * D
     m2 = M2 + pair * D * D
-    for r0 in range(0, D, BLOCK_R):  # pass 1: M2 += w (x - mean)(x - mean')ᵀ, row tile by row tile
-        rows = r0 + tl.arange(0, BLOCK_R)
-        r_ok = rows < D
-        ok = r_ok[:, None] & d_ok[None, :]
-        delta = (tl.load(key + rows * stride_kd, mask=r_ok, other=0.0).to(tl.float64)
-                 - tl.load(MEAN + pair * D + rows, mask=r_ok, other=0.0))  # fmt: skip
-        tile = tl.load(m2 + rows[:, None] * D + offs_d[None, :], mask=ok, other=0.0)
-        tile = tile + w * (delta[:, None] * (x - mean_new)[None, :])
-        tl.store(m2 + rows[:, None] * D + offs_d[None, :], tile, mask=ok)
-    tl.debug_barrier()  # every row tile read the old mean and wrote its rows
+    n_safe = tl.maximum(n, 1.0)
+    offs_t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
+    q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
+    for i in range(0, BLOCK_D // BLOCK_T):
+        rows = i * BLOCK_T + offs_t
+        i_ok = rows < D
+        x_i = tl.load(key + rows * stride_kd, mask=i_ok, other=0.0).to(tl.float64)
+        mean_i = tl.load(mean + rows, mask=i_ok, other=0.0)
+        delta_i = x_i - mean_i
+        after_i = x_i - (mean_i + delta_i * (w / n_safe))  # x - mean'
+        for j in range(i, BLOCK_D // BLOCK_T):
+            cols = j * BLOCK_T + offs_t
+            j_ok = cols < D
+            ok = i_ok[:, None] & j_ok[None, :]
+            x_j = tl.load(key + cols * stride_kd, mask=j_ok, other=0.0).to(tl.float64)
+            mean_j = tl.load(mean + cols, mask=j_ok, other=0.0)
+            delta_j = x_j - mean_j
+            after_j = x_j - (mean_j + delta_j * (w / n_safe))
+            a = tl.load(m2 + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
+            b = transposed_block(m2, a, rows, cols, ok, i, j, D)
+            a = a + w * (delta_i[:, None] * after_j[None, :])
+            b = b + w * (delta_j[:, None] * after_i[None, :])
+            cov = 0.5 * (a / n_safe + tl.trans(b / n_safe))
+            tl.debug_barrier()  # every thread has read the pair (on the diagonal block a and b are one)
+            store_block_pair(m2, OUT_COV + pair * D * D, a, b, cov.to(tl.float32), rows, cols, ok, i, j, D)
+            if ESTIMATE:
+                cov32 = cov.to(tl.float32)
+                q_i = query_tile(q_head, stride_qh, stride_qd, rows, i_ok, G, BLOCK_E)
+                q_j = query_tile(q_head, stride_qh, stride_qd, cols, j_ok, G, BLOCK_E)
+                acc = add_block_pair(acc, cov32, tl.where(i != j, cov32, 0.0), q_i, q_j)
+    x = tl.load(key + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float64)
+    mean_old = tl.load(mean + offs_d, mask=d_ok, other=0.0)
+    mean_new = mean_old + (x - mean_old) * (w / n_safe)
+    tl.debug_barrier()  # every block read the old mean and count
     tl.store(COUNT + pair, n)
-    tl.store(MEAN + pair * D + offs_d, mean_new, mask=d_ok)
+    tl.store(mean + offs_d, mean_new, mask=d_ok)
     tl.store(OUT_MEAN + pair * D + offs_d, mean_new.to(tl.float32), mask=d_ok)
-    store_covariance(m2, MEAN, OUT_COV + pair * D * D, n, False, D, BLOCK_R, BLOCK_D)
     if ESTIMATE:
-        tl.debug_barrier()  # the moments are in memory
-        estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head,
-                            OUT_MEAN + pair * D, 1, OUT_COV + pair * D * D, D, 1, stride_qb, stride_qh, stride_qd,
-                            stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale, softcap,
-                            n_nodes, log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_R, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N,
-                            HAS_START, END_GIVEN, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
+        mu = mean_query(Q, row, head, stride_qb, stride_qh, stride_qd, mean_new.to(tl.float32), offs_d, d_ok, scale,
+                        G, BLOCK_E)  # fmt: skip
+        var = tl.sum(tl.sum(acc, axis=2), axis=1) * scale * scale
+        store_log_mean_exp(LME, GH_X, GH_LOGW, row, head, mu, var, H_kv, softcap, n_nodes, G, BLOCK_E, BLOCK_X,
+                           SOFTCAP)  # fmt: skip
+        decide_after_estimate(Q, LME, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head, stride_qb,
+                              stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink,
+                              t_local, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_D, DECIDE, BLOCK_N, HAS_START,
+                              END_GIVEN, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
 
 
 @triton.jit
@@ -121,10 +164,10 @@ def stored_moment_step_kernel(
     H_kv, N, num_jumps, t_local, offset, first, min_bulk_keys, stride_rh, stride_rn, stride_rd,
     stride_start, stride_end, stride_kb, stride_kh, stride_kt, stride_kd,
     stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
-    ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr,
-    DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
+    ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
+    SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """:func:`~qada.moments.stored.advance_reference_range` of one (row, KV head): the row's reference range
     ``[first, e(n))`` moves from ``e(n - 1)`` (what the previous step, or the prefill, left in ``OLD_END``: every
@@ -133,7 +176,9 @@ def stored_moment_step_kernel(
     D]``), or, at a length ``JUMP_N [b, K]`` lists, taking the prepared sums ``JUMP_* [b, K, H_kv, ...]``; writes
     ``OLD_END [b]`` (the program of KV head 0) and the float32 ``MEAN``, ``COV``. ``n = END - START``. With
     ``ESTIMATE``, then the estimate's query side (and with ``DECIDE`` the decision, from ``KEYS [b, H_kv, C, d]``) as
-    :func:`current_moment_step_kernel`."""
+    :func:`current_moment_step_kernel`, which also reads ``S2`` in one pass of block pairs: each updated (``S2 += w
+    x xᵀ``, or the jump's), written back and centred into the covariance's two blocks (``½ (C + Cᵀ)``, ``C = (S2 -
+    count c cᵀ) / max(count, 1)``, ``c = S1 / max(count, 1)``)."""
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     pid = tl.program_id(0)
     row = pid // H_kv
@@ -151,42 +196,63 @@ def stored_moment_step_kernel(
     index = tl.minimum(tl.maximum(tl.where(delta > 0, old_end, new_end), 0), N - 1)
     ref = REF + head.to(tl.int64) * stride_rh + index * stride_rn
     shift = SHIFT + head * D
-    x = tl.load(ref + offs_d * stride_rd, mask=d_ok, other=0.0).to(tl.float64) - tl.load(shift + offs_d, mask=d_ok)
     jump = tl.full([], -1, dtype=tl.int64)
     for k in range(0, num_jumps):  # the prefill listed at most one jump per length
         jump = tl.where(tl.load(JUMP_N + row.to(tl.int64) * num_jumps + k) == n, k, jump)
     hit = jump >= 0
     at = (row.to(tl.int64) * num_jumps + tl.maximum(jump, 0)) * H_kv + head  # the jump's (row, k, head), or k = 0
     count = tl.where(hit, tl.load(JUMP_COUNT + at), tl.load(COUNT + pair) + w)
-    # the prepared sums are read only at a jump (``JUMP_S2`` is as large as the state; ``tl.where``, as ``d_ok & hit``
-    # with the 0-d ``hit`` is int32 in Triton's interpreter)
-    s1 = tl.where(hit, tl.load(JUMP_S1 + at * D + offs_d, mask=tl.where(hit, d_ok, False), other=0.0),
-                  tl.load(S1 + pair * D + offs_d, mask=d_ok, other=0.0) + w * x)  # fmt: skip
-    s2 = S2 + pair * D * D
-    for r0 in range(0, D, BLOCK_R):  # pass 1: S2 += w x xᵀ (or the jump's), row tile by row tile
-        rows = r0 + tl.arange(0, BLOCK_R)
-        r_ok = rows < D
-        ok = r_ok[:, None] & d_ok[None, :]
-        x_rows = tl.load(ref + rows * stride_rd, mask=r_ok, other=0.0).to(tl.float64) - tl.load(shift + rows,
-                                                                                                  mask=r_ok)
-        tile = tl.load(s2 + rows[:, None] * D + offs_d[None, :], mask=ok, other=0.0) + w * (x_rows[:, None]
-                                                                                              * x[None, :])
-        jumped = tl.load(JUMP_S2 + at * D * D + rows[:, None] * D + offs_d[None, :], mask=tl.where(hit, ok, False),
-                         other=0.0)  # fmt: skip
-        tl.store(s2 + rows[:, None] * D + offs_d[None, :], tl.where(hit, jumped, tile), mask=ok)
+    n_safe = tl.maximum(count, 1.0)
+    # at a jump the prepared sums replace the state's (``JUMP_S2`` is as large as the state: read only then): every
+    # load below reads one or the other, and adds ``w_sum`` (0 at a jump) times the key's share
+    s1_base, s2 = S1 + pair * D, S2 + pair * D * D
+    s1_from = tl.where(hit, JUMP_S1 + at * D, s1_base)
+    s2_from = tl.where(hit, JUMP_S2 + at * D * D, s2)
+    w_sum = tl.where(hit, 0.0, w)
+    offs_t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
+    q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
+    for i in range(0, BLOCK_D // BLOCK_T):
+        rows = i * BLOCK_T + offs_t
+        i_ok = rows < D
+        x_i = tl.load(ref + rows * stride_rd, mask=i_ok, other=0.0).to(tl.float64) - tl.load(shift + rows, mask=i_ok)
+        c_i = (tl.load(s1_from + rows, mask=i_ok, other=0.0) + w_sum * x_i) / n_safe
+        for j in range(i, BLOCK_D // BLOCK_T):
+            cols = j * BLOCK_T + offs_t
+            j_ok = cols < D
+            ok = i_ok[:, None] & j_ok[None, :]
+            x_j = tl.load(ref + cols * stride_rd, mask=j_ok, other=0.0).to(tl.float64) - tl.load(shift + cols,
+                                                                                                   mask=j_ok)
+            c_j = (tl.load(s1_from + cols, mask=j_ok, other=0.0) + w_sum * x_j) / n_safe
+            a = tl.load(s2_from + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
+            b = transposed_block(s2_from, a, rows, cols, ok, i, j, D) + w_sum * (x_j[:, None] * x_i[None, :])
+            a = a + w_sum * (x_i[:, None] * x_j[None, :])
+            centred_a = a - count * (c_i[:, None] * c_j[None, :])
+            centred_b = b - count * (c_j[:, None] * c_i[None, :])
+            cov = 0.5 * (centred_a / n_safe + tl.trans(centred_b / n_safe))
+            tl.debug_barrier()  # every thread has read the pair (on the diagonal block a and b are one)
+            store_block_pair(s2, COV + pair * D * D, a, b, cov.to(tl.float32), rows, cols, ok, i, j, D)
+            if ESTIMATE:
+                cov32 = cov.to(tl.float32)
+                q_i = query_tile(q_head, stride_qh, stride_qd, rows, i_ok, G, BLOCK_E)
+                q_j = query_tile(q_head, stride_qh, stride_qd, cols, j_ok, G, BLOCK_E)
+                acc = add_block_pair(acc, cov32, tl.where(i != j, cov32, 0.0), q_i, q_j)
+    x = tl.load(ref + offs_d * stride_rd, mask=d_ok, other=0.0).to(tl.float64) - tl.load(shift + offs_d, mask=d_ok)
+    s1 = tl.load(s1_from + offs_d, mask=d_ok, other=0.0) + w_sum * x
+    tl.debug_barrier()  # every block read the old sums and count
     tl.store(COUNT + pair, count)
-    tl.store(S1 + pair * D + offs_d, s1, mask=d_ok)
+    tl.store(s1_base + offs_d, s1, mask=d_ok)
     if head == 0:
         tl.store(OLD_END + row, new_end.to(OLD_END.dtype.element_ty))
-    tl.debug_barrier()  # the updated sums are in memory
-    n_safe = tl.maximum(count, 1.0)
     mean = tl.where(count > 0, s1 / n_safe + tl.load(shift + offs_d, mask=d_ok, other=0.0), 0.0)
     tl.store(MEAN + pair * D + offs_d, mean.to(tl.float32), mask=d_ok)
-    store_covariance(s2, S1 + pair * D, COV + pair * D * D, count, True, D, BLOCK_R, BLOCK_D)
     if ESTIMATE:
-        tl.debug_barrier()  # the moments are in memory
-        estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head,
-                            MEAN + pair * D, 1, COV + pair * D * D, D, 1, stride_qb, stride_qh, stride_qd, stride_kb,
-                            stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale, softcap, n_nodes, log_tau,
-                            G, D, BLOCK_G, BLOCK_D, BLOCK_R, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN,
-                            HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
+        mu = mean_query(Q, row, head, stride_qb, stride_qh, stride_qd, mean.to(tl.float32), offs_d, d_ok, scale, G,
+                        BLOCK_E)  # fmt: skip
+        var = tl.sum(tl.sum(acc, axis=2), axis=1) * scale * scale
+        store_log_mean_exp(LME, GH_X, GH_LOGW, row, head, mu, var, H_kv, softcap, n_nodes, G, BLOCK_E, BLOCK_X,
+                           SOFTCAP)  # fmt: skip
+        decide_after_estimate(Q, LME, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head, stride_qb,
+                              stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink,
+                              t_local, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_D, DECIDE, BLOCK_N, HAS_START,
+                              END_GIVEN, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip

@@ -29,8 +29,21 @@ from qada.step import BulkMoments
 
 __all__ = ["BulkEstimate", "EstimateDecision", "current_step_launch", "estimate_launch", "stored_step_launch"]
 
-_BLOCK_R = 16
-"""Rows of the co-moment updated per tile (and of the covariance per tile of the estimate's ``q^T cov q``)."""
+_PAIR_TERMS = 4096
+"""Elements of the estimate's running ``[BLOCK_E, BLOCK_T, BLOCK_T]`` sum of ``q^T cov q`` (float32, 32 registers per
+thread at 4 warps): it sets the block size ``BLOCK_T`` of the moment kernels' block pairs (:func:`block_sizes`)."""
+
+
+def block_sizes(d: int, G: int) -> dict[str, int]:
+    """The moment and estimate kernels' ``BLOCK_D`` (the padded head dimension), ``BLOCK_E`` (the ``G`` query heads
+    of a KV head, padded to a power of two) and ``BLOCK_T`` (the side of a block of the ``d x d`` state and
+    covariance: ``BLOCK_E BLOCK_T^2 <= 4096``, at most 32, at least 8): for ``d = 64``, ``G = 3`` blocks of 32, so
+    three block pairs."""
+    block_d, block_e = max(16, _next_pow2(d)), _next_pow2(G)
+    block_t = 32
+    while block_t > 8 and block_e * block_t * block_t > _PAIR_TERMS:
+        block_t //= 2
+    return dict(BLOCK_D=block_d, BLOCK_E=block_e, BLOCK_T=min(block_t, block_d))
 
 
 class EstimateDecision(NamedTuple):
@@ -150,8 +163,8 @@ def _estimate_parts(estimate: BulkEstimate | None, H_kv: int, placeholder: torch
     return tensors, scalars, estimate.kernel_constants(H_kv)
 
 
-def _constants(d: int, start: torch.Tensor | None) -> dict:
-    return dict(D=d, BLOCK_R=_BLOCK_R, BLOCK_D=max(16, _next_pow2(d)), HAS_START=start is not None)
+def _constants(d: int, start: torch.Tensor | None, G: int) -> dict:
+    return dict(D=d, HAS_START=start is not None, **block_sizes(d, G))
 
 
 def _row_strides(start: torch.Tensor | None, end: torch.Tensor) -> tuple[int, int]:
@@ -183,8 +196,8 @@ def current_step_launch(state: dict[str, torch.Tensor], keys: torch.Tensor, star
     _triton_kernel.run(
         _moment_kernel.current_moment_step_kernel, (b * H_kv,),
         count, mean, m2, out_mean, out_cov, keys, end if start is None else start, end, *tensors,
-        H_kv, t_local, t_recent, *keys.stride(), *_row_strides(start, end), *scalars, **_constants(d, start),
-        **constants,
+        H_kv, t_local, t_recent, *keys.stride(), *_row_strides(start, end), *scalars,
+        **_constants(d, start, constants["G"]), **constants,
     )  # fmt: skip
     return BulkMoments(out_mean, out_cov)
 
@@ -211,8 +224,8 @@ def stored_step_launch(state: dict[str, torch.Tensor], start: torch.Tensor | Non
         _moment_kernel.stored_moment_step_kernel, (b * H_kv,),
         count, s1, s2, state["old_end"], *jumps, mean, cov, ref, shift, end if start is None else start, end,
         keys, *tensors, H_kv, N, jumps[0].shape[1], t_local, offset, first,
-        min_bulk_keys, *ref.stride(), *_row_strides(start, end), *key_strides, *scalars, **_constants(d, start),
-        **constants,
+        min_bulk_keys, *ref.stride(), *_row_strides(start, end), *key_strides, *scalars,
+        **_constants(d, start, constants["G"]), **constants,
     )  # fmt: skip
     return BulkMoments(mean, cov)
 
@@ -241,6 +254,6 @@ def estimate_launch(estimate: BulkEstimate, moments: BulkMoments) -> torch.Tenso
         query, mean, cov, out, nodes, log_weights, keys, out if start is None else start, out if end is None else end,
         *decision, *mean.stride(), *cov.stride(), *scalars[:3], *key_strides, H_kv,
         0 if made is None else made.t_local, *scalars[3:],
-        D=d, BLOCK_D=max(16, _next_pow2(d)), BLOCK_K=_BLOCK_R, HAS_START=start is not None, **constants,
+        D=d, HAS_START=start is not None, **block_sizes(d, constants["G"]), **constants,
     )  # fmt: skip
     return out

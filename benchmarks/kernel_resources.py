@@ -56,6 +56,9 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments, the GPU sui
                              "executor": {"name": "triton_fused", "decide_once": True}},
     "qada_tail_budget fused": {"criterion": {"name": "qada_tail_budget", "sparsity": 0.85},
                                "executor": {"name": "triton_fused"}},
+    "qada fused pdl": {"criterion": {"name": "qada", "tau": 0.6}, "executor": {"name": "triton_fused", "pdl": True}},
+    "qada_tail fused pdl": {"criterion": {"name": "qada_tail", "tau": 0.3},
+                            "executor": {"name": "triton_fused", "pdl": True}},
 }  # fmt: skip
 
 SM90 = {"registers": 65536, "register_unit": 256, "warps": 64, "programs": 32, "shared": 228 * 1024,
@@ -125,6 +128,21 @@ def ptxas_report(ptx: str) -> dict[str, int]:
             "spill_stores": int(spills.group(2)), "spill_loads": int(spills.group(3))}
 
 
+def grid_dependency(ptx: str) -> dict[str, int]:
+    """The programmatic dependent launch instructions in ``ptx``: ``griddepcontrol.launch_dependents`` (the next
+    launch may start) and ``griddepcontrol.wait`` (wait for the previous launch)."""
+    return {"pdl_starts": len(re.findall(r"griddepcontrol\.launch_dependents", ptx)),
+            "pdl_waits": len(re.findall(r"griddepcontrol\.wait", ptx))}
+
+
+def pretend_programmatic_launch() -> None:
+    """The ``triton_fused`` executor's ``pdl`` applies here as on an sm_90 GPU (its check of the device, a CPU one
+    here, skipped): its configurations compile their kernels as a GPU launches them. Process-wide."""
+    from qada.attention.fused import FusedTritonExecutor
+
+    FusedTritonExecutor.programmatic = lambda self, device: self.pdl
+
+
 def async_copies(ptx: str) -> int:
     """The asynchronous global-to-shared copies (``cp.async.ca`` / ``.cg``) in ``ptx``: how Triton's software
     pipelining issues a loop's next loads while the current block is computed (a loop it does not pipeline loads
@@ -169,8 +187,9 @@ class Sm90Compiler:
                            options=options.__dict__)
         report = ptxas_report(compiled.asm["ptx"])
         report["async_copies"] = async_copies(compiled.asm["ptx"])
+        report.update(grid_dependency(compiled.asm["ptx"]))
         shared = int(compiled.metadata.shared)
-        flags = {name: kwargs[name] for name in ("ATTEND", "SCORE", "CANDIDATES", "SOFTCAP") if name in kwargs}
+        flags = {name: kwargs[name] for name in ("ATTEND", "SCORE", "CANDIDATES", "SOFTCAP", "PDL") if name in kwargs}
         self.kernels[key] = {"kernel": kernel.fn.__name__, "configs": [self.config], "flags": flags,
                              "warps": options.num_warps, "stages": options.num_stages, "shared": shared, **report,
                              **programs_per_sm(report["registers"], options.num_warps, shared)}
@@ -246,6 +265,7 @@ def main(argv: list[str] | None = None) -> Path:
     from qada.attention import _triton_kernel
 
     pretend_cuda_triton()
+    pretend_programmatic_launch()
     use_sm_count(H100_SMS)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     compiler = Sm90Compiler(args.float_scalars)
@@ -266,7 +286,9 @@ def main(argv: list[str] | None = None) -> Path:
              "stages) that one decode step of the listed configurations launches. *spilled*: bytes of spill "
              "stores / loads per thread (local-memory traffic); *async copies*: `cp.async` instructions in the PTX "
              "(a software-pipelined loop loads its next blocks with them while it computes; the splits' attention "
-             "loops should have as many as the plain `qada_decode_split_kernel`'s); *per SM*: programs of the "
+             "loops should have as many as the plain `qada_decode_split_kernel`'s); *griddepcontrol*: the "
+             "programmatic dependent launch instructions (`launch_dependents`: the next launch may start; `wait`: "
+             "for the previous one), in the `pdl` configurations only; *per SM*: programs of the "
              "kernel resident on one SM, the least of the limits by registers, shared memory and warps (and 32).",
              ""]
     for shape in SHAPES:
@@ -275,10 +297,11 @@ def main(argv: list[str] | None = None) -> Path:
             continue
         lines += [f"## {shape.name} ({shape.capacity:,} cache slots)", "",
                   table(["kernel", "flags", "warps", "stages", "registers", "spilled (B)", "shared (B)",
-                         "async copies", "per SM (regs / smem / warps)", "configurations"],
+                         "async copies", "griddepcontrol (starts / waits)", "per SM (regs / smem / warps)",
+                         "configurations"],
                         [[r["kernel"], ", ".join(f"{k}={int(v)}" for k, v in r["flags"].items()) or "-", r["warps"],
                           r["stages"], r["registers"], f"{r['spill_stores']} / {r['spill_loads']}", r["shared"],
-                          r["async_copies"],
+                          r["async_copies"], f"{r['pdl_starts']} / {r['pdl_waits']}",
                           f"**{r['resident']}** ({r['by_registers']} / {r['by_shared']} / {r['by_warps']})",
                           ", ".join(c[1] for c in r["configs"] if c[0] == shape.name)] for r in chosen]), ""]
     name = f"kernel-resources-sm90-triton{triton.__version__}" + (

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from benchmarks.end_to_end import DecodeConfig, dense_run, group_static_mask, static_run
-from benchmarks.suites import Suite, Workload
+from benchmarks.suites import FUSED_VARIANTS, Suite, Workload
 from qada.models import build_run, prepare_run
 from qada.models.prompt_queries import PromptQueries
 
@@ -141,12 +141,6 @@ TAIL_CONFIGS = {  # the tail-aware criteria (issue 23): the threshold rule at ta
 }
 
 
-SPREAD_PAGES = 32
-"""Pages per page-top program of the ``qada_tail fused spread`` row (``pages_per_program``; the executor's default is
-256): at 7,680 tokens 16 programs per (row, KV head) bound a row's 481 pages, two tiles each, where the default's two
-programs take 16 tiles each; the decision launch then merges 16 lists per query head instead of 2."""
-
-
 def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, batch: int) -> dict[str, DecodeConfig]:
     """name -> :class:`~benchmarks.end_to_end.DecodeConfig`, all on the suite's cache unless named otherwise.
 
@@ -159,9 +153,7 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     ``triton`` executor also ``qada fused``, ``qada_tail fused`` and ``qada_tail_budget fused``: the same decisions
     made in the kernels, ``triton_fused``, and the first two's ``once`` twins with ``decide_once``: the decision
     made once per group, by the moment step's launch for ``qada``, in a launch of its own for ``qada_tail``, then
-    the split; ``qada fused inductor`` where ``workload.compiled`` names it: ``qada fused`` with its layer step
-    compiled by Inductor, ``compile_step=True``; ``qada_tail fused spread`` likewise: ``qada_tail fused once`` with
-    its page bounds spread over programs of :data:`SPREAD_PAGES` pages), the
+    the split; the rows of :data:`FUSED_VARIANTS` where ``workload.compiled`` names them), the
     tail-aware rows of :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded
     prompt queries), ``static rho_kv=...`` (whole KV groups forced local): every qada row on the run's default path
     (its layer step compiled on the static cache); with ``workload.eager`` also ``<name> eager`` for ``qada`` and
@@ -192,16 +184,12 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
                     kind, lambda criterion=criteria[name], executor=executor: prepare_run(
                         build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer),
                     count_events=True)
-    if suite.e2e_executor == "triton" and "qada fused inductor" in workload.compiled:  # compile_step=True
-        executor = {"name": "triton_fused", "decide_once": False, "compile_step": True}
-        configs["qada fused inductor"] = DecodeConfig(kind, lambda: prepare_run(
-            build_run(criterion=criteria["qada"], moments=moments, executor=executor), model, tokenizer),
-            count_events=True)
-    if suite.e2e_executor == "triton" and "qada_tail fused spread" in workload.compiled:  # narrow page-top programs
-        executor = {"name": "triton_fused", "decide_once": True, "pages_per_program": SPREAD_PAGES}
-        configs["qada_tail fused spread"] = DecodeConfig(kind, lambda: prepare_run(
-            build_run(criterion=criteria["qada_tail"], moments=moments, executor=executor), model, tokenizer),
-            count_events=True)
+    if suite.e2e_executor == "triton":  # the variants a workload names among its compiled rows (the GPU suite's)
+        for name, (criterion, executor) in FUSED_VARIANTS.items():
+            if name in workload.compiled:
+                configs[name] = DecodeConfig(kind, lambda criterion=criteria[criterion], executor=executor: prepare_run(
+                    build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer),
+                    count_events=True)
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
         configs[f"static rho_kv={rho}"] = DecodeConfig(kind, lambda mask=mask: static_run(mask, suite.e2e_executor))

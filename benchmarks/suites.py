@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -77,21 +78,41 @@ LLAMA8B_CASES = Workload("llama3-8b-random", (32768, 131072), batches=(1, 8),
                                    "qada_tail fused once", "qada_tail_budget", "qada_tail_budget fused",
                                    "static rho_kv=0.875"),
                          tail=True, moments="current")  # fmt: skip
+
+SPREAD_PAGES = 32
+"""Pages per page-top program of the ``qada_tail fused spread`` row (``pages_per_program``; the executor's default is
+256): at 7,680 tokens 16 programs per (row, KV head) bound a row's 481 pages, two tiles each, where the default's two
+programs take 16 tiles each; the decision launch then merges 16 lists per query head instead of 2."""
+
+
+FUSED_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qada fused inductor": ("qada", {"name": "triton_fused", "decide_once": False, "compile_step": True}),
+    "qada fused pdl": ("qada", {"name": "triton_fused", "decide_once": False, "pdl": True}),
+    "qada_tail fused pdl": ("qada_tail", {"name": "triton_fused", "decide_once": False, "pdl": True}),
+    "qada_tail fused spread": ("qada_tail", {"name": "triton_fused", "decide_once": True,
+                                             "pages_per_program": SPREAD_PAGES}),
+}  # fmt: skip
+"""Rows built only where a workload's compiled rows name them (the GPU suite's; on the CPU, under Triton's
+interpreter, each would be its plain ``fused`` row again): name -> (``qada`` or a criterion of
+:data:`~benchmarks.models.TAIL_CONFIGS`, executor). ``inductor``: the layer step compiled by Inductor
+(``compile_step``); ``pdl``: programmatic dependent launches; ``spread``: ``qada_tail``'s page bounds over programs
+of :data:`SPREAD_PAGES` pages."""
+
 # stored moments, as the CPU suites: the same decisions as there (the GPU runs of 2026-11-24 used current moments,
 # which on the same prompts decide sparsity .30-.33 against stored's .69, on the CPU as on the GPU)
 SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32),
                        compiled=("dense", "dense packed", "qada dense", "qada", "qada fused", "qada fused once",
-                                 "qada fused inductor", "qada_tail", "qada_tail fused", "qada_tail fused once",
-                                 "qada_tail fused spread", "qada_tail_budget", "qada_tail_budget fused"),
+                                 "qada fused inductor", "qada fused pdl", "qada_tail", "qada_tail fused",
+                                 "qada_tail fused once", "qada_tail fused pdl", "qada_tail fused spread",
+                                 "qada_tail_budget", "qada_tail_budget fused"),
                        eager=True, tail=True,
                        moments="stored")  # fmt: skip
 
-DRY_RUN_COMPILED = tuple(name for name in SMOLLM2_GPU.compiled
-                         if name not in ("qada fused inductor", "qada_tail fused spread"))
-"""The GPU suite's compiled rows in its dry run: not ``qada fused inductor``, which under Triton's interpreter is
-``qada fused`` again (a layer step with Triton launches runs eagerly there), nor ``qada_tail fused spread``, which at
-the dry run's 256 tokens (16 pages) is ``qada_tail fused once`` again (its layout is tested in
-``tests/test_fused_tail.py``)."""
+DRY_RUN_COMPILED = tuple(name for name in SMOLLM2_GPU.compiled if name not in FUSED_VARIANTS)
+"""The GPU suite's compiled rows in its dry run: not the fused variants (:data:`~benchmarks.models.FUSED_VARIANTS`),
+each of which is its plain ``fused`` row again there: under Triton's interpreter a layer step with Triton launches
+runs eagerly and launches are ordinary, and at the dry run's 256 tokens (16 pages) no page bounds are spread (each
+variant's own path is tested: ``tests/test_fused_decision.py``, ``tests/test_fused_tail.py``)."""
 
 SUITES = {
     "smoke": Suite(

@@ -12,6 +12,8 @@
 #                                                       # batch size each): what insert_top changed, the page bounds
 #                                                       # spread wider; qada fused once; and qada fused with its layer
 #                                                       # step compiled by Inductor (compile_step)
+#   bash scripts/gpu-run.sh pdl-b1 pdl-b32              # qada fused and qada_tail fused with and without
+#                                                       # programmatic dependent launches (pdl=True)
 #   bash scripts/gpu-run.sh goals-smollm2-b1            # the same SmolLM2 rows at one batch size (b1 or b32): each
 #                                                       # compiled row compiles ~35 s on an H200, so both at once may
 #                                                       # not fit one 10-minute call
@@ -28,6 +30,7 @@ out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 smollm2_goal_rows="dense compiled,dense packed compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled"
+pdl_rows="dense compiled,qada fused compiled,qada fused pdl compiled,qada_tail fused compiled,qada_tail fused pdl compiled"
 tail_rows="dense compiled,qada fused compiled,qada fused once compiled,qada fused inductor compiled,qada_tail fused compiled,\
 qada_tail fused once compiled,qada_tail fused spread compiled,qada_tail_budget fused compiled"
 
@@ -48,7 +51,7 @@ for s in "$@"; do
     fused) stage fused 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decision.py tests/test_fused_tail.py \
         tests/test_fused_budget.py tests/test_moment_step_kernel.py ;;
     graphs) stage graphs 360 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_decision.py \
-             tests/test_buffer_decode.py -k "cuda_graphs or compiles_and_decides or same_inputs or each_fused_launch" ;;
+             tests/test_buffer_decode.py -k "cuda_graphs or compiles_and_decides or same_inputs or each_fused_launch or programmatic" ;;
     parity) stage parity 540 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;
     attention) stage attention 300 "$py" benchmarks/run.py --gpu --out "$out" --only attention,overhead ;;
     smollm2) stage smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 ;;
@@ -61,6 +64,8 @@ for s in "$@"; do
     goals-smollm2-b1|goals-smollm2-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end \
              --models smollm2 --batches "${s#goals-smollm2-b}" \
              --configs "$smollm2_goal_rows" ;;
+    pdl-b1|pdl-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
+             --batches "${s#pdl-b}" --configs "$pdl_rows" ;;
     tail-b1|tail-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#tail-b}" --configs "$tail_rows" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \

@@ -452,44 +452,29 @@ def test_a_row_says_when_its_layer_step_ran_eagerly():
     assert _e2e_cells(fallback)[2] == "qada fused compiled (layer step eager!)"
 
 
-def test_qada_fused_inductor_row_only_where_a_workload_names_it():
-    """``qada fused inductor``: ``qada fused`` with ``compile_step=True``, built only where the workload's compiled
-    rows name it (the GPU suite, not its dry run: under the interpreter it would be ``qada fused`` again)."""
+@pytest.mark.parametrize("name", ["qada fused inductor", "qada fused pdl", "qada_tail fused pdl",
+                                  "qada_tail fused spread"])
+def test_fused_variant_rows_only_where_a_workload_names_them(name):
+    """The fused variants (``inductor``: ``compile_step=True``; ``pdl``: programmatic dependent launches; ``spread``:
+    narrow page-top programs), built only where the workload's compiled rows name them: the GPU suite, not its dry
+    run, where each would be its plain ``fused`` row again."""
     from dataclasses import replace
 
     from tiny_models import tiny_model
 
     from benchmarks.models import build_configs
-    from benchmarks.suites import DRY_RUN_COMPILED, SMOLLM2_GPU, SUITES, Workload
+    from benchmarks.suites import DRY_RUN_COMPILED, FUSED_VARIANTS, SMOLLM2_GPU, SPREAD_PAGES, SUITES, Workload
 
     suite = replace(SUITES["gpu-dryrun"], e2e_executor="triton")
     model = tiny_model("llama")
-    named = Workload("tiny-random", (64,), compiled=("qada fused inductor",), moments="current")
+    named = Workload("tiny-random", (64,), compiled=(name,), tail=True, moments="current")
     configs = build_configs(suite, named, model, None, 1)
-    assert {"qada fused inductor", "qada fused inductor compiled"} <= set(configs)
-    executor = configs["qada fused inductor"].make_run().executor
-    assert executor.registry_name == "triton_fused" and executor.compile_step is True
-    assert executor.decide_once is False
-    unnamed = replace(named, compiled=())
-    assert "qada fused inductor" not in build_configs(suite, unnamed, model, None, 1)
-    assert "qada fused inductor" in SMOLLM2_GPU.compiled and "qada fused inductor" not in DRY_RUN_COMPILED
-
-
-def test_qada_tail_fused_spread_row_only_where_a_workload_names_it():
-    """``qada_tail fused spread``: ``qada_tail fused once`` with narrow page-top programs (``SPREAD_PAGES``), in the
-    GPU suite only (at the dry run's 16 pages it would be ``qada_tail fused once`` again)."""
-    from dataclasses import replace
-
-    from tiny_models import tiny_model
-
-    from benchmarks.models import SPREAD_PAGES, build_configs
-    from benchmarks.suites import DRY_RUN_COMPILED, SMOLLM2_GPU, SUITES, Workload
-
-    suite = replace(SUITES["gpu-dryrun"], e2e_executor="triton")
-    named = Workload("tiny-random", (64,), compiled=("qada_tail fused spread",), tail=True, moments="current")
-    configs = build_configs(suite, named, tiny_model("llama"), None, 1)
-    assert {"qada_tail fused spread", "qada_tail fused spread compiled"} <= set(configs)
-    run = configs["qada_tail fused spread"].make_run()
-    assert run.criterion.registry_name == "qada_tail" and run.executor.decide_once is True
-    assert run.executor.pages_per_program == SPREAD_PAGES < 256
-    assert "qada_tail fused spread" in SMOLLM2_GPU.compiled and "qada_tail fused spread" not in DRY_RUN_COMPILED
+    assert {name, f"{name} compiled"} <= set(configs)
+    run = configs[name].make_run()
+    criterion, executor = FUSED_VARIANTS[name]
+    assert run.criterion.registry_name == criterion and run.executor.registry_name == "triton_fused"
+    assert run.executor.compile_step is name.endswith("inductor") and run.executor.pdl is name.endswith("pdl")
+    assert run.executor.decide_once is name.endswith("spread")
+    assert run.executor.pages_per_program == (SPREAD_PAGES if name.endswith("spread") else 256)
+    assert name not in build_configs(suite, replace(named, compiled=()), model, None, 1)
+    assert name in SMOLLM2_GPU.compiled and name not in DRY_RUN_COMPILED

@@ -652,6 +652,50 @@ def test_gpu_fused_cuda_graphs_replay_equals_eager(model, reference, criterion):
             assert graphs[1][key] == pytest.approx(eager[1][key])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("criterion", "decide_once"), [
+    ({"name": "qada", "tau": 0.3}, False), ({"name": "qada", "tau": 0.3}, True),
+    ({"name": "qada_tail", "tau": 0.3}, False), ({"name": "qada_tail", "tau": 0.3}, True),
+    ({"name": "qada_tail_budget", "sparsity": 0.5}, None)], ids=["qada", "qada once", "qada_tail", "qada_tail once",
+                                                                 "qada_tail_budget"])
+def test_gpu_programmatic_launches_equal_ordinary_ones(model, reference, criterion, decide_once):
+    """``pdl=True`` (programmatic dependent launches on sm_90+: a split starts while the moment step runs and waits
+    for it before reading its estimate; the combine waits for the splits), eagerly and replayed in a model's CUDA
+    graphs over two sequences: an ordinary eager run's tokens and statistics."""
+    from tests.test_buffer_decode import greedy_compiled
+
+    executor = {"name": "triton_fused", "block_size": 16, "decide_once": decide_once, "pdl": True}
+    ordinary = dict(executor, pdl=False)
+    run = make_run("stored", executor, reference, criterion)
+    assert run.executor.programmatic(torch.device(DEVICE)) == (torch.cuda.get_device_capability(DEVICE)[0] >= 9)
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    for seed in (3, 5):
+        expected = greedy_compiled(model, make_run("stored", ordinary, reference, criterion, compile=False), 8,
+                                   {"disable": True}, device=DEVICE, seed=seed)
+        eager = greedy_compiled(model, make_run("stored", executor, reference, criterion, compile=False), 8,
+                                {"disable": True}, device=DEVICE, seed=seed)
+        graphs = greedy_compiled(model, run, 8, {}, device=DEVICE, seed=seed, forward=forward)
+        for got in (eager, graphs):
+            assert torch.equal(got[0], expected[0])
+            for key in ("sparsity", "kv_sparsity", "decode_steps"):
+                assert got[1][key] == pytest.approx(expected[1][key])
+
+
+def test_programmatic_launches_only_where_the_device_has_them():
+    """``pdl`` is a bool, off on the CPU (Triton's interpreter); where it applies (an sm_90 GPU), the same output and
+    decision as without."""
+    with pytest.raises(ValueError, match="pdl"):
+        FusedTritonExecutor(pdl="yes")
+    executor = FusedTritonExecutor(block_size=16, pdl=True)
+    assert not executor.programmatic(torch.device("cpu"))
+    step = make_step(1, 4, 2, 64, 16, None, None, torch.float32, seed=3)
+    with_pdl = executor.decide_and_attend(fresh(step), 0.5)
+    without = FusedTritonExecutor(block_size=16).decide_and_attend(fresh(step), 0.5)
+    assert torch.equal(with_pdl.output, without.output) and torch.equal(with_pdl.local, without.local)
+
+
 def test_add_to_must_be_float64_sums_and_one_index():
     """The combine's ``add_to`` refuses sums of another dtype, width or device and an index of several elements."""
     step = make_step(1, 4, 2, 64, 16, None, None, torch.float32, seed=3)

@@ -37,8 +37,10 @@ SCRIPT = textwrap.dedent(
     sys.path[:0] = [{root!r}]
     import torch, transformers
     from benchmarks.compile_trace import pretend_cuda_triton
-    from benchmarks.kernel_resources import H100_SMS, Sm90Compiler, compile_steps, use_sm_count
+    from benchmarks.kernel_resources import (H100_SMS, Sm90Compiler, compile_steps, pretend_programmatic_launch,
+                                             use_sm_count)
     pretend_cuda_triton()
+    pretend_programmatic_launch()
     use_sm_count(H100_SMS)  # the splits an H100 gets
     from qada.attention import _triton_kernel
 
@@ -133,6 +135,24 @@ def test_the_attention_inside_the_fused_kernels_is_pipelined_as_the_plain_split(
     for k in attending:
         label = k["configs"][0][0]
         assert k["async_copies"] >= plain[label], (k["kernel"], k["flags"], label, k["async_copies"], plain[label])
+
+
+def test_programmatic_dependent_launches_wait_before_reading_the_previous_launch(kernels):
+    """With the ``triton_fused`` executor's ``pdl``, a layer's launches are programmatic dependent launches: the
+    moment step's and the splits' kernels let the next launch start (``griddepcontrol.launch_dependents``), the
+    splits and the combine wait for the previous launch (``griddepcontrol.wait``) before reading what it wrote;
+    without it the kernels have neither instruction (the page-top launch, the budget's and a ``qada_tail`` decision
+    merging the page-top lists never: they follow a launch that does not let them start early)."""
+    expected = {"current_moment_step_kernel": (True, False),  # (these shapes step current moments)
+                "qada_fused_split_kernel": (True, True), "qada_tail_fused_split_kernel": (True, True),
+                "qada_decode_split_kernel": (True, True), "qada_decode_combine_kernel": (False, True)}
+    with_pdl = [k for k in kernels if k["flags"].get("PDL")]
+    assert {k["kernel"] for k in with_pdl} == set(expected)
+    for k in with_pdl:
+        assert all(c[1].endswith(" pdl") for c in k["configs"]), k["configs"]
+        assert (k["pdl_starts"] > 0, k["pdl_waits"] > 0) == expected[k["kernel"]], (k["kernel"], k["configs"])
+    assert not any(k["pdl_starts"] or k["pdl_waits"] for k in kernels if not k["flags"].get("PDL"))
+    assert not any(k["flags"].get("CANDIDATES") for k in with_pdl)
 
 
 def test_programs_per_sm_follow_the_sm90_limits():

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from qada.attention._fused_kernel import cap, decide_group_and_store
-from qada.attention._triton_kernel import as_float32
+from qada.attention._triton_kernel import as_float32, let_next_start
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def bulk_estimate_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_START: tl.constexpr, END_GIVEN: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program = one (row, KV head): ``LME [b, H]`` float32 ``log E[exp(s)]`` of its query heads (``Q [b, H,
     d]``) from the bulk moments ``MEAN [b, H_kv, d]``, ``COV [b, H_kv, d, d]`` (any strides and float dtype), under
@@ -103,6 +103,7 @@ def bulk_estimate_kernel(
     step's kernels sum it from the covariance they compute (:mod:`qada.attention._moment_kernel`): from a symmetric
     covariance both give the same float32 value (bit for bit where the two kernels contract alike)."""
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
+    let_next_start(PDL)  # (with PDL: the split launch may start; it waits before reading what this one writes)
     pid = tl.program_id(0)
     row = pid // H_kv
     kv_head = pid % H_kv

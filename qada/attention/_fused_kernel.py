@@ -14,8 +14,10 @@ from qada.attention._triton_kernel import (
     block_list,
     group_queries,
     key_scores,
+    let_next_start,
     row_range,
     through_memory,
+    wait_for_previous,
 )
 
 
@@ -142,7 +144,7 @@ def qada_fused_split_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the group's QAdA decision, then its split of the attention.
 
@@ -164,9 +166,14 @@ def qada_fused_split_kernel(
     BROKEN [b, H]`` and ``READ [b, H_kv]``, bool (bytes 0/1). The attention and what it writes (``ACC, M, L,
     COUNTS``) are those of :func:`~qada.attention._triton_kernel.qada_decode_split_kernel` with the effective local
     mask.
+
+    With ``PDL`` (launched as a programmatic dependent launch after the moment step's launch, which wrote ``LME``)
+    it lets the combine launch start, scores the window while the moment step may still run, and waits for it before
+    reading ``LME`` (:func:`group_decision`): everything read before was written before the moment step started.
     """
     scale, qk_scale = as_float32(scale), as_float32(qk_scale)  # (fp64 where torch.compile launches)
     softcap, log_tau = as_float32(softcap), as_float32(log_tau)
+    let_next_start(PDL)
     pair = tl.program_id(0)
     split = tl.program_id(1)
     row = pair // H_KV
@@ -187,7 +194,7 @@ def qada_fused_split_kernel(
     decided, local, broken, dense, read = group_decision(
         q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
         scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION,
-        DOT_FP32,
+        DOT_FP32, PDL,
     )  # fmt: skip
     if split == 0:
         store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
@@ -208,19 +215,21 @@ def group_decision(
     scale, softcap, log_tau,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The decision of the ``G`` query heads ``heads [BLOCK_G]`` (where ``g_ok``) of one (row, KV head)
     (:func:`qada_fused_split_kernel`'s docstring): ``(decided, local, broken, dense [BLOCK_G], read)``
     (:func:`threshold_decision`), from their queries ``q [BLOCK_G, BLOCK_D]`` (as :func:`window_log_mass` takes
     them), the KV head's keys at ``k_base``, the row's range (:func:`~qada.attention._triton_kernel.row_range`) and
-    the heads' ``LME [b, H]``."""
+    the heads' ``LME [b, H]`` (read after :func:`~qada.attention._triton_kernel.wait_for_previous` with ``PDL``)."""
     has_bulk = t_bulk > 0
     # log A_local: the window's exact mass (and the sink logit)
     log_local, bad = window_log_local(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
                                       scale, softcap, SINKS, heads, g_ok, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP,
                                       HAS_SINKS, INPUT_PRECISION, DOT_FP32)  # fmt: skip
-    # eq. 7: the lognormal estimate of log A_bulk (its query side computed once per step: LME)
+    # eq. 7: the lognormal estimate of log A_bulk (its query side computed once per step: LME, by the previous launch
+    # or, deciding once, by this program)
+    wait_for_previous(PDL)
     log_mean_exp = tl.load(LME + row64 * (H_KV * G) + heads, mask=g_ok, other=0.0)
     log_t = tl.log(tl.maximum(t_bulk, 1).to(tl.float32))
     log_bulk = tl.where(has_bulk, log_t + log_mean_exp, float("-inf"))
@@ -251,7 +260,7 @@ def decide_group_and_store(
     decided, local, broken, dense, read = group_decision(
         q, K + row64 * stride_kb + kv64 * stride_kh, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last,
         t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS,
-        PROMOTE, INPUT_PRECISION, DOT_FP32,
+        PROMOTE, INPUT_PRECISION, DOT_FP32, False,
     )  # fmt: skip
     store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
                    read)  # fmt: skip

@@ -45,7 +45,15 @@ from qada.attention._fused_kernel import (
     threshold_decision,
     window_log_local,
 )
-from qada.attention._triton_kernel import as_float32, attend_split, key_scores, row_range, through_memory
+from qada.attention._triton_kernel import (
+    as_float32,
+    attend_split,
+    key_scores,
+    let_next_start,
+    row_range,
+    through_memory,
+    wait_for_previous,
+)
 
 
 @triton.jit
@@ -252,7 +260,7 @@ def qada_tail_fused_split_kernel(
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    ATTEND: tl.constexpr, SCORE: tl.constexpr, CANDIDATES: tl.constexpr,
+    ATTEND: tl.constexpr, SCORE: tl.constexpr, CANDIDATES: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the step's key joins its page, the group's ``qada_tail``
     decision (module docstring), then its split of the attention. With ``SCORE`` (and neither ``ATTEND`` nor more
@@ -272,9 +280,14 @@ def qada_tail_fused_split_kernel(
     COUNTS``.
     ``BLOCK_H``: heavy slots per tile; ``BLOCK_P``: pages per tile; ``BLOCK_S >= PAGE``, ``BLOCK_M >= TOP`` powers
     of two.
+
+    With ``PDL`` (launched as a programmatic dependent launch after the moment step's launch, which wrote ``LME``;
+    not with ``CANDIDATES``, which a launch in between wrote) it lets the next launch start, makes the whole
+    decision but the bulk estimate while the moment step may still run, and waits for it before reading ``LME``.
     """
     scale, qk_scale = as_float32(scale), as_float32(qk_scale)  # (fp64 where torch.compile launches)
     softcap, log_tau = as_float32(softcap), as_float32(log_tau)
+    let_next_start(PDL)
     pair = tl.program_id(0)
     split = tl.program_id(1)
     row = pair // H_KV
@@ -385,6 +398,7 @@ def qada_tail_fused_split_kernel(
     log_exact = tl.where(total_e > 0, m_e + tl.log(total_e), float("-inf"))
 
     # --- eqs. 5-7 on the rest of the bulk: log Â_bulk = logaddexp(log A_E, log(T_bulk - |E|) + log E[exp(s)]) ----
+    wait_for_previous(PDL)  # (LME: the moment step's launch)
     log_mean_exp = tl.load(LME + row64 * (H_KV * G) + heads, mask=g_ok, other=0.0)  # (computed once per step)
     rest = t_bulk - n_exact  # [BLOCK_G]
     log_rest = tl.where(rest > 0, tl.log(tl.maximum(rest, 1).to(tl.float32)) + log_mean_exp, float("-inf"))

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from qada.attention._estimate_kernel import add_block_pair, decide_after_estimate, query_tile, store_log_mean_exp
-from qada.attention._triton_kernel import as_float32
+from qada.attention._triton_kernel import as_float32, let_next_start
 
 
 @triton.jit
@@ -74,6 +74,7 @@ def current_moment_step_kernel(
     ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
     SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr,
     HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`~qada.moments.current.current_buffer_step` of one (row, KV head): the key at ``end - 1 - T_recent``
     (clamped at 0) of ``KEYS [b, H_kv, C, D]`` joins the float64 state (``COUNT [b, H_kv]``, ``MEAN [b, H_kv, D]``,
@@ -88,6 +89,7 @@ def current_moment_step_kernel(
     two blocks ``½ (C + Cᵀ)``, ``C = M2 / max(n, 1)``, and their share of each head's ``q^T cov q``: no second pass
     over ``M2``, no read of the covariance back."""
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
+    let_next_start(PDL)  # (with PDL: the split launch may start; it waits before reading what this one writes)
     pid = tl.program_id(0)
     row = pid // H_kv
     head = pid % H_kv
@@ -168,6 +170,7 @@ def stored_moment_step_kernel(
     ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
     SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr,
     HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`~qada.moments.stored.advance_reference_range` of one (row, KV head): the row's reference range
     ``[first, e(n))`` moves from ``e(n - 1)`` (what the previous step, or the prefill, left in ``OLD_END``: every
@@ -180,6 +183,7 @@ def stored_moment_step_kernel(
     x xᵀ``, or the jump's), written back and centred into the covariance's two blocks (``½ (C + Cᵀ)``, ``C = (S2 -
     count c cᵀ) / max(count, 1)``, ``c = S1 / max(count, 1)``)."""
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
+    let_next_start(PDL)  # (with PDL: the split launch may start; it waits before reading what this one writes)
     pid = tl.program_id(0)
     row = pid // H_kv
     head = pid % H_kv

@@ -22,6 +22,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (Triton >= 3.3): the kernels use it only when asked, on sm_90+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_PDL = True
+except ImportError:  # pragma: no cover - older triton
+    gdc_launch_dependents = gdc_wait = None
+    HAS_PDL = False
+
 try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)
 except AttributeError:  # older triton without knobs
@@ -49,6 +57,24 @@ def as_float32(x):
     ``torch.compile`` (a kernel launched from a compiled function) as fp64, which would make the scores and the
     decision float64 (and a loop's carried values change type): the kernels compute in float32 either way."""
     return tl.cast(x, tl.float32)
+
+
+@triton.jit
+def let_next_start(PDL: tl.constexpr):
+    """With ``PDL``: the next launch, if launched as a programmatic dependent launch (sm_90+, ``launch_pdl``), may
+    start now, while this one runs (it waits in :func:`wait_for_previous` before reading what this one writes).
+    Without, nothing."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """With ``PDL``: wait until the previous launch has finished and its writes are visible. A program launched as a
+    programmatic dependent launch may start before that: everything it reads before this call must have been
+    written before the previous launch started. Without, nothing (stream order waits)."""
+    if PDL:
+        gdc_wait()
 
 
 @triton.jit
@@ -230,7 +256,7 @@ def qada_decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split of its virtual block list, for all ``G`` query heads.
 
@@ -242,9 +268,12 @@ def qada_decode_split_kernel(
     ``DOT_FP32`` upcasts the inputs of both dots to float32 (bfloat16 under the interpreter, whose bfloat16
     ``tl.dot`` is wrong). Every loop-carried value is float32 whatever type ``qk_scale`` arrives with. With
     ``SOFTCAP`` the scores are soft-capped, ``c tanh(s / c)`` with ``c = softcap`` (``qk_scale`` is then the
-    plain ``scale``, and the capped score is taken to the log2 domain).
+    plain ``scale``, and the capped score is taken to the log2 domain). With ``PDL`` (launched as a programmatic
+    dependent launch after the launch that wrote ``LOCAL``) it lets the combine launch start, and waits for the
+    previous launch before reading ``LOCAL``.
     """
     qk_scale, softcap = as_float32(qk_scale), as_float32(softcap)  # (fp64 where torch.compile launches)
+    let_next_start(PDL)
     pair = tl.program_id(0)
     split = tl.program_id(1)
     row = pair // H_KV
@@ -258,6 +287,7 @@ def qada_decode_split_kernel(
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
     has_bulk = t_bulk > 0
 
+    wait_for_previous(PDL)  # (the decision: LOCAL)
     is_local = tl.load(LOCAL + row64 * stride_lb + heads.to(tl.int64) * stride_lh, mask=g_ok, other=1)
     dense = (is_local == 0) & g_ok  # [BLOCK_G]
     read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
@@ -343,12 +373,14 @@ def qada_decode_combine_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_SINKS: tl.constexpr, STATS: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
-    TAIL_READS: tl.constexpr, ADD: tl.constexpr,
+    TAIL_READS: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Programs ``0 .. b*H-1``: one (row, query head) each, merge its splits by log-sum-exp into ``OUT [b, H, 1,
     d]`` (the query dtype; a split with ``m = -inf`` weighs 0 and a head with nothing attended gets 0). Program
     ``b*H``: sum the bulk-only block counts ``COUNTS[:, 0]`` into the 0-d int64 ``BULK_BLOCKS``; with ``STATS``,
-    also the step's statistics row (:func:`statistics_row`, added to ``SUMS[LAYER]`` with ``ADD``)."""
+    also the step's statistics row (:func:`statistics_row`, added to ``SUMS[LAYER]`` with ``ADD``). With ``PDL``
+    (launched as a programmatic dependent launch after the split launch) it first waits for the splits."""
+    wait_for_previous(PDL)
     pid = tl.program_id(0)
     n_heads = tl.num_programs(0) - 1
     if pid == n_heads:

@@ -49,7 +49,14 @@ import torch
 
 from qada.attention.base import GroupDecision, register_executor
 from qada.attention.moment_step import BulkEstimate, EstimateDecision, estimate_launch
-from qada.attention.triton_decode import StepStatistics, TritonExecutor, _next_pow2, check_triton_runtime, combine
+from qada.attention.triton_decode import (
+    StepStatistics,
+    TritonExecutor,
+    _next_pow2,
+    check_triton_runtime,
+    combine,
+    programmatic,
+)
 from qada.functional.tail import EXTREMA_DTYPES
 from qada.stable_tensors import write_into
 from qada.step import DecodeStep
@@ -244,6 +251,16 @@ class FusedTritonExecutor(TritonExecutor):
     (the same tokens and statistics, measured there). It stays opt-in until its speed in a CUDA graph is measured:
     there the eager step's kernels are replayed all the same."""
 
+    pdl: bool = False
+    """Whether a layer's launches after the moment step's are programmatic dependent launches (CUDA's PDL, sm_90 and
+    later, eager steps): each may start while the launch before it runs (the moment step's and the split's let it at
+    once), does what does not depend on that launch (a split scores the window, and for ``qada_tail`` the exact set
+    and the page bounds), then waits for it before reading what it wrote. It hides the launch latency between a
+    layer's dependent launches and overlaps the decision's window scan with the moment step: what a step of few
+    programs, as at batch size 1, waits for. Off where the device has none (the CPU, Triton's interpreter, before
+    sm_90), inside a step ``torch.compile`` compiles (``compile_step``), and for a ``qada_tail`` decision merging
+    the page-top launch's lists. The same kernels and results either way; opt-in until a GPU has timed it."""
+
     _hermite_held: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
                                                                       compare=False)
 
@@ -256,6 +273,15 @@ class FusedTritonExecutor(TritonExecutor):
             raise ValueError(f"expected compile_step to be a bool but got {self.compile_step!r}")
         if self.decide_once is not None and not isinstance(self.decide_once, bool):
             raise ValueError(f"expected decide_once to be a bool or None but got {self.decide_once!r}")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"expected pdl to be a bool but got {self.pdl!r}")
+
+    def programmatic(self, device: torch.device) -> bool:
+        """Whether this step's launches on ``device`` are programmatic dependent launches (:attr:`pdl`)."""
+        from qada.attention import _triton_kernel
+
+        return (self.pdl and _triton_kernel.HAS_PDL and not _triton_kernel.INTERPRETED and device.type == "cuda"
+                and not torch.compiler.is_compiling() and torch.cuda.get_device_capability(device)[0] >= 9)
 
     def to_device(self, device: torch.device) -> None:
         """Hold the soft cap's Gauss-Hermite nodes and log weights on ``device``: a compiled step then reads them as
@@ -278,7 +304,7 @@ class FusedTritonExecutor(TritonExecutor):
         fill (and with ``decision`` (:meth:`estimate_decision`) to decide from)."""
         out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         nodes, log_weights = self._hermite_on(query.device) if softcap else (out, out)  # (read only under a cap)
-        return BulkEstimate(query, scale, softcap, nodes, log_weights, out, decision)
+        return BulkEstimate(query, scale, softcap, nodes, log_weights, out, decision, self.programmatic(query.device))
 
     def decides_in_estimate(self, tail_aware: bool = False) -> bool:
         """Whether the launch that writes each head's ``log E[exp(s)]`` also decides: the plain ``qada`` decision
@@ -379,9 +405,10 @@ class FusedTritonExecutor(TritonExecutor):
                  float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau)
         log_ratio = n_exact = None
         grid = (pairs, S)
+        pdl = self.programmatic(device)  # each launch below may start while the one before it runs
         if tail is None:  # (the decision made in every split: not apart)
             _triton_kernel.run(_fused_kernel.qada_fused_split_kernel, grid, *inputs, *outputs, *strides,
-                               *sizes, **common)
+                               *sizes, **common, **programmatic(pdl))
         else:
             from qada.attention import _fused_tail_kernel
 
@@ -397,7 +424,8 @@ class FusedTritonExecutor(TritonExecutor):
                                *candidates, *outputs, log_ratio, n_exact, *strides, *tail.kernel_strides(), *sizes,
                                tail.heavy.shape[2], n_pages, stretches, CANDIDATES=stretches > 1,
                                SCORE=budget is not None,  # SCORE: the heads' scores, the budget decides
-                               ATTEND=not apart, **common, **constants)
+                               ATTEND=not apart, **common, **constants,
+                               **programmatic(pdl and stretches == 1))  # (not after the page-top launch)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)
         tail_reads = None if tail is None else (tail.page_size, tail.heavy.shape[2] if tail.heavy_reads is None
@@ -405,10 +433,10 @@ class FusedTritonExecutor(TritonExecutor):
         row = torch.empty(5, dtype=torch.float64, device=device)
         statistics = StepStatistics(flags[1], read, flags[2], start, end, C, window.t_local, row, tail_reads, add_to)
         if apart:  # the triton executor's two launches on the decision just made
-            done = self.launch(step, GroupDecision(flags[1], read), statistics)
+            done = self.launch(step, GroupDecision(flags[1], read), statistics, pdl)
             return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts,
                                log_ratio, n_exact, row)
-        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics)
+        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl)
         return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read, flags[2], counts, log_ratio, n_exact, row)
 
     def _decided_in_estimate(self, step: DecodeStep, tau: float, policy: str,
@@ -430,7 +458,8 @@ class FusedTritonExecutor(TritonExecutor):
         row = torch.empty(5, dtype=torch.float64, device=step.query.device)
         statistics = StepStatistics(decision.local, decision.read, decision.broken, step.start, step.end,
                                     step.keys.shape[2], step.window.t_local, row, None, add_to)
-        done = self.launch(step, GroupDecision(decision.local, decision.read), statistics)
+        done = self.launch(step, GroupDecision(decision.local, decision.read), statistics,
+                           self.programmatic(step.query.device))
         return FusedLaunch(done.output, done.bulk_blocks, decision.decided, decision.local, decision.read,
                            decision.broken, done.counts, None, None, row)
 

@@ -91,6 +91,8 @@ class BulkEstimate(NamedTuple):
             ``mu_s + sigma_s^2 / 2`` (eqs. 5-6), or ``log E[exp(c tanh(s / c))]`` under a cap
             (:func:`~qada.functional.capping.log_mean_exp_score`, float32 in the kernel).
         decision: the decision the same launch then makes from it (:class:`EstimateDecision`), or ``None``.
+        pdl: the launch lets the next one start at once (a programmatic dependent launch, sm_90+: it waits for this
+            one before reading what this one writes).
     """
 
     query: torch.Tensor
@@ -100,6 +102,7 @@ class BulkEstimate(NamedTuple):
     log_weights: torch.Tensor
     out: torch.Tensor
     decision: EstimateDecision | None = None
+    pdl: bool = False
 
     def kernel_args(self) -> tuple[tuple, tuple]:
         """``(Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN)`` and ``(stride_qb, stride_qh, stride_qd,
@@ -124,7 +127,8 @@ class BulkEstimate(NamedTuple):
             DECIDE=True, BLOCK_N=made.block_n, END_GIVEN=made.end is not None, HAS_SINKS=made.sinks is not None,
             PROMOTE=made.promote, INPUT_PRECISION=made.input_precision, DOT_FP32=made.dot_fp32)
         return dict(ESTIMATE=True, G=H // H_kv, BLOCK_G=max(16, _next_pow2(H // H_kv)),
-                    BLOCK_X=max(16, _next_pow2(self.nodes.shape[0])), SOFTCAP=bool(self.softcap), **decide)
+                    BLOCK_X=max(16, _next_pow2(self.nodes.shape[0])), SOFTCAP=bool(self.softcap), **decide,
+                    **(dict(PDL=True) if self.pdl else {}))
 
     def decision_keys(self, placeholder: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         """``KEYS`` and its four strides for a launch that reads the decision's keys (``placeholder``: none)."""

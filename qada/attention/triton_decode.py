@@ -125,10 +125,13 @@ class TritonExecutor(AttentionExecutor):
         return launch.output, launch.bulk_blocks
 
     def launch(self, step: DecodeStep, decision: GroupDecision,
-               statistics: StepStatistics | None = None) -> TritonLaunch:
+               statistics: StepStatistics | None = None, pdl: bool = False) -> TritonLaunch:
         """Run both kernels on ``step`` (reads ``query``, ``keys``, ``values``, ``start``, ``end``, the window and
         ``decision.local``) and return every buffer they wrote (:class:`TritonLaunch`); with ``statistics``, the
-        combine launch writes the step's statistics row too (:func:`combine`)."""
+        combine launch writes the step's statistics row too (:func:`combine`). ``pdl``: both as programmatic
+        dependent launches (sm_90+: each may start while the launch before it runs, and waits for it before
+        reading what it wrote; the caller's launch right before wrote ``decision.local`` and nothing else the split
+        reads)."""
         query, key, value = step.query, step.keys, step.values  # [b, H, d], [b, H_kv, C, d] twice
         check_triton_runtime(query.device, query.dtype)
         from qada.attention import _triton_kernel
@@ -161,9 +164,9 @@ class TritonExecutor(AttentionExecutor):
             HAS_START=start is not None, HAS_END=end is not None,
             INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
             DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
-            num_warps=self.num_warps, num_stages=self.num_stages,
+            num_warps=self.num_warps, num_stages=self.num_stages, **programmatic(pdl),
         )  # fmt: skip
-        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics)
+        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl)
         return TritonLaunch(output, bulk_blocks, acc, m, l, counts)
 
 
@@ -196,11 +199,19 @@ class StepStatistics(NamedTuple):
     add_to: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+def programmatic(pdl: bool) -> dict[str, bool]:
+    """A launch's keyword arguments for a programmatic dependent launch (``PDL``, and Triton's ``launch_pdl``), or
+    none: the kernels' ``PDL`` defaults to off, and Triton's interpreter never sees ``launch_pdl``."""
+    return dict(PDL=True, launch_pdl=True) if pdl else {}
+
+
 def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, counts: torch.Tensor,
-            sinks: torch.Tensor | None, statistics: StepStatistics | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            sinks: torch.Tensor | None, statistics: StepStatistics | None = None,
+            pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The combine launch: the splits ``acc [pairs, S, G, d]``, ``m, l [pairs, S, G]``, ``counts [pairs, S, 2]``
     of a split kernel for ``query [b, H, d]`` (and the sink logits ``[H]`` or ``None``) merged into ``(output [b,
-    H, 1, d]`` in the query dtype, ``bulk_blocks`` 0-d int64); with ``statistics``, its ``row`` written too."""
+    H, 1, d]`` in the query dtype, ``bulk_blocks`` 0-d int64); with ``statistics``, its ``row`` written too.
+    ``pdl``: as a programmatic dependent launch right after the split launch (it waits for it first)."""
     from qada.attention import _triton_kernel
 
     b, H, d = query.shape
@@ -238,6 +249,7 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
         G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=max(16, _next_pow2(d)), BLOCK_C=256,
         HAS_SINKS=sinks is not None, STATS=statistics is not None, HAS_START=stats.start is not None,
         HAS_END=stats.end is not None, TAIL_READS=stats.tail_reads is not None, ADD=stats.add_to is not None,
+        **programmatic(pdl),
     )  # fmt: skip
     return output, bulk_blocks
 

@@ -133,7 +133,7 @@ def current_moment_step_kernel(
             a = a + w * (delta_i[:, None] * after_j[None, :])
             b = b + w * (delta_j[:, None] * after_i[None, :])
             cov = 0.5 * (a / n_safe + tl.trans(b / n_safe))
-            tl.debug_barrier()  # every thread has read the pair (on the diagonal block a and b are one)
+            tl.debug_barrier()  # every thread has read the pair (a small block is held by several threads)
             store_block_pair(m2, OUT_COV + pair * D * D, a, b, cov.to(tl.float32), rows, cols, ok, i, j, D)
             if ESTIMATE:
                 cov32 = cov.to(tl.float32)
@@ -234,7 +234,7 @@ def stored_moment_step_kernel(
             centred_a = a - count * (c_i[:, None] * c_j[None, :])
             centred_b = b - count * (c_j[:, None] * c_i[None, :])
             cov = 0.5 * (centred_a / n_safe + tl.trans(centred_b / n_safe))
-            tl.debug_barrier()  # every thread has read the pair (on the diagonal block a and b are one)
+            tl.debug_barrier()  # every thread has read the pair (a small block is held by several threads)
             store_block_pair(s2, COV + pair * D * D, a, b, cov.to(tl.float32), rows, cols, ok, i, j, D)
             if ESTIMATE:
                 cov32 = cov.to(tl.float32)

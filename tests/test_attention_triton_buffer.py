@@ -193,14 +193,15 @@ COMPILE = textwrap.dedent(
               dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, LOCAL="*i1", ACC="*fp32", M="*fp32", L="*fp32",
                    COUNTS="*i32", **ints),
               dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=has_rows, HAS_END=has_rows,
-                   INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features),
+                   INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features,
+                   PDL=features),
               {"qk_scale": "fp64", "softcap": "fp64"})  # what Inductor may pass for a Python float
         build(K.qada_decode_combine_kernel,  # with features: the statistics row too (the fused step's)
               dict(ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", OUT="*" + dtype, BULK_BLOCKS="*i64",
                    SINKS="*" + dtype, LOCAL="*u8", READ="*u8", BROKEN="*u8", ROW="*fp64", SUMS="*fp64",
                    LAYER="*i64", **ints),
               dict(G=4, D=128, BLOCK_S=64, CHUNK_S=16, BLOCK_D=128, BLOCK_C=256, HAS_SINKS=features, STATS=features,
-                   HAS_START=has_rows, HAS_END=has_rows, TAIL_READS=features, ADD=features), {})
+                   HAS_START=has_rows, HAS_END=has_rows, TAIL_READS=features, ADD=features, PDL=features), {})
     print("compiled")
     """
 )

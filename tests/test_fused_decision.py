@@ -432,7 +432,8 @@ COMPILE = textwrap.dedent(
                         BROKEN="*u8")
         constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=rows,
                          HAS_END=rows, HAS_SINKS=features, PROMOTE=features,
-                         INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features)
+                         INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features,
+                         PDL=features)
         floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
         names = kernel.arg_names
         signature = {n: pointers.get(n, "constexpr" if n in constants else floats.get(n, "i32")) for n in names}

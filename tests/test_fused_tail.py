@@ -435,7 +435,7 @@ COMPILE = textwrap.dedent(
                          BLOCK_P=32, PAGE=16, BLOCK_S=16, TOP=8, BLOCK_M=8, ENTRIES=2, HAS_START=rows, HAS_END=rows,
                          HAS_SINKS=features, PROMOTE=features, INPUT_PRECISION="ieee" if dtype == "fp32" else None,
                          DOT_FP32=False, SOFTCAP=features, ATTEND=not features, SCORE=features,
-                         CANDIDATES=features)
+                         CANDIDATES=features, PDL=not features)
         floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
         for kernel in (K.qada_tail_fused_split_kernel, K.qada_tail_page_top_kernel):
             names = kernel.arg_names

@@ -145,7 +145,7 @@ def test_moment_kernels_compile_for_the_gpu():
         for estimate, decide in ((False, False), (True, False), (True, True)):
             constants = {"D": 128, "BLOCK_T": 32, "BLOCK_D": 128, "HAS_START": True, "ESTIMATE": estimate, "G": 4,
                          "BLOCK_G": 16, "BLOCK_E": 4, "BLOCK_X": 32, "SOFTCAP": estimate, "DECIDE": decide,
-                         "BLOCK_N": 64, "END_GIVEN": decide, "HAS_SINKS": decide, "PROMOTE": decide,
+                         "BLOCK_N": 64, "END_GIVEN": decide, "HAS_SINKS": decide, "PROMOTE": decide, "PDL": decide,
                          "INPUT_PRECISION": None, "DOT_FP32": False}
             for kernel in (K.current_moment_step_kernel, K.stored_moment_step_kernel, E.bulk_estimate_kernel):
                 names = kernel.arg_names

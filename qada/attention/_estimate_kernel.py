@@ -91,7 +91,7 @@ def bulk_estimate_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_START: tl.constexpr, END_GIVEN: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr = False,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head): ``LME [b, H]`` float32 ``log E[exp(s)]`` of its query heads (``Q [b, H,
     d]``) from the bulk moments ``MEAN [b, H_kv, d]``, ``COV [b, H_kv, d, d]`` (any strides and float dtype), under

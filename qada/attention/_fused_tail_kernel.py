@@ -260,7 +260,7 @@ def qada_tail_fused_split_kernel(
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-    ATTEND: tl.constexpr, SCORE: tl.constexpr, CANDIDATES: tl.constexpr, PDL: tl.constexpr = False,
+    ATTEND: tl.constexpr, SCORE: tl.constexpr, CANDIDATES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the step's key joins its page, the group's ``qada_tail``
     decision (module docstring), then its split of the attention. With ``SCORE`` (and neither ``ATTEND`` nor more

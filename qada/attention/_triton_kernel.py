@@ -256,7 +256,7 @@ def qada_decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr = False,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split of its virtual block list, for all ``G`` query heads.
 
@@ -373,7 +373,7 @@ def qada_decode_combine_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_SINKS: tl.constexpr, STATS: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
-    TAIL_READS: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False,
+    TAIL_READS: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Programs ``0 .. b*H-1``: one (row, query head) each, merge its splits by log-sum-exp into ``OUT [b, H, 1,
     d]`` (the query dtype; a split with ``m = -inf`` weighs 0 and a head with nothing attended gets 0). Program

@@ -128,7 +128,7 @@ class BulkEstimate(NamedTuple):
             PROMOTE=made.promote, INPUT_PRECISION=made.input_precision, DOT_FP32=made.dot_fp32)
         return dict(ESTIMATE=True, G=H // H_kv, BLOCK_G=max(16, _next_pow2(H // H_kv)),
                     BLOCK_X=max(16, _next_pow2(self.nodes.shape[0])), SOFTCAP=bool(self.softcap), **decide,
-                    **(dict(PDL=True) if self.pdl else {}))
+                    PDL=self.pdl)
 
     def decision_keys(self, placeholder: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         """``KEYS`` and its four strides for a launch that reads the decision's keys (``placeholder``: none)."""
@@ -155,7 +155,7 @@ _NO_DECISION = dict(DECIDE=False, BLOCK_N=16, END_GIVEN=False, HAS_SINKS=False, 
 def _without_estimate(placeholder: torch.Tensor) -> tuple[tuple, tuple, dict]:
     """The estimate's kernel arguments when there is none (``ESTIMATE`` off; ``placeholder`` is never read)."""
     return ((placeholder,) * 9, (0, 0, 0, 1.0, 1.0, 1, 1, 0, 0.0),
-            dict(ESTIMATE=False, G=1, BLOCK_G=16, BLOCK_X=16, SOFTCAP=False, **_NO_DECISION))
+            dict(ESTIMATE=False, G=1, BLOCK_G=16, BLOCK_X=16, SOFTCAP=False, PDL=False, **_NO_DECISION))
 
 
 def _estimate_parts(estimate: BulkEstimate | None, H_kv: int, placeholder: torch.Tensor, start: torch.Tensor | None,

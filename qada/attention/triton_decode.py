@@ -200,9 +200,10 @@ class StepStatistics(NamedTuple):
 
 
 def programmatic(pdl: bool) -> dict[str, bool]:
-    """A launch's keyword arguments for a programmatic dependent launch (``PDL``, and Triton's ``launch_pdl``), or
-    none: the kernels' ``PDL`` defaults to off, and Triton's interpreter never sees ``launch_pdl``."""
-    return dict(PDL=True, launch_pdl=True) if pdl else {}
+    """A launch's keyword arguments for a programmatic dependent launch or an ordinary one: the kernels' ``PDL``
+    (always given: torch's analysis of what a kernel writes needs every argument), and Triton's ``launch_pdl`` only
+    with it (Triton's interpreter never sees it)."""
+    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
 
 def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, counts: torch.Tensor,

@@ -56,12 +56,48 @@ def store_block_pair(STATE, COV, a, b, cov, rows, cols, ok, i, j, D: tl.constexp
 
 
 @triton.jit
-def mean_query(Q, row, head, stride_qb, stride_qh, stride_qd, mean, offs_d, d_ok, scale, G: tl.constexpr,
-               BLOCK_E: tl.constexpr):  # fmt: skip
-    """``mu_s = scale q·mean`` (eq. 5) of the group's query heads ``[BLOCK_E]`` (``mean [BLOCK_D]`` float32): as
-    :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` computes it."""
+def finish_block_pair(STATE, COV, acc, a, b, centred_a, centred_b, n_safe, q_head, stride_qh, stride_qd, rows, cols,
+                      i_ok, j_ok, i, j, D: tl.constexpr, G: tl.constexpr, BLOCK_E: tl.constexpr,
+                      ESTIMATE: tl.constexpr):  # fmt: skip
+    """One block pair's end, for both moment kernels: the covariance's block ``½ (C + Cᵀ)``, ``C = centred /
+    n_safe`` (``centred_a = M2'[I, J]``, ``centred_b = M2'[J, I]`` in its own orientation), then, once every thread
+    has read the pair, the updated state ``a``, ``b`` and both covariance blocks stored (:func:`store_block_pair`);
+    returns ``acc`` plus the pair's share of each head's ``q^T cov q`` with ``ESTIMATE`` (the group's queries at
+    ``q_head``), else ``acc``."""
+    cov = 0.5 * (centred_a / n_safe + tl.trans(centred_b / n_safe))
+    tl.debug_barrier()  # every thread has read the pair (a small block is held by several threads)
+    store_block_pair(STATE, COV, a, b, cov.to(tl.float32), rows, cols, i_ok[:, None] & j_ok[None, :], i, j, D)
+    if ESTIMATE:
+        cov32 = cov.to(tl.float32)
+        q_i = query_tile(q_head, stride_qh, stride_qd, rows, i_ok, G, BLOCK_E)
+        q_j = query_tile(q_head, stride_qh, stride_qd, cols, j_ok, G, BLOCK_E)
+        acc = add_block_pair(acc, cov32, tl.where(i != j, cov32, 0.0), q_i, q_j)
+    return acc
+
+
+@triton.jit
+def estimate_and_decide(
+    Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head, mean, acc, offs_d, d_ok,
+    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale,
+    softcap, n_nodes, log_tau,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_START: tl.constexpr, END_GIVEN: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """The moment kernels' estimate, after the block pairs: ``mu_s = scale q·mean`` (eq. 5, ``mean [BLOCK_D]``
+    float32, as :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` computes it) and ``sigma_s^2 =
+    scale^2 q^T cov q`` (eq. 6, from the pairs' running sum ``acc``) stored as each head's ``log E[exp(s)]``
+    (:func:`~qada.attention._estimate_kernel.store_log_mean_exp`), then with ``DECIDE`` the group's decision
+    (:func:`~qada.attention._estimate_kernel.decide_after_estimate`, ``KEYS`` the decision's keys)."""
     q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
-    return tl.sum(query_tile(q_head, stride_qh, stride_qd, offs_d, d_ok, G, BLOCK_E) * mean[None, :], axis=1) * scale
+    mu = tl.sum(query_tile(q_head, stride_qh, stride_qd, offs_d, d_ok, G, BLOCK_E) * mean[None, :], axis=1) * scale
+    var = tl.sum(tl.sum(acc, axis=2), axis=1) * scale * scale
+    store_log_mean_exp(LME, GH_X, GH_LOGW, row, head, mu, var, H_kv, softcap, n_nodes, G, BLOCK_E, BLOCK_X, SOFTCAP)
+    decide_after_estimate(Q, LME, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head, stride_qb,
+                          stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local,
+                          scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_D, DECIDE, BLOCK_N, HAS_START, END_GIVEN,
+                          SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
 
 
 @triton.jit
@@ -132,14 +168,8 @@ def current_moment_step_kernel(
             b = transposed_block(m2, a, rows, cols, ok, i, j, D)
             a = a + w * (delta_i[:, None] * after_j[None, :])
             b = b + w * (delta_j[:, None] * after_i[None, :])
-            cov = 0.5 * (a / n_safe + tl.trans(b / n_safe))
-            tl.debug_barrier()  # every thread has read the pair (a small block is held by several threads)
-            store_block_pair(m2, OUT_COV + pair * D * D, a, b, cov.to(tl.float32), rows, cols, ok, i, j, D)
-            if ESTIMATE:
-                cov32 = cov.to(tl.float32)
-                q_i = query_tile(q_head, stride_qh, stride_qd, rows, i_ok, G, BLOCK_E)
-                q_j = query_tile(q_head, stride_qh, stride_qd, cols, j_ok, G, BLOCK_E)
-                acc = add_block_pair(acc, cov32, tl.where(i != j, cov32, 0.0), q_i, q_j)
+            acc = finish_block_pair(m2, OUT_COV + pair * D * D, acc, a, b, a, b, n_safe, q_head, stride_qh, stride_qd,
+                                    rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
     x = tl.load(key + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float64)
     mean_old = tl.load(mean + offs_d, mask=d_ok, other=0.0)
     mean_new = mean_old + (x - mean_old) * (w / n_safe)
@@ -148,15 +178,11 @@ def current_moment_step_kernel(
     tl.store(mean + offs_d, mean_new, mask=d_ok)
     tl.store(OUT_MEAN + pair * D + offs_d, mean_new.to(tl.float32), mask=d_ok)
     if ESTIMATE:
-        mu = mean_query(Q, row, head, stride_qb, stride_qh, stride_qd, mean_new.to(tl.float32), offs_d, d_ok, scale,
-                        G, BLOCK_E)  # fmt: skip
-        var = tl.sum(tl.sum(acc, axis=2), axis=1) * scale * scale
-        store_log_mean_exp(LME, GH_X, GH_LOGW, row, head, mu, var, H_kv, softcap, n_nodes, G, BLOCK_E, BLOCK_X,
-                           SOFTCAP)  # fmt: skip
-        decide_after_estimate(Q, LME, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head, stride_qb,
-                              stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink,
-                              t_local, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_D, DECIDE, BLOCK_N, HAS_START,
-                              END_GIVEN, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
+        estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head,
+                            mean_new.to(tl.float32), acc, offs_d, d_ok, stride_qb, stride_qh, stride_qd, stride_kb,
+                            stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale, softcap, n_nodes,
+                            log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_E, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START,
+                            END_GIVEN, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
 
 
 @triton.jit
@@ -233,14 +259,8 @@ def stored_moment_step_kernel(
             a = a + w_sum * (x_i[:, None] * x_j[None, :])
             centred_a = a - count * (c_i[:, None] * c_j[None, :])
             centred_b = b - count * (c_j[:, None] * c_i[None, :])
-            cov = 0.5 * (centred_a / n_safe + tl.trans(centred_b / n_safe))
-            tl.debug_barrier()  # every thread has read the pair (a small block is held by several threads)
-            store_block_pair(s2, COV + pair * D * D, a, b, cov.to(tl.float32), rows, cols, ok, i, j, D)
-            if ESTIMATE:
-                cov32 = cov.to(tl.float32)
-                q_i = query_tile(q_head, stride_qh, stride_qd, rows, i_ok, G, BLOCK_E)
-                q_j = query_tile(q_head, stride_qh, stride_qd, cols, j_ok, G, BLOCK_E)
-                acc = add_block_pair(acc, cov32, tl.where(i != j, cov32, 0.0), q_i, q_j)
+            acc = finish_block_pair(s2, COV + pair * D * D, acc, a, b, centred_a, centred_b, n_safe, q_head, stride_qh,
+                                    stride_qd, rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
     x = tl.load(ref + offs_d * stride_rd, mask=d_ok, other=0.0).to(tl.float64) - tl.load(shift + offs_d, mask=d_ok)
     s1 = tl.load(s1_from + offs_d, mask=d_ok, other=0.0) + w_sum * x
     tl.debug_barrier()  # every block read the old sums and count
@@ -251,12 +271,8 @@ def stored_moment_step_kernel(
     mean = tl.where(count > 0, s1 / n_safe + tl.load(shift + offs_d, mask=d_ok, other=0.0), 0.0)
     tl.store(MEAN + pair * D + offs_d, mean.to(tl.float32), mask=d_ok)
     if ESTIMATE:
-        mu = mean_query(Q, row, head, stride_qb, stride_qh, stride_qd, mean.to(tl.float32), offs_d, d_ok, scale, G,
-                        BLOCK_E)  # fmt: skip
-        var = tl.sum(tl.sum(acc, axis=2), axis=1) * scale * scale
-        store_log_mean_exp(LME, GH_X, GH_LOGW, row, head, mu, var, H_kv, softcap, n_nodes, G, BLOCK_E, BLOCK_X,
-                           SOFTCAP)  # fmt: skip
-        decide_after_estimate(Q, LME, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head, stride_qb,
-                              stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink,
-                              t_local, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_D, DECIDE, BLOCK_N, HAS_START,
-                              END_GIVEN, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
+        estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head,
+                            mean.to(tl.float32), acc, offs_d, d_ok, stride_qb, stride_qh, stride_qd, stride_kb,
+                            stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale, softcap, n_nodes,
+                            log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_E, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START,
+                            END_GIVEN, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip

@@ -355,6 +355,36 @@ def test_a_decode_step_compiles_with_fullgraph_and_equals_eager(model, reference
     assert 0.0 < compiled[1]["sparsity"] < 1.0
 
 
+def test_a_compiled_step_gives_the_mask_to_its_first_global_layer_only(model, reference, monkeypatch):
+    """In ``torch.compile(model.forward)``'s graph only the first global layer's ``qada::decode_buffer`` call takes
+    the mask and the positions; the later ones take neither (Inductor copied them once per call on a GPU) and reuse
+    the rows' bounds the first derived: derived once per step, the same tokens as when each layer has the mask."""
+    import qada.models.masks as masks
+
+    derived = []
+    derive = masks.buffer_row_bounds
+    monkeypatch.setattr(masks, "buffer_row_bounds", lambda *args: derived.append(1) or derive(*args))
+    graphs = []
+
+    def record(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    criterion, source, executor = COMPILED[0]
+    compiled = greedy_compiled(model, make_run(criterion, source, executor, reference), 3,
+                               {"backend": record, "fullgraph": True})
+    calls = [node for node in graphs[-1].graph.nodes if "decode_buffer" in str(node.target)]
+    assert len(calls) == model.config.num_hidden_layers > 1
+    given = [(node.args[3] is not None, node.args[4] is not None) for node in calls]
+    assert given[0] == (True, True) and set(given[1:]) == {(False, False)}
+    assert len(derived) == 3  # once per step, not once per layer
+    monkeypatch.setattr(masks, "buffer_row_bounds", derive)
+    eager = greedy_compiled(model, make_run(criterion, source, executor, reference), 3,
+                            {"backend": "eager", "disable": True})
+    assert torch.equal(compiled[0], eager[0])
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

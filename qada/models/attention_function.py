@@ -93,6 +93,8 @@ def decode_step(run: QAdARun, layer: int, query: torch.Tensor, key: torch.Tensor
                                  features.sink_logits)
         from qada.models.compiled import decode_op
 
+        if buffered and run.shares_bounds(layer):  # the step's first global layer derived the rows' bounds
+            attention_mask = position_ids = None
         return decode_op(run, layer, query, key, value, attention_mask, scaling, position_ids, features.sink_logits,
                          features.softcap)
     return run.decode(layer, query, key, value, scaling, attention_mask, position_ids, features.sink_logits,

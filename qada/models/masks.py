@@ -46,7 +46,13 @@ class RowBounds:
     def bounds(self, attention_mask: torch.Tensor | None, length: int,
                position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(start [b] or None, end [b])`` of each row's tokens in a preallocated cache of ``length`` slots, as
-        device tensors (:func:`~qada.models.guards.buffer_row_bounds`: an error without a mask and positions)."""
+        device tensors (:func:`~qada.models.guards.buffer_row_bounds`: an error without a mask and positions).
+        Neither given: the bounds an earlier layer of this forward derived (a compiled step hands the mask to its
+        first global layer only, :meth:`~qada.models.run.QAdARun.shares_bounds`), else that error."""
+        if attention_mask is None and position_ids is None:
+            cached = self._cache.get("bounds")
+            if cached is not None and cached[2][0] == length:
+                return cached[3]
         return self._once("bounds", attention_mask, length,
                           lambda: buffer_row_bounds(attention_mask, length, position_ids), also=position_ids)
 

@@ -55,6 +55,9 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments (stored mome
                                "executor": {"name": "triton_fused"}},
 }  # fmt: skip
 
+FORWARD = ["dense", "qada", "qada fused", "qada_tail fused", "qada_tail_budget fused"]
+"""The configurations whose whole compiled decode step :func:`main` counts by default (dense: the plain model)."""
+
 EXECUTOR_LAUNCHES = {"triton": 2}  # launches an executor makes after an unfused step (split, combine)
 
 
@@ -197,8 +200,12 @@ def kernels(code: str) -> list[dict[str, Any]]:
                           "args": [ast.unparse(arg) for arg in call.args]})
         elif m := re.search(r"\bextern_kernels\.(\w+)\(", statement):
             found.append({"kind": "extern", "name": m.group(1), "args": []})
+        elif statement.startswith("assert_"):  # (Inductor's checks of a fallback's output name the operation)
+            continue
         elif m := re.search(r"\btorch\.ops\.(\w+\.\w+)", statement):
-            found.append({"kind": "fallback", "name": m.group(1), "args": []})
+            call = ast.parse(statement).body[0].value
+            found.append({"kind": "fallback", "name": m.group(1),
+                          "args": [ast.unparse(arg) for arg in call.args] if isinstance(call, ast.Call) else []})
     return found
 
 
@@ -448,6 +455,105 @@ def launches_over_calls(step: Any, calls: list[tuple], codes: list[str] | None =
     return {"calls": len(calls), "differences": differences, "same_code_at_last_call": unnamed[0] == unnamed[1]}
 
 
+def forward_code(model: Any, run: Any | None, ids: Any, mask: Any) -> str:
+    """Inductor's wrapper code for ``torch.compile(model.forward, fullgraph=True)`` of the first decode step after an
+    eager prefill of ``ids [b, T]`` (``mask``) into a static cache, with ``run`` attached (``None``: the plain model,
+    dense attention), on fake CUDA copies of a copy of the model and of the cache: the whole step as a GPU user
+    compiles it, a global layer's qada step one opaque ``qada::decode_buffer`` call (its kernels are not in this
+    code). Call :func:`pretend_cuda_device` first."""
+    import copy
+
+    import torch
+    import torch._inductor.codecache as codecache
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from benchmarks.compile_trace import prefill_static
+    from qada.models import attach
+
+    model = copy.deepcopy(model)  # (made a fake CUDA model below)
+    codes: list[str] = []
+    load = codecache.PyCodeCache.load_by_key_path
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+
+    def take(key: str, path: str, *rest: Any, **kwargs: Any) -> Any:
+        codes.append(Path(path).read_text())
+        raise CodeTaken
+
+    if run is not None:
+        attach(model, run)
+    try:
+        step = prefill_static(model, ids, mask=mask)
+        codecache.PyCodeCache.load_by_key_path = take
+        torch.__future__.set_overwrite_module_params_on_conversion(True)  # (fake parameters replace real ones)
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            model.to("cuda")
+            for layer in step["past_key_values"].layers:
+                for name, value in list(vars(layer).items()):
+                    if isinstance(value, torch.Tensor):
+                        setattr(layer, name, fake_cuda(value))
+                    elif isinstance(value, torch.device):
+                        setattr(layer, name, torch.device("cuda"))
+            kwargs = {name: fake_cuda(value) if isinstance(value, torch.Tensor) else value
+                      for name, value in step.items()}
+            try:
+                torch.compile(model.forward, fullgraph=True, dynamic=False)(**kwargs)
+            except Exception as error:  # noqa: BLE001 - the expected stop arrives wrapped by dynamo
+                if not codes:
+                    raise RuntimeError("Inductor wrote no code for the decode step") from error
+    finally:
+        codecache.PyCodeCache.load_by_key_path = load
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+        torch._dynamo.reset()
+        if run is not None:
+            run.remove()
+    return codes[0]
+
+
+QADA_OPERATION = "qada.decode_buffer"
+
+
+def bounds_operations(batch: int, slots: int) -> int:
+    """The device operations (:data:`benchmarks.dispatch_count.NO_KERNEL` aside) with which a decode step derives its
+    rows' bounds from a bool mask ``[batch, 1, 1, slots]`` and positions ``[batch, 1]``
+    (:func:`~qada.models.guards.buffer_row_bounds`), counted by running it on the CPU."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from benchmarks.dispatch_count import NO_KERNEL
+    from qada.models.guards import buffer_row_bounds
+
+    count = 0
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal count
+            count += not (func.is_view or str(func.overloadpacket) in NO_KERNEL)
+            return func(*args, **(kwargs or {}))
+
+    mask = torch.ones(batch, 1, 1, slots, dtype=torch.bool)
+    with Counter():
+        buffer_row_bounds(mask, slots, torch.full((batch, 1), slots - 1))
+    return count
+
+
+def forward_kernels(code: str, per_call: int, derive: int) -> dict[str, Any]:
+    """The kernels per decode step of :func:`forward_code`'s ``code`` with each ``qada::decode_buffer`` call replaced
+    by what it runs on the device: ``per_call`` kernels (its layer step's: :func:`measure`'s ``per_layer``) and,
+    where the call derives the rows' bounds, ``derive`` operations (:func:`bounds_operations`). A call derives them
+    unless it passes neither mask nor positions, or the same ones as the call that last derived them (the run keeps
+    bounds per mask object). ``{"graph": the kernels besides qada's calls, "calls", "deriving", "total"}``."""
+    found = kernels(code)
+    calls = [k for k in found if k["kind"] == "fallback" and k["name"] == QADA_OPERATION]
+    deriving, last = 0, None
+    for call in calls:
+        given = tuple(call["args"][3:5])
+        if given != ("None", "None") and given != last:
+            deriving, last = deriving + 1, given
+    graph = len(found) - len(calls)
+    return {"graph": graph, "calls": len(calls), "deriving": deriving,
+            "total": graph + len(calls) * per_call + deriving * derive}
+
+
 def measure(model: Any, run: Any, ids: Any, mask: Any, longer: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """One configuration's row: the compiled step's kernels (and, fused, the launch comparison with eager) after
     prefilling ``ids [b, T]`` with ``mask``; with ``longer`` (``(ids, mask)`` of another length), also the kernels
@@ -476,10 +582,14 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=256, help="prompt length in tokens")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
+    parser.add_argument("--forward", default=",".join(FORWARD),
+                        help="comma-separated names of CONFIGS (or 'dense') whose whole decode step is compiled too "
+                             "('' for none)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.configs.split(",") if name.strip()]
-    unknown = [name for name in names if name not in CONFIGS]
+    forward = [name.strip() for name in args.forward.split(",") if name.strip()]
+    unknown = [name for name in names + forward if name not in CONFIGS and name != "dense"]
     if unknown:
         parser.error(f"unknown configurations {unknown}; expected some of {list(CONFIGS)}")
     os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: kernels as a GPU compiles them
@@ -513,10 +623,29 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"{name}: {row['per_layer']} kernels per layer ({row['launch']} launches, {row['inductor']} "
               f"Inductor, {row['extern']} extern, {row['fallback']} fallbacks, {row['executor_launches']} by the "
               f"executor after the step); differences from eager: {row.get('differences', 'n/a')}", flush=True)
+    steps = {}
+    derive = bounds_operations(*ids.shape)
+    for name in forward:
+        run = None
+        if name != "dense":
+            config = CONFIGS[name]
+            run = prepare_run(build_run(moments=config.get("moments", "stored"), criterion=config["criterion"],
+                                        executor=config["executor"], compile=True), model, tokenizer)
+        row = rows.get(name) or (measure(model, run, ids, mask) if run is not None else {"per_layer": 0})
+        steps[name] = step = forward_kernels(forward_code(model, run, ids, mask), row["per_layer"], derive)
+        step["per_call"] = row["per_layer"]
+        print(f"{name}, whole decode step: {step['total']} kernels ({step['graph']} in the model's graph, "
+              f"{step['calls']} qada calls of {step['per_call']}, {step['deriving']} deriving the rows' bounds)",
+              flush=True)
+    layers = model.config.num_hidden_layers
+    for step in steps.values():
+        step["extra_per_layer"] = ((step["total"] - steps["dense"]["total"]) / layers if "dense" in steps
+                                   else None)
     command = f"bash scripts/gpu-versions.sh --python benchmarks/inductor_code.py --length {args.length}"
     results = {"command": command, "machine": machine_info("cpu"),
                "torch": torch.__version__, "triton": triton.__version__, "model": "SmolLM2-135M (embedded)",
-               "rows_of_batch": 2, "prompt_tokens": args.length, "rows": rows}
+               "rows_of_batch": 2, "prompt_tokens": args.length, "rows": rows, "bounds_operations": derive,
+               "decode_steps": steps}
     lines = ["# The kernels of a compiled layer step on a CUDA GPU, from Inductor's output code (made on the CPU)", "",
              f"Command: `{command}`; "
              f"torch {torch.__version__}, triton {triton.__version__}, a pretended sm_90 device ({H100_SMS} SMs). "
@@ -538,6 +667,22 @@ def main(argv: list[str] | None = None) -> Path:
                     for name, row in rows.items()]), "", "Kernels in order:", ""]
     for name, row in rows.items():
         lines.append(f"- **{name}**: " + ", ".join(f"{k['name']} ({k['kind']})" for k in row["kernels"]))
+    if steps:
+        lines += ["", "## The whole decode step", "",
+                  f"`torch.compile(model.forward, fullgraph=True)` of the same first decode step ({layers} layers), "
+                  "on fake CUDA copies of the model and its static cache, as a GPU user compiles it: *in the graph*: "
+                  "the kernels of Inductor's code besides qada's calls (each global layer's step is one opaque "
+                  "`qada::decode_buffer` call); *per call*: the kernels each call runs (the layer step's, above); "
+                  "*deriving bounds*: the calls that derive the rows' bounds from the mask and positions they are "
+                  f"given ({derive} operations each; a call given neither, or the same ones as the call before, "
+                  "reuses them); *per step*: all of it; *extra per layer*: against the dense model's step. A GPU "
+                  "counts the kernels themselves (`benchmarks/run.py --gpu`); this is what Inductor's code and the "
+                  "step's launches add up to.", "",
+                  table(["configuration", "in the graph", "qada calls", "per call", "deriving bounds", "per step",
+                         "extra per layer"],
+                        [[name, step["graph"], step["calls"], step["per_call"], step["deriving"], step["total"],
+                          "" if step["extra_per_layer"] is None else f"{step['extra_per_layer']:+.2f}"]
+                         for name, step in steps.items()])]
     paths = write_results(args.out, "inductor-code-cpu", results, "\n".join(lines) + "\n")
     print(paths[1].read_text())
     return paths[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.inductor_code import _constant, compare_launches, kernels
+from benchmarks.inductor_code import _constant, compare_launches, forward_kernels, kernels
 from tests.triton_launches import fused_step_launches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +59,36 @@ def test_kernels_reads_the_call_body_in_order():
         ("launch", "qada_split"), ("inductor", "triton_poi_fused_add_1"), ("extern", "bmm"),
         ("fallback", "aten.topk")]  # fmt: skip
     assert found[0]["args"] == ["reinterpret_tensor(arg0_1, (2, 4), (8, 1), 4)", "buf0", "7", "0.1", "2", "1", "1"]
+
+
+FORWARD_WRAPPER = textwrap.dedent(
+    """
+    class Runner:
+        def call(self, args):
+            arg0_1, arg1_1 = args
+            with torch.cuda._DeviceGuard(0):
+                triton_poi_fused_mask_0.run(arg0_1, buf0, 8, stream=stream0)
+                buf1 = torch.ops.qada.decode_buffer.default(arg1_1, arg0_1, arg0_1, buf0, buf2, 0, 0, 0.125)
+                assert_size_stride(buf1, (1, 9, 1, 64), (576, 64, 64, 1), 'torch.ops.qada.decode_buffer.default')
+                assert_alignment(buf1, 16, 'torch.ops.qada.decode_buffer.default')
+                extern_kernels.mm(buf1, arg0_1, out=buf3)
+                buf4 = torch.ops.qada.decode_buffer.default(buf3, arg0_1, arg0_1, None, None, 0, 1, 0.125)
+                buf5 = torch.ops.qada.decode_buffer.default(buf4, arg0_1, arg0_1, buf0, buf2, 0, 2, 0.125)
+                buf6 = torch.ops.qada.decode_buffer.default(buf5, arg0_1, arg0_1, buf7, buf2, 0, 3, 0.125)
+            return (buf6, )
+    """
+)
+
+
+def test_forward_kernels_counts_what_each_qada_call_runs():
+    """A whole step's kernels: Inductor's and the external ones in the graph (its checks of a fallback's output are
+    not kernels), each ``qada::decode_buffer`` call's layer step, and the rows' bounds where a call derives them:
+    given a mask or positions other than the last deriving call's (not given: reused)."""
+    found = kernels(FORWARD_WRAPPER)
+    assert [k["kind"] for k in found] == ["inductor", "fallback", "extern", "fallback", "fallback", "fallback"]
+    assert found[3]["args"][3:5] == ["None", "None"]
+    assert forward_kernels(FORWARD_WRAPPER, 3, 5) == {"graph": 2, "calls": 4, "deriving": 2,
+                                                      "total": 2 + 4 * 3 + 2 * 5}
 
 
 def test_constants_as_the_wrapper_writes_them():
@@ -254,3 +284,56 @@ def test_compiled_fused_step_compiles_each_kernel_as_triton_launches_it_at_every
     row = measured[case]["compiled_as_launched"]
     assert row["specialization"] == []
     assert row["ptx"] and all(row["ptx"].values()), row["ptx"]
+
+
+FORWARD_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import torch
+    from benchmarks.inductor_code import bounds_operations, forward_code, forward_kernels, pretend_cuda_device
+    pretend_cuda_device()
+    from tiny_models import tiny_model
+    from qada.models import build_run
+    from qada.moments import StoredMoments
+    from qada.moments.reference import collect_reference_keys
+
+    model = tiny_model("llama")
+    reference = collect_reference_keys(model, torch.randint(1, 128, (1, 64), generator=torch.Generator()
+                                       .manual_seed(7)), chunk_size=16)
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    source = StoredMoments(offset=12, min_bulk_keys=4)
+    source.set_reference(reference)
+    run = build_run(criterion={{"name": "qada", "tau": 0.3}}, moments=source,
+                    executor={{"name": "triton_fused", "block_size": 16}}, window={{"t_local": 8, "t_sink": 2}},
+                    compile=True)
+    derive = bounds_operations(*ids.shape)
+    steps = {{name: forward_kernels(forward_code(model, r, ids, mask), 3, derive)
+              for name, r in (("dense", None), ("qada fused", run))}}
+    print("ROWS" + json.dumps(dict(steps, layers=model.config.num_hidden_layers, derive=derive)))
+    """
+)
+
+
+def test_a_compiled_decode_step_derives_the_rows_bounds_once():
+    """``torch.compile(model.forward)`` of a fused qada decode step on (fake) CUDA: one ``qada::decode_buffer`` call
+    per layer, only the first given the mask and positions (Inductor copied them for every call, and every layer
+    derived the bounds again: ~6 kernels per layer), and nothing of the dense attention left in the graph."""
+    import triton.backends
+
+    if torch.version.cuda is None:
+        pytest.skip("Inductor's CUDA code needs torch's CUDA build (bash scripts/gpu-versions.sh runs this)")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no nvidia backend")
+    where = dict(root=str(ROOT), tests=str(ROOT / "tests"))
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", FORWARD_SCRIPT.format(**where)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(done.stdout.split("ROWS", 1)[1])
+    dense, fused = rows["dense"], rows["qada fused"]
+    assert dense["calls"] == 0 and fused["calls"] == rows["layers"] == 2
+    assert fused["deriving"] == 1 and rows["derive"] >= 3
+    assert fused["graph"] < dense["graph"]

@@ -159,10 +159,13 @@ class QAdARun:
 
     def shares_bounds(self, layer: int) -> bool:
         """Whether a decode step of ``layer`` on a preallocated cache can take its rows' bounds from an earlier global
-        layer of the same forward (every global layer after the first prefilled one): a compiled model's opaque
-        step then passes it no mask and no positions (:func:`~qada.models.attention_function.decode_step`), which
-        Inductor would otherwise copy for each layer's call and which would derive the bounds again in each."""
-        return self._first_layer is not None and layer > self._first_layer
+        layer of the same forward (every global layer after the first prefilled one, with a buffer of the same size):
+        a compiled model's opaque step then passes it no mask and no positions
+        (:func:`~qada.models.attention_function.decode_step`), which Inductor would otherwise copy for each layer's
+        call and which would derive the bounds again in each."""
+        first = self._first_layer
+        return first is not None and layer > first and \
+            self.guard.buffer_capacity(layer) == self.guard.buffer_capacity(first)
 
     def on_buffer(self, layer: int, key_len: int) -> bool:
         """Whether a decode step of ``layer`` over ``key_len`` slots is on the whole preallocated buffer."""

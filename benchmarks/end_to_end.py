@@ -153,6 +153,11 @@ class Stepper:
         return torch.cat(self.history, 1).cpu()
 
 
+def is_copy(name: str) -> bool:
+    """Whether a device event is a memcpy or memset, not a kernel."""
+    return name.startswith(("Memcpy", "Memset"))
+
+
 SYNC_APIS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # the host waits for the device
 LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
@@ -173,7 +178,7 @@ def summarize_events(events: Iterable[tuple[str, bool]], steps: int) -> dict[str
         if on_device:
             if name.startswith("Memcpy DtoH"):
                 n["dtoh_copies"] += 1
-            elif not name.startswith(("Memcpy", "Memset")):
+            elif not is_copy(name):
                 n["kernels"] += 1
         elif name in LAUNCH_APIS:
             n["launches"] += 1
@@ -193,7 +198,7 @@ def summarize_events(events: Iterable[tuple[str, bool]], steps: int) -> dict[str
 
 def kernel_times(kernels: Iterable[tuple[str, float, float]], steps: int) -> dict[str, Any]:
     """Where a step's device time goes, from profiled device kernels ``(name, start_us, end_us)`` covering ``steps``
-    decode steps (memcpy/memset excluded by the caller).
+    decode steps (memcpy/memset excluded by the caller: :func:`is_copy`).
 
     ``kernel_us_per_step``: the kernels' durations summed; ``span_us_per_step``: first start to last end (gaps
     between the kernels of a CUDA graph and between steps included); ``busy``: their ratio (a step bound by launch
@@ -240,7 +245,7 @@ def count_step_events(model: Any, cache: Any, tokens: torch.Tensor, position: in
     events = list(prof.events())
     counts = summarize_events(((e.name, e.device_type == DeviceType.CUDA) for e in events), steps)
     counts.update(kernel_times(((e.name, e.time_range.start, e.time_range.end) for e in events
-                                if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))),
+                                if e.device_type == DeviceType.CUDA and not is_copy(e.name)),
                                steps))  # fmt: skip
     counts["layers"] = model.config.num_hidden_layers
     return counts

@@ -385,6 +385,27 @@ def test_a_compiled_step_gives_the_mask_to_its_first_global_layer_only(model, re
     assert torch.equal(compiled[0], eager[0])
 
 
+def test_a_compiled_hybrid_model_shares_the_bounds_of_its_first_global_layer():
+    """A hybrid model (Gemma-3: layers 2 and 5 global, the others sliding, with caches of their own size): the
+    compiled step gives the mask to layer 2's call only, layer 5 reuses its bounds, and the tokens are the eager
+    ones."""
+    hybrid = tiny_model("gemma3")
+    graphs = []
+
+    def record(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    run = {"criterion": {"name": "qada", "tau": 0.3}, "moments": "current", "executor": "sdpa", "window": WINDOW}
+    compiled = greedy_compiled(hybrid, build_run(**run), 3, {"backend": record, "fullgraph": True})
+    calls = [node for node in graphs[-1].graph.nodes if "decode_buffer" in str(node.target)]
+    assert [(node.args[6], node.args[3] is not None) for node in calls] == [(2, True), (5, False)]
+    eager = greedy_compiled(hybrid, build_run(**run), 3, {"backend": "eager", "disable": True})
+    assert torch.equal(compiled[0], eager[0])
+    assert compiled[1]["sparsity"] == pytest.approx(eager[1]["sparsity"])
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

@@ -2,7 +2,8 @@
 
 Every global layer of a forward receives the same 4D mask (and position ids); :class:`RowBounds` derives each row's
 ``start`` / ``end`` (:func:`~qada.models.guards.row_bounds`, :func:`~qada.models.guards.row_starts`) and the filled
-length of a preallocated cache once per mask object, for all layers.
+length of a preallocated cache once per mask object, for all layers (a compiled step gives the mask to its first
+global layer only: the later ones reuse that layer's bounds).
 """
 
 from __future__ import annotations

@@ -385,6 +385,26 @@ def test_a_compiled_step_gives_the_mask_to_its_first_global_layer_only(model, re
     assert torch.equal(compiled[0], eager[0])
 
 
+def test_row_bounds_given_no_mask_are_the_forwards_earlier_ones():
+    """``RowBounds.bounds`` with neither mask nor positions: the bounds an earlier layer of the forward derived for
+    the same buffer size; none (another size, or cleared at the forward's last layer): the missing-mask error."""
+    from qada.models.guards import UnsupportedModelError
+    from qada.models.masks import RowBounds
+
+    rows = RowBounds()
+    mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    mask[1, ..., :3] = False
+    start, end = rows.bounds(mask, 12, None)
+    assert start.tolist() == [0, 3] and end.tolist() == [12, 12]
+    again = rows.bounds(None, 12, None)
+    assert again[0] is start and again[1] is end
+    with pytest.raises(UnsupportedModelError, match="without an attention mask"):
+        rows.bounds(None, 16, None)
+    rows.clear()
+    with pytest.raises(UnsupportedModelError, match="without an attention mask"):
+        rows.bounds(None, 12, None)
+
+
 def test_a_compiled_hybrid_model_shares_the_bounds_of_its_first_global_layer():
     """A hybrid model (Gemma-3: layers 2 and 5 global, the others sliding, with caches of their own size): the
     compiled step gives the mask to layer 2's call only, layer 5 reuses its bounds, and the tokens are the eager

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,39 @@ EXECUTOR_LAUNCHES = {"triton": 2}  # launches an executor makes after an unfused
 
 class CodeTaken(Exception):
     """Raised where Inductor would load its output code (which compiles and runs the kernels): the code is taken."""
+
+
+@contextlib.contextmanager
+def taking_code() -> Iterator[list[str]]:
+    """Within: Inductor's output code is taken where Inductor would load it (:class:`CodeTaken` stops the compile
+    there), appended to the list yielded; on leaving, loading is restored and dynamo reset."""
+    import torch
+    import torch._inductor.codecache as codecache
+
+    codes: list[str] = []
+    load = codecache.PyCodeCache.load_by_key_path
+
+    def take(key: str, path: str, *rest: Any, **kwargs: Any) -> Any:
+        codes.append(Path(path).read_text())
+        raise CodeTaken
+
+    codecache.PyCodeCache.load_by_key_path = take
+    try:
+        yield codes
+    finally:
+        codecache.PyCodeCache.load_by_key_path = load
+        torch._dynamo.reset()
+
+
+def compile_until_taken(call: Any, codes: list[str], what: str) -> None:
+    """``call()`` (a first call of a compiled function, inside :func:`taking_code`), stopped where its code is taken;
+    an error if it wrote none into ``codes`` (``what``: the function, for the message)."""
+    written = len(codes)
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the expected stop arrives wrapped by dynamo
+        if len(codes) == written:
+            raise RuntimeError(f"Inductor wrote no code for {what}") from error
 
 
 def pretend_cuda_device(sms: int | None = None) -> None:
@@ -123,36 +158,23 @@ def inductor_code(step: Any, *arg_sets: tuple) -> list[str]:
     shapes, the second with symbolic sizes (as a run that meets a second cache size recompiles). Call
     :func:`pretend_cuda_device` first."""
     import torch
-    import torch._inductor.codecache as codecache
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from qada.models.fused_step import fused_layer_step
     from qada.models.layer_step import compile_layer_step
 
-    codes: list[str] = []
-    load = codecache.PyCodeCache.load_by_key_path
-
-    def take(key: str, path: str, *rest: Any, **kwargs: Any) -> Any:
-        codes.append(Path(path).read_text())
-        raise CodeTaken
-
     if step.fused is not None:
         step.fused.to_device(torch.device("cpu"))  # (its held tensors: made on the device by a run's prefill)
     bound = dict(step._bound, executor=step.fused) if step.fused is not None else dict(step._bound)
     compiled = compile_layer_step(bound, "inductor", fused_layer_step if step.fused is not None else None)
-    codecache.PyCodeCache.load_by_key_path = take
-    try:
+
+    def first_call(args: tuple) -> None:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            compiled(*fake_cuda(args))
+
+    with taking_code() as codes:
         for args in arg_sets:
-            written = len(codes)
-            try:
-                with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-                    compiled(*fake_cuda(args))
-            except Exception as error:  # noqa: BLE001 - the expected stop arrives wrapped by dynamo
-                if len(codes) == written:
-                    raise RuntimeError("Inductor wrote no code for the layer step") from error
-    finally:
-        codecache.PyCodeCache.load_by_key_path = load
-        torch._dynamo.reset()
+            compile_until_taken(lambda args=args: first_call(args), codes, "the layer step")
     return codes
 
 
@@ -464,28 +486,19 @@ def forward_code(model: Any, run: Any | None, ids: Any, mask: Any) -> str:
     import copy
 
     import torch
-    import torch._inductor.codecache as codecache
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from benchmarks.compile_trace import prefill_static
     from qada.models import attach
 
     model = copy.deepcopy(model)  # (made a fake CUDA model below)
-    codes: list[str] = []
-    load = codecache.PyCodeCache.load_by_key_path
     overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-
-    def take(key: str, path: str, *rest: Any, **kwargs: Any) -> Any:
-        codes.append(Path(path).read_text())
-        raise CodeTaken
-
     if run is not None:
         attach(model, run)
     try:
         step = prefill_static(model, ids, mask=mask)
-        codecache.PyCodeCache.load_by_key_path = take
         torch.__future__.set_overwrite_module_params_on_conversion(True)  # (fake parameters replace real ones)
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        with taking_code() as codes, FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
             model.to("cuda")
             for layer in step["past_key_values"].layers:
                 for name, value in list(vars(layer).items()):
@@ -495,15 +508,10 @@ def forward_code(model: Any, run: Any | None, ids: Any, mask: Any) -> str:
                         setattr(layer, name, torch.device("cuda"))
             kwargs = {name: fake_cuda(value) if isinstance(value, torch.Tensor) else value
                       for name, value in step.items()}
-            try:
-                torch.compile(model.forward, fullgraph=True, dynamic=False)(**kwargs)
-            except Exception as error:  # noqa: BLE001 - the expected stop arrives wrapped by dynamo
-                if not codes:
-                    raise RuntimeError("Inductor wrote no code for the decode step") from error
+            forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+            compile_until_taken(lambda: forward(**kwargs), codes, "the decode step")
     finally:
-        codecache.PyCodeCache.load_by_key_path = load
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
-        torch._dynamo.reset()
         if run is not None:
             run.remove()
     return codes[0]

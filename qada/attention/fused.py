@@ -55,7 +55,7 @@ from qada.attention.triton_decode import (
     _next_pow2,
     check_triton_runtime,
     combine,
-    programmatic,
+    pdl_launch_options,
 )
 from qada.functional.tail import EXTREMA_DTYPES
 from qada.stable_tensors import write_into
@@ -408,7 +408,7 @@ class FusedTritonExecutor(TritonExecutor):
         pdl = self.programmatic(device)  # each launch below may start while the one before it runs
         if tail is None:  # (the decision made in every split: not apart)
             _triton_kernel.run(_fused_kernel.qada_fused_split_kernel, grid, *inputs, *outputs, *strides,
-                               *sizes, **common, **programmatic(pdl))
+                               *sizes, **common, **pdl_launch_options(pdl))
         else:
             from qada.attention import _fused_tail_kernel
 
@@ -425,7 +425,7 @@ class FusedTritonExecutor(TritonExecutor):
                                tail.heavy.shape[2], n_pages, stretches, CANDIDATES=stretches > 1,
                                SCORE=budget is not None,  # SCORE: the heads' scores, the budget decides
                                ATTEND=not apart, **common, **constants,
-                               **programmatic(pdl and stretches == 1))  # (not after the page-top launch)
+                               **pdl_launch_options(pdl and stretches == 1))  # (not after the page-top launch)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)
         tail_reads = None if tail is None else (tail.page_size, tail.heavy.shape[2] if tail.heavy_reads is None

@@ -164,7 +164,7 @@ class TritonExecutor(AttentionExecutor):
             HAS_START=start is not None, HAS_END=end is not None,
             INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
             DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
-            num_warps=self.num_warps, num_stages=self.num_stages, **programmatic(pdl),
+            num_warps=self.num_warps, num_stages=self.num_stages, **pdl_launch_options(pdl),
         )  # fmt: skip
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl)
         return TritonLaunch(output, bulk_blocks, acc, m, l, counts)
@@ -199,7 +199,7 @@ class StepStatistics(NamedTuple):
     add_to: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def programmatic(pdl: bool) -> dict[str, bool]:
+def pdl_launch_options(pdl: bool) -> dict[str, bool]:
     """A launch's keyword arguments for a programmatic dependent launch or an ordinary one: the kernels' ``PDL``
     (always given: torch's analysis of what a kernel writes needs every argument), and Triton's ``launch_pdl`` only
     with it (Triton's interpreter never sees it)."""
@@ -250,7 +250,7 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
         G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=max(16, _next_pow2(d)), BLOCK_C=256,
         HAS_SINKS=sinks is not None, STATS=statistics is not None, HAS_START=stats.start is not None,
         HAS_END=stats.end is not None, TAIL_READS=stats.tail_reads is not None, ADD=stats.add_to is not None,
-        **programmatic(pdl),
+        **pdl_launch_options(pdl),
     )  # fmt: skip
     return output, bulk_blocks
 

@@ -109,7 +109,7 @@ SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32),
                        moments="stored")  # fmt: skip
 
 DRY_RUN_COMPILED = tuple(name for name in SMOLLM2_GPU.compiled if name not in FUSED_VARIANTS)
-"""The GPU suite's compiled rows in its dry run: not the fused variants (:data:`~benchmarks.models.FUSED_VARIANTS`),
+"""The GPU suite's compiled rows in its dry run: not the fused variants (:data:`FUSED_VARIANTS`),
 each of which is its plain ``fused`` row again there: under Triton's interpreter a layer step with Triton launches
 runs eagerly and launches are ordinary, and at the dry run's 256 tokens (16 pages) no page bounds are spread (each
 variant's own path is tested: ``tests/test_fused_decision.py``, ``tests/test_fused_tail.py``)."""

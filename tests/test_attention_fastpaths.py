@@ -226,3 +226,51 @@ def test_sdpa_without_host_skip_never_syncs_and_equals_reference(mask, monkeypat
     monkeypatch.undo()
     torch.testing.assert_close(got.output, ref.output, atol=1e-5, rtol=1e-5)
     assert torch.equal(got.local, ref.local)
+
+
+def buffer_step(ends, starts, local_kind, C=64, b=2, H=6, H_kv=3, d=16, seed=3):
+    """A decode step on a preallocated buffer of ``C`` slots whose rows hold ``[start, end)``, with a decision."""
+    from qada.attention import GroupDecision
+    from qada.step import DecodeStep
+
+    q, k, v, local, _ = make_case(b, H, H_kv, C, d, None, local_kind, torch.float32, seed=seed)
+    start = None if starts is None else torch.tensor(starts)
+    step = DecodeStep(q[:, :, 0], k, d**-0.5, WINDOW, start=start, end=torch.tensor(ends), values=v)
+    read = ~local.view(b, H_kv, H // H_kv).all(-1)
+    return step, GroupDecision(local, read)
+
+
+@pytest.mark.parametrize("ends, starts", [([40, 27], [0, 6]), ([40, 40], None), ([40, 40], [0, 0]), ([33, 40], None)])
+@pytest.mark.parametrize("local_kind", ["mixed", "one_group_local", "dense", "local"])
+@pytest.mark.parametrize("splits", [None, 1, 2])
+def test_sdpa_on_a_buffer_reads_the_host_once_and_equals_reference(ends, starts, local_kind, splits, monkeypatch):
+    """The host-skipping path on a preallocated buffer (rows ending apart, left padding): one host read per call
+    (:class:`~qada.attention.sdpa.HostPlan`), the reference's output."""
+    step, decision = buffer_step(ends, starts, local_kind)
+    ref = EXECUTORS.build("reference").attend(step, decision)[0]
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    for name in ("nonzero", "item", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"another host read: {_n}"))
+    got = EXECUTORS.build("sdpa", splits=splits, min_split=8).attend(step, decision)[0]
+    monkeypatch.undo()
+    assert len(reads) == 1
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_host_plan_says_which_groups_are_read_and_how_far_the_rows_reach():
+    from qada.attention.sdpa import HostPlan
+
+    step, (local, read) = buffer_step([40, 27], [0, 6], "one_group_local")
+    plan = HostPlan.read(step, local, read)
+    assert plan.pairs == [tuple(p) for p in read.nonzero().tolist()]
+    assert plan.any_local and plan.reach == 40 and not plan.unmasked
+    step, (local, read) = buffer_step([40, 40], [0, 0], "dense")
+    plan = HostPlan.read(step, local, read)
+    assert plan.pairs == [(r, g) for r in range(2) for g in range(3)] and not plan.any_local
+    assert plan.reach == 40 and plan.unmasked
+    assert not HostPlan.read(*buffer_step([40, 40], [0, 3], "dense")[:1], local, read).unmasked
+    step = buffer_step([40, 40], None, "dense")[0]
+    step.end = None  # a growing cache: the rows end at its length
+    assert HostPlan.read(step, local, read).reach == step.length

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
 from qada.functional.capping import soft_cap, softmax_with_sink_column
 from qada.functional.checks import accumulation_dtype
 from qada.step import DecodeStep
 
-__all__ = ["SDPAExecutor"]
+__all__ = ["HostPlan", "SDPAExecutor"]
 
 
 @register_executor("sdpa")
@@ -26,30 +26,31 @@ class SDPAExecutor(AttentionExecutor):
 
     The ``G`` query heads of a KV group attend as ``G`` query rows of its single KV head (no repeat of K/V).
     Full attention runs once over the whole batch when every group reads its bulk; otherwise each read
-    (row, group) attends over views of its own K/V (no copy of the cache). With ``splits > 1`` (CPU, no padding)
-    each read group's keys are cut into that many chunks attended in one call and merged by log-sum-exp (split-K),
-    since one group is otherwise a single work item, i.e. a single core: 1.6-1.9x as fast for one group in
-    isolation on 2 cores, but no end-to-end gain measured on the embedded model (between two layers the model's
-    weights stream through the caches; measured again in place, ratio 0.99-1.01), hence off by default. On the
-    CPU the window is skipped when no head is local. A step with a soft cap or sink logits (Gemma-2, gpt-oss)
+    (row, group) attends over views of its own K/V (no copy of the cache). On the CPU (``splits=None``, the default)
+    each read group's keys are cut into chunks attended in one call and merged by log-sum-exp (split-K), as many as
+    spread the call's work items evenly over the torch threads (:func:`balanced_chunks`): one group alone is
+    otherwise a single work item, i.e. a single core (on 2 cores one group took 217 us, the same as two; split in
+    two, 129 us). On the embedded model at 7.68k this made the decode step 1-4% faster. ``splits=1`` turns it off.
+    On the CPU the window is skipped when no head is local. A step with a soft cap or sink logits (Gemma-2, gpt-oss)
     attends in explicit scores instead of ``scaled_dot_product_attention``, which cannot apply them, over the same
     keys.
 
-    Choosing the groups needs them on the host: one sync per call (``nonzero``) when ``T > T_local``. On the CPU
-    that costs nothing (there is no device queue to drain), so that is the default there; with
-    ``host_skip=False`` (the default on other devices) every group attends in full and the window result is
-    chosen per head on the device: no host sync and no Python loop, but no K/V bytes saved either — on a GPU the
-    ``triton`` executor skips bulk reads inside its kernel and ``flex`` through block masks updated in place,
-    both without a sync. The reported sparsities stay on the device.
+    Choosing the groups needs them on the host: one host read per call (:class:`HostPlan`: the groups read, whether
+    a head is local, how far the rows reach, in one transfer) when ``T > T_local``. On the CPU that costs nothing
+    (there is no device queue to drain), so that is the default there; with ``host_skip=False`` (the default on
+    other devices) every group attends in full and the window result is chosen per head on the device: no host sync
+    and no Python loop, but no K/V bytes saved either — on a GPU the ``triton`` executor skips bulk reads inside its
+    kernel and ``flex`` through block masks updated in place, both without a sync. The reported sparsities stay on
+    the device.
 
     Args:
-        splits: key chunks per read group on the CPU (1: no split-K, the default; ``None``: as many as spread the
-            KV heads of each call evenly over the torch threads, :func:`balanced_chunks`).
+        splits: key chunks per read group on the CPU (``None``, the default: as many as spread the KV heads of
+            each call evenly over the torch threads, :func:`balanced_chunks`; 1: no split-K).
         min_split: shortest chunk worth a split, in tokens.
         host_skip: skip the bulk of unread groups by a host-side choice (``None``: on the CPU only).
     """
 
-    splits: int | None = 1
+    splits: int | None = None
     min_split: int = 1024
     host_skip: bool | None = None
 
@@ -82,55 +83,102 @@ class SDPAExecutor(AttentionExecutor):
         local, read = decision
         b, H, d = step.query.shape
         H_kv, T = step.num_kv_heads, step.length
+        G = H // H_kv
         key, value, scale = step.keys, step.values, step.scale
         # GQA without a repeat of K/V: the G query heads of a group attend as G query rows of its one KV head.
-        rows = rearrange(step.query, "b (k g) d -> b k g d", k=H_kv)
+        rows = step.query.reshape(b, H_kv, G, d)
         real = step.real
         host = self.host_skip if self.host_skip is not None else step.device.type == "cpu"
         sdpa = _attention_for(step)
-        out = None
-        if not host or bool(local.any()):  # data-dependent shortcuts only where a host sync is allowed
-            valid = step.window_valid
-            out = sdpa(
-                rows, step.window_keys, step.window_values,
-                attn_mask=None if step.full_rows else valid[:, None, None, :], scale=scale,
-            ).reshape(b, H, 1, d)  # GPU kernels may return it strided
+        if not host:  # every group in full, the window result chosen per head: no sync, no loop
+            out = self._window(step, rows, sdpa).reshape(b, H, 1, d)  # GPU kernels may return it strided
             if T <= step.window.t_local:  # the window is the whole cache: nothing else to read
                 return out, None
-        if not host:  # every group in full, the window result chosen per head: no sync, no loop
             mask = None if real is None else real[:, None, None, :]
             full = sdpa(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
             return torch.where(local[:, :, None, None], out, full), None
-        pairs = read.nonzero()  # [n, 2] (row, KV head): host sync
-        n = pairs.shape[0]
-        if n == 0:
-            return out, None
-        if step.end is not None:  # a preallocated buffer: read on the host how far the rows reach, attend only there
-            key, value, real = _filled(key, value, real, step)
-            T = key.shape[2]
-        if n == b * H_kv and self._chunks(step, real, T, n) == 1:
+        plan = HostPlan.read(step, local, read)  # the one host read of the step
+        out = None
+        if plan.any_local:  # the window, for the local heads
+            out = self._window(step, rows, sdpa)  # [b, H_kv, G, d]
+            if T <= step.window.t_local or not plan.pairs:  # nothing else to read
+                return out.reshape(b, H, 1, d), None
+        if step.end is not None:  # a preallocated buffer: attend only as far as some row reaches
+            key, value = key[:, :, : plan.reach], value[:, :, : plan.reach]
+            real = None if real is None else real[:, : plan.reach]
+            if plan.unmasked:  # every row holds the slots [0, reach)
+                real = None
+            T = plan.reach
+        if len(plan.pairs) == b * H_kv and self._chunks(step, real, T, len(plan.pairs)) == 1:
             mask = None if real is None else real[:, None, None, :]
-            full = sdpa(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
+            full = sdpa(rows, key, value, attn_mask=mask, scale=scale)
         else:
             # The read KV groups of a row attend in as few calls as possible, over views of the cache (no copy): the
-            # groups of an arithmetic progression are one strided view, one call that the threads share.
-            full = (out.clone() if out is not None else torch.empty_like(step.query)[:, :, None]).view(
-                b, H_kv, H // H_kv, d)
-            for row, groups in _groups_by_row(pairs.tolist()):
+            # groups of an arithmetic progression are one strided view, one call that the threads share. Heads of
+            # unread groups are all local: their rows of ``full`` are never chosen.
+            full = torch.empty_like(rows)
+            for row, groups in _groups_by_row(plan.pairs):
                 for run in _progressions(groups):
-                    q = rows[row : row + 1, run]  # [1, n, G, d]
+                    heads = _heads(run)
+                    q = rows[row : row + 1, heads]  # [1, n, G, d], a view
                     k, v = _head_view(key, row, run), _head_view(value, row, run)
                     chunks = self._chunks(step, real, T, len(run))
                     if chunks > 1:
-                        full[row, run] = split_k_attention(q, k, v, scale, chunks)
+                        full[row, heads] = split_k_attention(q, k, v, scale, chunks)
                     else:
-                        full[row, run] = sdpa(
+                        full[row, heads] = sdpa(
                             q, k, v, attn_mask=None if real is None else real[row : row + 1, None, None, :],
                             scale=scale, groups=run)[0]
-            full = full.view(b, H, 1, d)
-        if out is None:
-            return full, None
-        return torch.where(local[:, :, None, None], out, full), None
+        if out is not None:  # some heads local, among them maybe some of a read group's
+            full = torch.where(local.view(b, H_kv, G, 1), out, full)
+        return full.reshape(b, H, 1, d), None
+
+    @staticmethod
+    def _window(step: DecodeStep, rows: torch.Tensor, sdpa) -> torch.Tensor:
+        """Every head's attention over its row's gathered window: ``[b, H_kv, G, d]``."""
+        mask = None if step.full_rows else step.window_valid[:, None, None, :]
+        return sdpa(rows, step.window_keys, step.window_values, attn_mask=mask, scale=step.scale)
+
+
+class HostPlan(NamedTuple):
+    """What the host-skipping path reads of a step's decision and rows, in one host read (:meth:`read`).
+
+    Attributes:
+        pairs: the ``(row, KV head)`` pairs whose bulk is read, row-major.
+        any_local: whether some head is local (the window is attended).
+        reach: one past the last slot some row holds (a preallocated buffer), else the step's length.
+        unmasked: whether every row holds the slots ``[0, reach)`` (no mask needed).
+    """
+
+    pairs: list[tuple[int, int]]
+    any_local: bool
+    reach: int
+    unmasked: bool
+
+    @classmethod
+    def read(cls, step: DecodeStep, local: torch.Tensor, read: torch.Tensor) -> HostPlan:
+        """The plan of ``step`` with ``local [b, H]`` and ``read [b, H_kv]`` (bool): one concatenation, one host
+        read, the rest in Python."""
+        b, H_kv = read.shape
+        parts = [read.reshape(-1), local.reshape(-1)]
+        if step.end is not None:
+            parts += [step.end] + ([] if step.start is None else [step.start])
+        values = torch.cat([p.to(torch.int64) for p in parts]).tolist()  # the host read
+        flags, rest = values[: b * H_kv], values[b * H_kv :]
+        pairs = [(i // H_kv, i % H_kv) for i, flag in enumerate(flags) if flag]
+        any_local = any(rest[: local.numel()])
+        bounds = rest[local.numel() :]
+        if not bounds:
+            return cls(pairs, any_local, step.length, True)
+        ends, starts = bounds[:b], bounds[b:]
+        reach = max(ends)
+        return cls(pairs, any_local, reach, min(ends) == reach and not any(starts))
+
+
+def _heads(run: list[int]) -> slice:
+    """The KV heads of an arithmetic progression ``run`` as a slice (indexing by it makes a view)."""
+    step = run[1] - run[0] if len(run) > 1 else 1
+    return slice(run[0], run[-1] + 1, step)
 
 
 def _attention_for(step: DecodeStep):
@@ -158,7 +206,7 @@ def _attention_for(step: DecodeStep):
     return attention
 
 
-def _groups_by_row(pairs: list[list[int]]) -> list[tuple[int, list[int]]]:
+def _groups_by_row(pairs: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
     """``[(row, [KV heads ascending])]`` from ``(row, KV head)`` pairs in row-major order (``nonzero``'s)."""
     grouped: dict[int, list[int]] = {}
     for row, group in pairs:
@@ -184,18 +232,6 @@ def _head_view(x: torch.Tensor, row: int, heads: list[int]) -> torch.Tensor:
     size = (1, len(heads), x.shape[2], x.shape[3])
     stride = (x.stride(0), step * x.stride(1), x.stride(2), x.stride(3))
     return x.as_strided(size, stride, x.storage_offset() + row * x.stride(0) + heads[0] * x.stride(1))
-
-
-def _filled(key: torch.Tensor, value: torch.Tensor, real: torch.Tensor, step: DecodeStep):
-    """``key, value [b, H_kv, T', d]`` and ``real [b, T']`` (``None`` when every row fills them) cut to the slots
-    some row holds (``T' = max end``): one host read, for the host-skipping path only; unmasked where every row
-    holds slots ``[0, T')`` (a ``start`` of zeros included)."""
-    bounds = [step.end.min(), step.end.max()] + ([] if step.start is None else [step.start.max()])
-    lo, hi, *first = torch.stack(bounds).tolist()  # one host read
-    key, value, real = key[:, :, :hi], value[:, :, :hi], real[:, :hi]
-    if lo == hi and not any(first):  # every row holds the slots [0, hi): attend unmasked
-        real = None
-    return key, value, real
 
 
 # PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp of each query row (None if absent).

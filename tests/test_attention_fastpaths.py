@@ -273,4 +273,7 @@ def test_host_plan_says_which_groups_are_read_and_how_far_the_rows_reach():
     assert not HostPlan.read(*buffer_step([40, 40], [0, 3], "dense")[:1], local, read).unmasked
     step = buffer_step([40, 40], None, "dense")[0]
     step.end = None  # a growing cache: the rows end at its length
-    assert HostPlan.read(step, local, read).reach == step.length
+    assert HostPlan.read(step, local, read).reach == step.length and HostPlan.read(step, local, read).unmasked
+    step = buffer_step([40, 40], [0, 3], "dense")[0]
+    step.end = None  # left padding on a growing cache: masked
+    assert not HostPlan.read(step, local, read).unmasked

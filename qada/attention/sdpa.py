@@ -130,7 +130,7 @@ class SDPAExecutor(AttentionExecutor):
                             q, k, v, attn_mask=None if real is None else real[row : row + 1, None, None, :],
                             scale=scale, groups=run)[0]
         if out is not None:  # some heads local, among them maybe some of a read group's
-            full = torch.where(local.view(b, H_kv, G, 1), out, full)
+            full = torch.where(local.reshape(b, H_kv, G, 1), out, full)
         return full.reshape(b, H, 1, d), None
 
     @staticmethod
@@ -147,7 +147,8 @@ class HostPlan(NamedTuple):
         pairs: the ``(row, KV head)`` pairs whose bulk is read, row-major.
         any_local: whether some head is local (the window is attended).
         reach: one past the last slot some row holds (a preallocated buffer), else the step's length.
-        unmasked: whether every row holds the slots ``[0, reach)`` (no mask needed).
+        unmasked: whether every row holds the slots ``[0, reach)`` (no mask needed; on a growing cache, whether the
+            step has no row starts).
     """
 
     pairs: list[tuple[int, int]]
@@ -168,8 +169,8 @@ class HostPlan(NamedTuple):
         pairs = [(i // H_kv, i % H_kv) for i, flag in enumerate(flags) if flag]
         any_local = any(rest[: local.numel()])
         bounds = rest[local.numel() :]
-        if not bounds:
-            return cls(pairs, any_local, step.length, True)
+        if not bounds:  # a growing cache: every row ends at its length
+            return cls(pairs, any_local, step.length, step.start is None)
         ends, starts = bounds[:b], bounds[b:]
         reach = max(ends)
         return cls(pairs, any_local, reach, min(ends) == reach and not any(starts))

@@ -105,9 +105,8 @@ class SDPAExecutor(AttentionExecutor):
                 return out.reshape(b, H, 1, d), None
         if step.end is not None:  # a preallocated buffer: attend only as far as some row reaches
             key, value = key[:, :, : plan.reach], value[:, :, : plan.reach]
-            real = None if real is None else real[:, : plan.reach]
-            if plan.unmasked:  # every row holds the slots [0, reach)
-                real = None
+            # unmasked where every row holds the slots [0, reach)
+            real = None if plan.unmasked or real is None else real[:, : plan.reach]
             T = plan.reach
         if len(plan.pairs) == b * H_kv and self._chunks(step, real, T, len(plan.pairs)) == 1:
             mask = None if real is None else real[:, None, None, :]
@@ -119,9 +118,8 @@ class SDPAExecutor(AttentionExecutor):
             full = torch.empty_like(rows)
             for row, groups in _groups_by_row(plan.pairs):
                 for run in _progressions(groups):
-                    heads = _heads(run)
-                    q = rows[row : row + 1, heads]  # [1, n, G, d], a view
-                    k, v = _head_view(key, row, run), _head_view(value, row, run)
+                    heads = _heads(run)  # views, strided over the progression's KV heads
+                    q, k, v = rows[row : row + 1, heads], key[row : row + 1, heads], value[row : row + 1, heads]
                     chunks = self._chunks(step, real, T, len(run))
                     if chunks > 1:
                         full[row, heads] = split_k_attention(q, k, v, scale, chunks)
@@ -177,7 +175,8 @@ class HostPlan(NamedTuple):
 
 
 def _heads(run: list[int]) -> slice:
-    """The KV heads of an arithmetic progression ``run`` as a slice (indexing by it makes a view)."""
+    """The KV heads of an arithmetic progression ``run`` as a slice: indexing ``[b, H_kv, ...]`` by it makes a
+    strided view, no copy."""
     step = run[1] - run[0] if len(run) > 1 else 1
     return slice(run[0], run[-1] + 1, step)
 
@@ -225,14 +224,6 @@ def _progressions(groups: list[int]) -> list[list[int]]:
         else:
             runs.append([group])
     return runs
-
-
-def _head_view(x: torch.Tensor, row: int, heads: list[int]) -> torch.Tensor:
-    """``x[row:row+1, heads]`` of ``x [b, H_kv, T, d]`` for an arithmetic progression ``heads``, as a view."""
-    step = heads[1] - heads[0] if len(heads) > 1 else 1
-    size = (1, len(heads), x.shape[2], x.shape[3])
-    stride = (x.stride(0), step * x.stride(1), x.stride(2), x.stride(3))
-    return x.as_strided(size, stride, x.storage_offset() + row * x.stride(0) + heads[0] * x.stride(1))
 
 
 # PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp of each query row (None if absent).

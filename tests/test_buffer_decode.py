@@ -426,6 +426,71 @@ def test_a_compiled_hybrid_model_shares_the_bounds_of_its_first_global_layer():
     assert compiled[1]["sparsity"] == pytest.approx(eager[1]["sparsity"])
 
 
+def decode_in_turns(models: list, runs: list[QAdARun], steps: int, seed: int = 3) -> list[tuple]:
+    """Each model with its run attached and its own ``torch.compile(model.forward, fullgraph=True)``: eager
+    prefills of :func:`prompt`, then ``steps`` decode steps in turns (model 0, model 1, ..., model 0, ...):
+    ``[(tokens [2, steps], summary)]`` per model."""
+    ids, mask = prompt(seed)
+    capacity = ids.shape[1] + steps + 3
+    full_mask = torch.cat([mask, torch.ones(2, capacity - ids.shape[1], dtype=mask.dtype)], 1)
+    states = []
+    try:
+        with torch.no_grad():
+            for model, run in zip(models, runs, strict=True):
+                attach(model, run)
+                cache = StaticCache(config=model.config, max_cache_len=capacity)
+                out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                states.append([torch.compile(model.forward, fullgraph=True), cache,
+                               out.logits[:, -1].argmax(-1, keepdim=True), []])
+            for _ in range(steps):
+                for state in states:
+                    forward, cache, token, tokens = state
+                    tokens.append(token)
+                    out = forward(input_ids=token, attention_mask=full_mask, past_key_values=cache, use_cache=True)
+                    state[2] = out.logits[:, -1].argmax(-1, keepdim=True)
+        return [(torch.cat(state[3], 1), run.summary()) for state, run in zip(states, runs, strict=True)]
+    finally:
+        for run in runs:
+            run.remove()
+
+
+def test_two_models_compiled_side_by_side_each_call_their_own_run(model, reference):
+    """Two copies of a model, each with its own run and its own compiled forward, decoding in turns: dynamo reuses
+    one graph for every instance of a module class, so the graph is guarded on the run number each attention
+    module carries; each copy's graph calls its own run (before: both called the first copy's run, whose state
+    then moved twice a step and whose summary failed). Each run: the tokens and statistics of decoding alone."""
+    torch._dynamo.reset()
+    criterion, source, executor = COMPILED[0]
+    alone = greedy_compiled(model, make_run(criterion, source, executor, reference), 4,
+                            {"backend": "eager", "disable": True})
+    copies = [model, copy.deepcopy(model)]
+    runs = [make_run(criterion, source, executor, reference) for _ in copies]
+    for tokens, summary in decode_in_turns(copies, runs, 4):
+        assert torch.equal(tokens, alone[0])
+        for key in ("sparsity", "kv_sparsity", "decode_steps"):
+            assert summary[key] == pytest.approx(alone[1][key])
+    assert all(not hasattr(module, "qada_run_number") for module in copies[1].modules())  # removed with the run
+
+
+def test_a_compiled_forward_calls_the_run_attached_now(model, reference):
+    """One compiled forward, two runs attached one after the other (the first still alive): the second run's
+    steps go to the second run, with the tokens and statistics of eager decoding, and the first run's stay."""
+    torch._dynamo.reset()
+    criterion, source, executor = COMPILED[0]
+    forward = torch.compile(model.forward, fullgraph=True)
+    first_run = make_run(criterion, source, executor, reference)
+    greedy_compiled(model, first_run, 3, {}, forward=forward)
+    steps_before = first_run.summary()["decode_steps"]
+    second = greedy_compiled(model, make_run({"name": "local"}, "none", executor, reference), 3, {},
+                             forward=forward)
+    alone = greedy_compiled(model, make_run({"name": "local"}, "none", executor, reference), 3,
+                            {"backend": "eager", "disable": True})
+    assert first_run.summary()["decode_steps"] == steps_before
+    assert torch.equal(second[0], alone[0])
+    assert second[1]["decode_steps"] == alone[1]["decode_steps"] == 3
+    assert second[1]["sparsity"] == alone[1]["sparsity"] == 1.0
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

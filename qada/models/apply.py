@@ -12,7 +12,7 @@ from qada.artifacts import text_config
 from qada.attention import EXECUTORS
 from qada.criteria import CRITERIA
 from qada.models.attention_features import check_attention_source
-from qada.models.attention_function import ATTENTION_NAME, active_runs, qada_attention_forward
+from qada.models.attention_function import ATTENTION_NAME, RUN_NUMBER, active_runs, qada_attention_forward
 from qada.models.compiled import register_run
 from qada.models.layer_types import GLOBAL_KINDS, LOCAL_KINDS, OTHER_KINDS, attention_modules, cache_layers, layer_types
 from qada.models.observers import Observer
@@ -150,13 +150,15 @@ def attach(model: Any, run: QAdARun) -> QAdARun:
             f"({run.layers.describe()}): they pass through untouched and qada has no global layer to decide on",
             stacklevel=2,
         )
+    register_run(run)  # its number for the compiled decode step (qada.models.compiled)
     for module in modules:
         active_runs[module] = run
-    register_run(run)  # its number for the compiled decode step (qada.models.compiled)
+        setattr(module, RUN_NUMBER, run.op_number)  # what a compiled model's graph is guarded on
 
     def remove() -> None:
         for module in modules:
             active_runs.pop(module, None)
+            module.__dict__.pop(RUN_NUMBER, None)
         model.set_attn_implementation(previous)
 
     run._remove = remove

@@ -19,12 +19,29 @@ from qada.models.dense_attention import dense_attention
 from qada.models.guards import UnsupportedModelError
 from qada.models.run import QAdARun
 
-__all__ = ["ATTENTION_NAME", "active_runs", "qada_attention_forward"]
+__all__ = ["ATTENTION_NAME", "RUN_NUMBER", "active_runs", "qada_attention_forward", "traced_run_number"]
 
 ATTENTION_NAME = "qada"
 
 # attention module -> the run that wraps it; filled and emptied by qada.apply / enable.
 active_runs: weakref.WeakKeyDictionary[torch.nn.Module, QAdARun] = weakref.WeakKeyDictionary()
+
+# the attribute of a wrapped attention module that holds its run's number (qada.models.compiled.register_run)
+RUN_NUMBER = "qada_run_number"
+
+
+def traced_run_number(module: torch.nn.Module, run: QAdARun) -> int:
+    """While ``torch.compile`` traces ``module``: the number of its run, read from the module's attribute.
+
+    The compiled graph calls the run by this number. Read from the module, the value is guarded: another model's
+    modules (a second model compiled side by side) or a run attached later have another number, fail the guard and
+    compile a graph of their own. The run found by the weak map is not guarded (dynamo reuses one graph for every
+    instance of a module class), so without this read they would call this run."""
+    number = getattr(module, RUN_NUMBER, None)
+    if number != run.op_number:
+        raise RuntimeError(f"the module's run number {number!r} is not its run's ({run.op_number!r}): attach the "
+                           "run with qada.apply or qada.enable")
+    return number
 
 
 def qada_attention_forward(
@@ -47,6 +64,8 @@ def qada_attention_forward(
             f"attention implementation {ATTENTION_NAME!r} is set but qada is not active on this module; "
             "use qada.apply(model, ...) or qada.enable(model, ...)"
         )
+    if torch.compiler.is_compiling():
+        traced_run_number(module, run)
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise UnsupportedModelError(f"{type(module).__name__} has no layer_idx: qada needs one per attention layer")

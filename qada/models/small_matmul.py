@@ -1,0 +1,60 @@
+"""An Inductor graph pass for the compiled layer step on the CPU: small matrix products become fused loops.
+
+A decode step's products have a handful of rows: the ``G`` query heads of a KV group against the window's keys
+(``[H_kv, G, d] @ [H_kv, d, W]``), the heavy keys, the cov's quadratic form, the page bounds
+(``[H_kv, G, 2d] @ [H_kv, 2d, pages]``). Inductor hands every ``bmm`` / ``mm`` to the BLAS library, one call per
+product: on a 2-core CPU each costs ~35 us in place (a thread team for three rows), four per ``qada_tail`` step.
+:class:`SmallMatmulPass` rewrites those with at most :data:`MAX_ROWS` rows on either side as
+``(a[..., :, :, None] * b[..., None, :, :]).sum(-2)``, which Inductor fuses into the loops around them: nothing is
+materialised and no library call is made. Measured on SmolLM2 at 7.68k (decode steps interleaved in one process):
+``qada_tail`` 7% and ``qada`` 2% faster a step.
+
+Only the compiled layer step on the CPU uses it (:func:`qada.models.layer_step.compile_own`), scoped to its
+compilation through Inductor's ``post_grad_custom_post_pass`` option: no global setting changes. The sums' order
+differs from the library's, so results may differ in the last float bits from the eager step's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+__all__ = ["MAX_ROWS", "SmallMatmulPass", "small_product"]
+
+MAX_ROWS = 8
+"""A product with at most this many rows (``a``'s) or columns (``b``'s) is rewritten."""
+
+_aten = torch.ops.aten
+
+
+def small_product(a_shape: torch.Size, b_shape: torch.Size) -> bool:
+    """Whether ``a @ b`` (``bmm``: ``[B, M, K] @ [B, K, N]``; ``mm``: ``[M, K] @ [K, N]``) has at most
+    :data:`MAX_ROWS` rows ``M`` or columns ``N``, a static size (a symbolic one is never taken for small)."""
+    return any(isinstance(size, int) and size <= MAX_ROWS for size in (a_shape[-2], b_shape[-1]))
+
+
+class SmallMatmulPass(CustomGraphPass):
+    """Inductor's post-grad custom pass: every ``aten.bmm`` / ``aten.mm`` with a small side (:func:`small_product`)
+    becomes ``sum(unsqueeze(a, -1) * unsqueeze(b, -3), -2)``."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in (_aten.bmm.default, _aten.mm.default):
+                continue
+            a, b = node.args
+            a_val, b_val = a.meta.get("val"), b.meta.get("val")
+            if a_val is None or b_val is None or not small_product(a_val.shape, b_val.shape):
+                continue
+            with graph.inserting_before(node):
+                rows = graph.call_function(_aten.unsqueeze.default, (a, -1))  # [..., M, K, 1]
+                columns = graph.call_function(_aten.unsqueeze.default, (b, -3))  # [..., 1, K, N]
+                product = graph.call_function(_aten.mul.Tensor, (rows, columns))  # [..., M, K, N]: never stored
+                summed = graph.call_function(_aten.sum.dim_IntList, (product, [-2]))  # [..., M, N]
+            summed.meta.update(node.meta)
+            node.replace_all_uses_with(summed)
+            graph.erase_node(node)
+
+    def uuid(self) -> bytes:
+        """The pass's identity for Inductor's cache of compiled graphs: this file's contents."""
+        return get_hash_for_files((__file__,))
+

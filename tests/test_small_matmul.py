@@ -1,0 +1,56 @@
+"""The compiled layer step's pass that turns few-row products into fused loops (qada.models.small_matmul)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.utils import run_and_get_code
+
+from qada.models.small_matmul import MAX_ROWS, SmallMatmulPass, small_product
+
+
+def test_a_product_is_small_when_either_side_has_few_rows():
+    assert small_product(torch.Size([3, 3, 64]), torch.Size([3, 64, 493]))  # a KV group's G heads
+    assert small_product(torch.Size([3, 128, 64]), torch.Size([3, 64, MAX_ROWS]))
+    assert small_product(torch.Size([1, 64]), torch.Size([64, 2048]))
+    assert not small_product(torch.Size([3, MAX_ROWS + 1, 64]), torch.Size([3, 64, 128]))
+    assert not small_product(torch.Size([256, 64]), torch.Size([64, 256]))
+
+
+def compiled_with_pass(function):
+    """``function`` compiled by Inductor with the pass (and nothing else changed)."""
+
+    def backend(graph, inputs):
+        return compile_fx(graph, inputs, config_patches={"post_grad_custom_post_pass": SmallMatmulPass()})
+
+    return torch.compile(function, backend=backend, fullgraph=True)
+
+
+def products(q, keys, bounds, big_a, big_b):
+    """The shapes of a layer step's products (window scores, page bounds as a 2D product, a transposed view) and
+    one large product the pass must leave to the library."""
+    window = q @ keys.transpose(1, 2)  # [3, 3, 64] @ [3, 64, 128]
+    pages = torch.mm(q[0], bounds)  # [3, 64] @ [64, 40]
+    columns = keys @ q.transpose(1, 2)  # [3, 128, 64] @ [3, 64, 3]: few columns
+    return window.softmax(-1), pages, columns, big_a @ big_b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_pass_turns_small_products_into_loops_and_leaves_large_ones(dtype):
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(3, 3, 64, generator=g, dtype=dtype), torch.randn(3, 128, 64, generator=g, dtype=dtype),
+            torch.randn(64, 40, generator=g, dtype=dtype), torch.randn(2, 32, 48, generator=g, dtype=dtype),
+            torch.randn(2, 48, 16, generator=g, dtype=dtype))
+    torch._dynamo.reset()
+    results, (code, *_) = run_and_get_code(compiled_with_pass(products), *args)
+    expected = products(*args)
+    for result, reference in zip(results, expected, strict=True):
+        torch.testing.assert_close(result, reference, rtol=1e-5, atol=1e-5)
+    library_calls = code.count("extern_kernels.bmm(") + code.count("extern_kernels.mm(")
+    assert library_calls == 1  # the large product only
+    assert "extern_kernels.bmm(" in code
+
+
+def test_the_pass_has_a_stable_identity_for_inductors_cache():
+    assert SmallMatmulPass().uuid() == SmallMatmulPass().uuid()

@@ -478,3 +478,33 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
     assert run.executor.pages_per_program == (SPREAD_PAGES if name.endswith("spread") else 256)
     assert name not in build_configs(suite, replace(named, compiled=()), model, None, 1)
     assert name in SMOLLM2_GPU.compiled and name not in DRY_RUN_COMPILED
+
+
+def test_interleaved_configurations_parse():
+    from benchmarks.interleaved import CRITERIA, NO_PASS, parse_config
+
+    assert parse_config("dense packed compiled") == {"criterion": None, "compiled": True, "small_matmul": True}
+    assert parse_config(f"qada_tail compiled {NO_PASS}") == {"criterion": CRITERIA["qada_tail"], "compiled": True,
+                                                             "small_matmul": False}
+    assert parse_config("qada") == {"criterion": CRITERIA["qada"], "compiled": False, "small_matmul": True}
+    with pytest.raises(ValueError, match="unknown configuration"):
+        parse_config("quest compiled")
+    with pytest.raises(ValueError, match="no layer step"):
+        parse_config(f"dense packed {NO_PASS}")
+
+
+@pytest.mark.slow
+def test_interleaved_steps_write_their_ratios(tmp_path):
+    """The embedded model at 256 tokens, two eager-model configurations (the second's layer step compiled without
+    the small-matmul pass), 2 rounds: both rows, the reference's ratio 1, the run's sparsity."""
+    from benchmarks.interleaved import main
+
+    out = tmp_path / "ab"
+    assert main(["--length", "256", "--steps", "2", "--warmup", "1", "--configs",
+                 "dense packed,qada no small-matmul pass", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {row["config"]: row for row in result["rows"]}
+    assert rows["dense packed"]["ratio_to_first"] == 1.0 and rows["dense packed"]["sparsity"] is None
+    assert rows["qada no small-matmul pass"]["median_ms"] > 0
+    assert 0.0 <= rows["qada no small-matmul pass"]["sparsity"] <= 1.0
+    assert "x dense packed" in out.with_suffix(".md").read_text()

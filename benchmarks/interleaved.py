@@ -1,0 +1,181 @@
+"""Decode steps of a few configurations interleaved one by one in one process: an A/B on a noisy host.
+
+Each configuration gets its own copy of the embedded model, its own static cache (filled from one shared prefill
+of a pass-key prompt) and its own run; after ``warmup`` steps each, the configurations take turns, one decode step
+at a time (the order reversed every other round), so that a drift of the host's speed (its memory bandwidth moved
+between 11 and 25 GB/s from one hour to the next on the 2-core machines) hits all alike. Reported: each
+configuration's median step time and the median over rounds of its step time over the first configuration's in the
+same round.
+
+Configurations: ``dense packed`` (the unwrapped model, packed grouped-query attention) or a criterion (``qada``,
+``qada_tail``, ``qada_tail_budget``, with the suite's tau / sparsity and stored moments), then modifiers:
+``compiled`` (``torch.compile(model.forward, fullgraph=True)``) and ``no small-matmul pass`` (the layer step
+compiled without :class:`~qada.models.small_matmul.SmallMatmulPass`, to measure what it gains). Several model copies
+share the caches of the CPU, so absolute times run higher than with one model: compare the ratios.
+
+    python benchmarks/interleaved.py --length 7680 --steps 80 \
+        --configs "dense packed compiled,qada_tail compiled no small-matmul pass,qada_tail compiled"
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks.end_to_end import Stepper, fresh_cache
+from benchmarks.packed_dense import packed_attention
+from qada.eval.decode import prefill, prefill_from_cache
+from qada.eval.passkey import passkey_prompt
+from qada.models import attach, build_run, load_default_model, prepare_run
+
+__all__ = ["CRITERIA", "parse_config", "run_interleaved"]
+
+CRITERIA = {
+    "qada": {"name": "qada", "tau": 0.6},
+    "qada_tail": {"name": "qada_tail", "tau": 0.3},
+    "qada_tail_budget": {"name": "qada_tail_budget", "sparsity": 0.85},
+}
+NO_PASS = "no small-matmul pass"
+
+
+def parse_config(name: str) -> dict[str, Any]:
+    """``"qada_tail compiled no small-matmul pass"`` -> ``{"criterion": ..., "compiled": True, "small_matmul":
+    False}``; ``criterion`` is ``None`` for ``dense packed``."""
+    rest = name.strip()
+    small_matmul = not rest.endswith(NO_PASS)
+    rest = rest.removesuffix(NO_PASS).strip()
+    compiled = rest.endswith("compiled")
+    rest = rest.removesuffix("compiled").strip()
+    if rest == "dense packed":
+        if not small_matmul:
+            raise ValueError(f"{name!r}: the dense model has no layer step to compile without the pass")
+        return {"criterion": None, "compiled": compiled, "small_matmul": True}
+    if rest not in CRITERIA:
+        raise ValueError(f"unknown configuration {name!r}: expected 'dense packed' or one of {sorted(CRITERIA)}, "
+                         f"then 'compiled' and/or '{NO_PASS}'")
+    return {"criterion": CRITERIA[rest], "compiled": compiled, "small_matmul": small_matmul}
+
+
+@contextlib.contextmanager
+def _without_small_matmul_pass():
+    """The layer step compiled inside this block has no small-matmul pass (a no-op pass with its own cache key)."""
+    from qada.models import small_matmul
+
+    cls = small_matmul.SmallMatmulPass
+    saved = cls.__call__, cls.uuid
+    cls.__call__ = lambda self, graph: None
+    cls.uuid = lambda self: b"qada-benchmark-no-small-matmul-pass"
+    try:
+        yield
+    finally:
+        cls.__call__, cls.uuid = saved
+
+
+def run_interleaved(configs: list[str], length: int, steps: int, warmup: int = 3, log=print) -> dict[str, Any]:
+    """Each configuration on its own model copy, ``warmup`` steps each, then ``steps`` rounds of one step each."""
+    parsed = [parse_config(name) for name in configs]
+    base_model, tokenizer = load_default_model()
+    prompt = passkey_prompt(tokenizer, length=length, depth=0.5)
+    with torch.no_grad():
+        done = prefill(base_model, prompt.input_ids, keep_queries=32)
+    base = [(layer.keys, layer.values) for layer in done.cache.layers]
+    first = done.last_logits.argmax(-1).reshape(1)
+    steppers, runs = {}, {}
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for name, config in zip(configs, parsed, strict=True):
+            model = copy.deepcopy(base_model)
+            cache = fresh_cache(model, base, "static", length + warmup + steps + 8, 1)
+            run = None
+            if config["criterion"] is None:
+                stack.enter_context(packed_attention(model))
+            else:
+                run = prepare_run(build_run(criterion=config["criterion"], moments="stored", executor="sdpa"), model,
+                                  tokenizer)
+                attach(model, run)
+                stack.callback(run.remove)
+                prefill_from_cache(run, cache, queries=done.queries)
+            forward = torch.compile(model.forward, fullgraph=True) if config["compiled"] else None
+            stepper = Stepper(model, cache, first, length, forward)
+            with contextlib.nullcontext() if config["small_matmul"] else _without_small_matmul_pass():
+                for _ in range(warmup):  # (the compilations)
+                    stepper()
+            steppers[name], runs[name] = stepper, run
+            log(f"  interleaved: {name} ready")
+        times: dict[str, list[float]] = {name: [] for name in configs}
+        for round_ in range(steps):
+            for name in configs if round_ % 2 == 0 else configs[::-1]:
+                start = time.perf_counter()
+                steppers[name]()
+                times[name].append(time.perf_counter() - start)
+        summaries = {name: (run.summary() if run is not None else None) for name, run in runs.items()}
+    reference = configs[0]
+    rows = []
+    for name in configs:
+        ratios = [t / r for t, r in zip(times[name], times[reference], strict=True)]
+        summary = summaries[name]
+        rows.append({"config": name, "median_ms": 1e3 * statistics.median(times[name]),
+                     "ratio_to_first": statistics.median(ratios),
+                     "sparsity": None if summary is None else summary["sparsity"],
+                     "kv_read": None if summary is None else summary["kv_read"]})  # fmt: skip
+    return {"length": length, "steps": steps, "warmup": warmup, "reference": reference, "rows": rows,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+
+
+def to_markdown(result: dict[str, Any], command: str) -> str:
+    lines = [f"# Interleaved decode steps, SmolLM2-135M at {result['length']} tokens (CPU)", "",
+             f"Command: `{command}`; torch {result['torch']}, {result['threads']} threads, load average "
+             f"{tuple(round(x, 2) for x in result['load_average'])}, {result['date']}. {result['steps']} rounds "
+             f"of one step per configuration after {result['warmup']} warm-up steps each; each configuration on "
+             "its own model copy (absolute times run higher than with one model: compare the ratios).", "",
+             f"| config | median ms a step | x {result['reference']} (median over rounds) | sparsity | kv_read |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for row in result["rows"]:
+        sparsity = "" if row["sparsity"] is None else f"{row['sparsity']:.3f}"
+        kv_read = "" if row["kv_read"] is None else f"{row['kv_read']:.3f}"
+        lines.append(f"| {row['config']} | {row['median_ms']:.1f} | {row['ratio_to_first']:.3f} | {sparsity} | "
+                     f"{kv_read} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", required=True, help="comma-separated configurations (the first: reference)")
+    parser.add_argument("--length", type=int, default=7680)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.md")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configs = [name.strip() for name in args.configs.split(",") if name.strip()]
+    if len(configs) < 2:
+        parser.error("--configs: give at least two configurations to compare")
+    result = run_interleaved(configs, args.length, args.steps, args.warmup)
+    command = "python benchmarks/interleaved.py " + " ".join(
+        f'"{a}"' if " " in a or "," in a else a for a in (argv if argv is not None else sys.argv[1:]))
+    text = to_markdown(result, command)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,10 +6,10 @@ A decode step's products have a handful of rows: the ``G`` query heads of a KV g
 product: on a 2-core CPU each costs ~35 us in place (a thread team for three rows), four per ``qada_tail`` step.
 :class:`SmallMatmulPass` rewrites those with at most :data:`MAX_ROWS` rows on either side as
 ``(a[..., :, :, None] * b[..., None, :, :]).sum(-2)``, which Inductor fuses into the loops around them: nothing is
-materialised and no library call is made. Measured on SmolLM2 at 7.68k (decode steps interleaved in one process):
-``qada_tail`` 7% and ``qada`` 2% faster a step.
+materialised and no library call is made. Measured on SmolLM2 at 7.68k with decode steps interleaved in one process
+(``benchmarks/interleaved.py``): a ``qada_tail`` step 6.5% and a ``qada`` step 5% faster.
 
-Only the compiled layer step on the CPU uses it (:func:`qada.models.layer_step.compile_own`), scoped to its
+Only the compiled layer step on the CPU uses it (:func:`qada.models.layer_step.compile_layer_step`), scoped to its
 compilation through Inductor's ``post_grad_custom_post_pass`` option: no global setting changes. The sums' order
 differs from the library's, so results may differ in the last float bits from the eager step's.
 """

@@ -307,27 +307,40 @@ def test_a_decode_step_without_a_prefill_is_refused():
 def greedy_compiled(model, run: QAdARun, steps: int, compile_kwargs: dict, device="cpu", seed: int = 3,
                     forward=None):
     """Eager prefill of :func:`prompt` (``seed``), then ``steps`` decode steps through ``forward`` (default: a new
-    ``torch.compile(model.forward, **compile_kwargs)``)."""
+    ``torch.compile(model.forward, **compile_kwargs)``): ``(tokens [2, steps], summary)``."""
+    forward = forward or torch.compile(model.forward, **compile_kwargs)
+    return decode_in_turns([model], [run], steps, [forward], device, seed)[0]
+
+
+def decode_in_turns(models: list, runs: list[QAdARun], steps: int, forwards: list | None = None, device="cpu",
+                    seed: int = 3) -> list[tuple]:
+    """Each model with its run attached and its forward (default: its own ``torch.compile(model.forward,
+    fullgraph=True)``): eager prefills of :func:`prompt` (``seed``), then ``steps`` decode steps in turns (model 0,
+    model 1, ..., model 0, ...): ``[(tokens [2, steps], summary)]`` per model."""
+    forwards = forwards or [torch.compile(model.forward, fullgraph=True) for model in models]
     ids, mask = (t.to(device) for t in prompt(seed))
     capacity = ids.shape[1] + steps + 3
-    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    # the future slots are masked by causality: one 2D mask of the cache's size, no recompile
     full_mask = torch.cat([mask, torch.ones(2, capacity - ids.shape[1], dtype=mask.dtype, device=device)], 1)
-    forward = forward or torch.compile(model.forward, **compile_kwargs)
-    attach(model, run)
-    run.reset_stats()
+    states = []
     try:
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            tokens = []
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            for model, run, forward in zip(models, runs, forwards, strict=True):
+                attach(model, run)
+                run.reset_stats()
+                cache = StaticCache(config=model.config, max_cache_len=capacity)
+                out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                states.append([forward, cache, out.logits[:, -1].argmax(-1, keepdim=True), []])
             for _ in range(steps):
-                tokens.append(token)
-                # the future slots are masked by causality: one 2D mask of the cache's size, no recompile
-                out = forward(input_ids=token, attention_mask=full_mask, past_key_values=cache, use_cache=True)
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-        return torch.cat(tokens, 1), run.summary()
+                for state in states:
+                    forward, cache, token, tokens = state
+                    tokens.append(token)
+                    out = forward(input_ids=token, attention_mask=full_mask, past_key_values=cache, use_cache=True)
+                    state[2] = out.logits[:, -1].argmax(-1, keepdim=True)
+        return [(torch.cat(state[3], 1), run.summary()) for state, run in zip(states, runs, strict=True)]
     finally:
-        run.remove()
+        for run in runs:
+            run.remove()
 
 
 COMPILED = [({"name": "qada", "tau": 0.3}, "stored", {"name": "sdpa", "host_skip": False})]
@@ -424,34 +437,6 @@ def test_a_compiled_hybrid_model_shares_the_bounds_of_its_first_global_layer():
     eager = greedy_compiled(hybrid, build_run(**run), 3, {"backend": "eager", "disable": True})
     assert torch.equal(compiled[0], eager[0])
     assert compiled[1]["sparsity"] == pytest.approx(eager[1]["sparsity"])
-
-
-def decode_in_turns(models: list, runs: list[QAdARun], steps: int, seed: int = 3) -> list[tuple]:
-    """Each model with its run attached and its own ``torch.compile(model.forward, fullgraph=True)``: eager
-    prefills of :func:`prompt`, then ``steps`` decode steps in turns (model 0, model 1, ..., model 0, ...):
-    ``[(tokens [2, steps], summary)]`` per model."""
-    ids, mask = prompt(seed)
-    capacity = ids.shape[1] + steps + 3
-    full_mask = torch.cat([mask, torch.ones(2, capacity - ids.shape[1], dtype=mask.dtype)], 1)
-    states = []
-    try:
-        with torch.no_grad():
-            for model, run in zip(models, runs, strict=True):
-                attach(model, run)
-                cache = StaticCache(config=model.config, max_cache_len=capacity)
-                out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-                states.append([torch.compile(model.forward, fullgraph=True), cache,
-                               out.logits[:, -1].argmax(-1, keepdim=True), []])
-            for _ in range(steps):
-                for state in states:
-                    forward, cache, token, tokens = state
-                    tokens.append(token)
-                    out = forward(input_ids=token, attention_mask=full_mask, past_key_values=cache, use_cache=True)
-                    state[2] = out.logits[:, -1].argmax(-1, keepdim=True)
-        return [(torch.cat(state[3], 1), run.summary()) for state, run in zip(states, runs, strict=True)]
-    finally:
-        for run in runs:
-            run.remove()
 
 
 def test_two_models_compiled_side_by_side_each_call_their_own_run(model, reference):

@@ -31,12 +31,13 @@ RUN_NUMBER = "qada_run_number"
 
 
 def traced_run_number(module: torch.nn.Module, run: QAdARun) -> int:
-    """While ``torch.compile`` traces ``module``: the number of its run, read from the module's attribute.
+    """While ``torch.compile`` traces ``module``: the number of its run, read from the module's attribute and
+    checked against ``run.op_number`` (the number the graph's operator calls the run by).
 
-    The compiled graph calls the run by this number. Read from the module, the value is guarded: another model's
-    modules (a second model compiled side by side) or a run attached later have another number, fail the guard and
-    compile a graph of their own. The run found by the weak map is not guarded (dynamo reuses one graph for every
-    instance of a module class), so without this read they would call this run."""
+    Read from the module, the value is guarded: another model's modules (a second model compiled side by side) or a
+    run attached later have another number, fail the guard and compile a graph of their own. The run found by the
+    weak map is not guarded (dynamo reuses one graph for every instance of a module class), so without this read
+    they would call this run."""
     number = getattr(module, RUN_NUMBER, None)
     if number != run.op_number:
         raise RuntimeError(f"the module's run number {number!r} is not its run's ({run.op_number!r}): attach the "

@@ -57,4 +57,3 @@ class SmallMatmulPass(CustomGraphPass):
     def uuid(self) -> bytes:
         """The pass's identity for Inductor's cache of compiled graphs: this file's contents."""
         return get_hash_for_files((__file__,))
-

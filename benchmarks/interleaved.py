@@ -9,8 +9,10 @@ same round.
 
 Configurations: ``dense packed`` (the unwrapped model, packed grouped-query attention) or a criterion (``qada``,
 ``qada_tail``, ``qada_tail_budget``, with the suite's tau / sparsity and stored moments), then modifiers:
-``compiled`` (``torch.compile(model.forward, fullgraph=True)``) and ``no small-matmul pass`` (the layer step
-compiled without :class:`~qada.models.small_matmul.SmallMatmulPass`, to measure what it gains). Several model copies
+``compiled`` (``torch.compile(model.forward, fullgraph=True)``), ``no small-matmul pass`` (the layer step
+compiled without :class:`~qada.models.small_matmul.SmallMatmulPass`, to measure what it gains) and ``no
+ahead-of-time`` (the layer step through ``torch.compile`` rather than compiled ahead of time,
+:mod:`qada.models.ahead_step`). Several model copies
 share the caches of the CPU, so absolute times run higher than with one model: compare the ratios.
 
     python benchmarks/interleaved.py --length 7680 --steps 80 \
@@ -49,24 +51,31 @@ CRITERIA = {
     "qada_tail_budget": {"name": "qada_tail_budget", "sparsity": 0.85},
 }
 NO_PASS = "no small-matmul pass"
+NO_AHEAD = "no ahead-of-time"
 
 
 def parse_config(name: str) -> dict[str, Any]:
     """``"qada_tail compiled no small-matmul pass"`` -> ``{"criterion": ..., "compiled": True, "small_matmul":
-    False}``; ``criterion`` is ``None`` for ``dense packed``."""
+    False, "ahead": True}``; ``criterion`` is ``None`` for ``dense packed``. The modifiers after the criterion, in
+    any order: ``compiled``, :data:`NO_PASS`, :data:`NO_AHEAD` (the layer step through ``torch.compile`` instead of
+    :mod:`qada.models.ahead_step`)."""
     rest = name.strip()
-    small_matmul = not rest.endswith(NO_PASS)
-    rest = rest.removesuffix(NO_PASS).strip()
-    compiled = rest.endswith("compiled")
-    rest = rest.removesuffix("compiled").strip()
+    flags = {"compiled": False, NO_PASS: False, NO_AHEAD: False}
+    found = True
+    while found:
+        found = False
+        for flag in flags:
+            if rest.endswith(flag) and not flags[flag]:
+                flags[flag], rest, found = True, rest.removesuffix(flag).strip(), True
+    config = {"compiled": flags["compiled"], "small_matmul": not flags[NO_PASS], "ahead": not flags[NO_AHEAD]}
     if rest == "dense packed":
-        if not small_matmul:
-            raise ValueError(f"{name!r}: the dense model has no layer step to compile without the pass")
-        return {"criterion": None, "compiled": compiled, "small_matmul": True}
+        if flags[NO_PASS] or flags[NO_AHEAD]:
+            raise ValueError(f"{name!r}: the dense model has no layer step to compile otherwise")
+        return {"criterion": None, **config}
     if rest not in CRITERIA:
         raise ValueError(f"unknown configuration {name!r}: expected 'dense packed' or one of {sorted(CRITERIA)}, "
-                         f"then 'compiled' and/or '{NO_PASS}'")
-    return {"criterion": CRITERIA[rest], "compiled": compiled, "small_matmul": small_matmul}
+                         f"then 'compiled', '{NO_PASS}' and/or '{NO_AHEAD}'")
+    return {"criterion": CRITERIA[rest], **config}
 
 
 @contextlib.contextmanager
@@ -104,6 +113,8 @@ def run_interleaved(configs: list[str], length: int, steps: int, warmup: int = 3
             else:
                 run = prepare_run(build_run(criterion=config["criterion"], moments="stored", executor="sdpa"), model,
                                   tokenizer)
+                if not config["ahead"]:
+                    run.layer_step.ahead = None
                 attach(model, run)
                 stack.callback(run.remove)
                 prefill_from_cache(run, cache, queries=done.queries)

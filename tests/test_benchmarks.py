@@ -481,16 +481,23 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
 
 
 def test_interleaved_configurations_parse():
-    from benchmarks.interleaved import CRITERIA, NO_PASS, parse_config
+    from benchmarks.interleaved import CRITERIA, NO_AHEAD, NO_PASS, parse_config
 
-    assert parse_config("dense packed compiled") == {"criterion": None, "compiled": True, "small_matmul": True}
+    plain = {"small_matmul": True, "ahead": True}
+    assert parse_config("dense packed compiled") == {"criterion": None, "compiled": True, **plain}
     assert parse_config(f"qada_tail compiled {NO_PASS}") == {"criterion": CRITERIA["qada_tail"], "compiled": True,
-                                                             "small_matmul": False}
-    assert parse_config("qada") == {"criterion": CRITERIA["qada"], "compiled": False, "small_matmul": True}
+                                                             "small_matmul": False, "ahead": True}
+    assert parse_config(f"qada compiled {NO_AHEAD}") == {"criterion": CRITERIA["qada"], "compiled": True,
+                                                         "small_matmul": True, "ahead": False}
+    assert parse_config(f"qada {NO_AHEAD} {NO_PASS}") == {"criterion": CRITERIA["qada"], "compiled": False,
+                                                          "small_matmul": False, "ahead": False}
+    assert parse_config("qada") == {"criterion": CRITERIA["qada"], "compiled": False, **plain}
     with pytest.raises(ValueError, match="unknown configuration"):
         parse_config("quest compiled")
     with pytest.raises(ValueError, match="no layer step"):
         parse_config(f"dense packed {NO_PASS}")
+    with pytest.raises(ValueError, match="no layer step"):
+        parse_config(f"dense packed compiled {NO_AHEAD}")
 
 
 @pytest.mark.slow

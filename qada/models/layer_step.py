@@ -216,9 +216,15 @@ class LayerStep:
         self.fused: Any = None  # the executor that makes the decision in its kernel (fuse), else None
         self._compiled: Any = None
         self._merge: Any = None
+        self.ahead: Any = None  # the CPU's ahead-of-time step (qada.models.ahead_step), inductor only
         if backend is not None:
             self._compiled = compile_layer_step(bound, backend)
             self._merge = compile_own(merge_extra, "qada_merge_extra", backend)
+        if backend == "inductor":
+            from qada.models.ahead_step import AheadOfTimeStep
+
+            parts = [part for _, part in criterion.named_criteria()] + [moments, window]
+            self.ahead = AheadOfTimeStep(layer_step, bound, [part for part in parts if part is not None])
 
     @property
     def compiled(self) -> bool:
@@ -240,7 +246,7 @@ class LayerStep:
         bound = dict(self._bound, executor=executor)
         self.fused = executor
         self.eager = functools.partial(fused_layer_step, **bound)
-        self._compiled, self.eager_reason = None, None
+        self._compiled, self.eager_reason, self.ahead = None, None, None
         if self.backend is not None:
             from qada.attention import _triton_kernel
 
@@ -255,6 +261,10 @@ class LayerStep:
         """:func:`layer_step` on ``args``; compiled when ``buffered`` (fixed shapes) and :attr:`compiled`."""
         if not (buffered and self.compiled):
             return self.eager(*args)
+        if self.ahead is not None:  # on the CPU: the step compiled ahead of time, called without guards
+            result = self.ahead(args)
+            if result is not None:
+                return result
         try:
             return self._compiled(*args)
         except Exception as error:  # noqa: BLE001 - decided below: an error of the part itself, or of compiling
@@ -334,15 +344,14 @@ def _refusing_host_reads(backend: Any) -> Any:
     (``item``, ``tolist``, ``nonzero``, a data-dependent shape): ``torch.compile`` traces those into the graph, but
     the compiled step would then wait for the device at every layer, and a CUDA graph could not capture it."""
     from torch._dynamo import lookup_backend
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     compile_graph = lookup_backend(backend) if isinstance(backend, str) else backend
 
     def refusing(graph: torch.fx.GraphModule, example_inputs: list) -> Any:
-        for node in graph.graph.nodes:
-            if node.op in ("call_method", "call_function") and free_unbacked_symbols(node.meta.get("example_value")):
-                where = "".join(node.meta.get("stack_trace", "").strip().splitlines()[-2:]).strip()
-                raise HostReadError(f"it reads a device value on the host ({node.target}): {where}")
+        node = unbacked_node(graph.graph)
+        if node is not None:
+            where = "".join(node.meta.get("stack_trace", "").strip().splitlines()[-2:]).strip()
+            raise HostReadError(f"it reads a device value on the host ({node.target}): {where}")
         on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
         if backend == "inductor" and on_cpu:
             from torch._inductor.compile_fx import compile_fx
@@ -356,6 +365,18 @@ def _refusing_host_reads(backend: Any) -> Any:
         return compile_graph(graph, example_inputs)
 
     return refusing
+
+
+def unbacked_node(graph: torch.fx.Graph) -> torch.fx.Node | None:
+    """The first operation of a traced ``graph`` whose result has a size or value only known on the host (an
+    unbacked symbol: ``item``, ``nonzero``, ...), or ``None``."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in graph.nodes:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if node.op in ("call_method", "call_function") and free_unbacked_symbols(value):
+            return node
+    return None
 
 
 def _reason(error: Exception) -> str:

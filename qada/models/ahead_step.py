@@ -1,0 +1,248 @@
+"""The compiled layer step on the CPU, ahead of time: exported once per configuration and cache size, compiled by
+AOTInductor, called with no guards.
+
+``torch.compile``'s way into a compiled function (its guards over every input and every component attribute the
+trace read, its runtime wrappers, the Python call of the generated code) costs about as much as the layer step's
+kernels on a 2-core CPU: a ``qada_tail`` step of SmolLM2 at 7.68k took ~430 us a call through ``torch.compile``
+and ~180 us as the same kernels compiled ahead of time (``torch.export`` + AOTInductor), called directly. Per decode
+step of 30 layers that is ~7 ms of a ~90 ms step.
+
+:class:`AheadOfTimeStep` makes that call. What ``torch.compile``'s guards checked, it checks in one key per call:
+
+* the inputs' structure (which are ``None``, the state dictionaries' keys) and every tensor's dtype, shape and
+  strides, and that all are on the CPU;
+* the floats baked into the step (the attention scale, the soft cap);
+* the components' configuration: the fields of every component (they are dataclasses: their fields are their
+  configuration), so that changing e.g. ``tau`` between steps compiles the step again, as a guard would;
+* the torch thread count (the kernels' OpenMP teams are sized when compiled) and the default dtype.
+
+A key seen for the first time is exported (``torch.export``, non-strict: the step's own Python, run once on fake
+tensors), checked for host reads as :func:`~qada.models.layer_step.compile_layer_step` checks, and compiled by
+AOTInductor with :class:`~qada.models.small_matmul.SmallMatmulPass`; the package is kept in Inductor's cache
+directory (``qada_aot/``) under a hash of the exported graph's code and the key, so a later process loads it in
+milliseconds instead of compiling again (~15-25 s). In-place updates of the inputs (the moment state, the statistics'
+sums) are part of the exported graph.
+
+It declines (returns ``None``, and the run takes ``torch.compile``'s route as before) where it cannot stand in for
+the guards: a component that is not one of qada's own (a user's may read attributes that are not fields), a tensor
+the step would capture as a constant, inputs on another device, gradients wanted, an export that fails, or more than
+:data:`MAX_ENTRIES` keys (an evaluation over many cache sizes: ``torch.compile``'s dynamic shapes serve those).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tempfile
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["AOT_DIRECTORY", "MAX_ENTRIES", "AheadOfTimeStep", "flatten_arguments"]
+
+MAX_ENTRIES = 2
+"""Keys (configurations x cache sizes) one step compiles ahead of time; later ones go to ``torch.compile``."""
+
+AOT_DIRECTORY = "qada_aot"
+"""The folder of compiled packages inside Inductor's cache directory."""
+
+
+def flatten_arguments(args: tuple) -> tuple[list[torch.Tensor], tuple]:
+    """The tensors of a layer step's arguments in ``torch.export``'s order (dictionaries by insertion order, ``None``
+    left out) and the rest of their structure: ``(leaves, structure)``; ``structure`` names each argument's kind
+    (a tensor, ``None``, a float, a dictionary's keys)."""
+    leaves: list[torch.Tensor] = []
+    structure: list[Any] = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            leaves.append(arg)
+            structure.append(True)
+        elif isinstance(arg, dict):
+            names = []
+            for name, value in arg.items():
+                if isinstance(value, dict):
+                    leaves.extend(value.values())
+                    names.append((name, tuple(value)))
+                else:
+                    leaves.append(value)
+                    names.append(name)
+            structure.append(tuple(names))
+        else:  # None, or a float baked into the step
+            structure.append(arg)
+    return leaves, tuple(structure)
+
+
+def _in_fresh_thread(function: Any, *args: Any) -> Any:
+    """``function(*args)`` in a new thread, whose dispatcher state is fresh: the step may be compiled from inside an
+    operator of a compiled model (``qada::decode_buffer``), whose thread-local dispatch settings ``torch.export``'s
+    tracing must not inherit. Returns its result, raises its error."""
+    outcome: dict[str, Any] = {}
+    threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the kernels are sized with the caller's
+
+    def target() -> None:
+        try:
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                outcome["result"] = function(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="qada-ahead-of-time-step")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a hashable, comparable setting (lists and dicts as tuples; dataclasses by their fields);
+    anything else (a tensor: the step reads it as an input or not at all) by its type."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return tuple((_plain(key), _plain(item)) for key, item in value.items())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value), settings(value))
+    return type(value)
+
+
+def settings(part: Any) -> tuple:
+    """The configuration of a component (a dataclass): its fields' values, as :func:`_plain` makes them."""
+    return tuple(_plain(getattr(part, field.name)) for field in dataclasses.fields(part))
+
+
+class AheadOfTimeStep:
+    """A layer step function (``layer_step`` with the run's components bound as keyword arguments) compiled ahead of
+    time per key (see the module's docstring). Call with the step's positional arguments; returns its
+    :class:`~qada.models.layer_step.LayerStepResult`, or ``None`` where it declines.
+
+    Attributes:
+        parts: the components whose fields are part of the key (every criterion, the moment source, the window).
+        own: whether every part is one of qada's own dataclasses (else every call declines).
+        entries: key -> the loaded package's runner, per key compiled or loaded.
+        declined: why the last key that was declined was (``None``: none was).
+        loaded: how many packages came from the cache directory rather than a compilation.
+        folder: where packages are kept (``None``: :data:`AOT_DIRECTORY` in Inductor's cache directory).
+    """
+
+    def __init__(self, function: Any, bound: dict[str, Any], parts: list[Any]) -> None:
+        self.function, self.bound = function, bound
+        self.parts = parts
+        self.entries: dict[tuple, Any] = {}
+        self._refused: set[tuple] = set()
+        self.folder: str | None = None
+        self.loaded = 0
+        self.own = all(type(part).__module__.startswith("qada.") and dataclasses.is_dataclass(part)
+                       for part in parts)
+        self.declined: str | None = None if self.own else "a component is not one of qada's own"
+
+    def key(self, leaves: list[torch.Tensor], structure: tuple) -> tuple | None:
+        """The call's key, or ``None`` where the step cannot run ahead of time (a tensor off the CPU, gradients)."""
+        grad = torch.is_grad_enabled()
+        meta = []
+        for tensor in leaves:
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu or (grad and tensor.requires_grad):
+                return None
+            meta.append((tensor.dtype, tensor.shape, tensor.stride()))
+        configuration = tuple(settings(part) for part in self.parts)
+        return (structure, tuple(meta), configuration, torch.get_num_threads(), torch.get_default_dtype())
+
+    def __call__(self, args: tuple) -> Any:
+        if not self.own:
+            return None
+        leaves, structure = flatten_arguments(args)
+        key = self.key(leaves, structure)
+        if key is None or key in self._refused:
+            return None
+        entry = self.entries.get(key)
+        if entry is None:
+            if len(self.entries) >= MAX_ENTRIES:
+                self.declined = f"more than {MAX_ENTRIES} cache sizes or configurations"
+                return None
+            try:
+                entry = _in_fresh_thread(self._compile, args, leaves, key)
+            except Exception as error:  # noqa: BLE001 - any failure: torch.compile's route takes the step
+                self._refused.add(key)
+                self.error = error
+                first = (str(error).strip().splitlines() or [""])[0][:300]
+                self.declined = f"{type(error).__name__}: {first}"
+                return None
+            self.entries[key] = entry
+        runner, positions, count = entry
+        outputs = runner.run(leaves)
+        parts: list[torch.Tensor | None] = [None] * count
+        for position, tensor in zip(positions, outputs, strict=True):
+            parts[position] = tensor
+        from qada.models.inline_step import unflatten_result
+
+        return unflatten_result(parts)
+
+    def _compile(self, args: tuple, leaves: list[torch.Tensor], key: tuple) -> tuple[Any, list[int], int]:
+        """Export the step for ``args``, compile it (or load it from the cache directory): ``(runner, positions of
+        the non-``None`` outputs, output count)``."""
+        from torch.utils import _pytree as pytree
+
+        from qada.models.inline_step import flatten_result
+        from qada.models.layer_step import HostReadError, unbacked_node
+
+        function, bound = self.function, self.bound
+        scale, softcap = args[5], args[10]
+        inputs = args[:5] + args[6:10] + args[11:]
+
+        class Step(torch.nn.Module):
+            def forward(self, query, keys, values, start, end, layer, moment_state, criterion_states,  # noqa: ANN001
+                        sink_logits, sums):
+                result = function(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
+                                  sink_logits, softcap, sums, **bound)
+                return tuple(flatten_result(result))
+
+        # without the fake tensor cache, which may hold entries of a model's own compilation (other symbols)
+        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+            program = torch.export.export(Step(), inputs, strict=False)
+        if program.constants or program.state_dict:
+            raise ValueError(f"the step captures tensors as constants: {sorted(program.constants)[:4]}")
+        node = unbacked_node(program.graph_module.graph)
+        if node is not None:
+            raise HostReadError(f"it reads a device value on the host ({node})")
+        order = [leaf for leaf in pytree.tree_flatten(inputs)[0] if isinstance(leaf, torch.Tensor)]
+        if len(order) != len(leaves) or any(a is not b for a, b in zip(order, leaves, strict=True)):
+            raise ValueError("the exported inputs are not in the order of flatten_arguments")
+        out_spec = program.call_spec.out_spec
+        shape = pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec)
+        positions = [index for index, item in enumerate(shape) if item is not None]
+        path = self._package(program, key)
+        runner = torch._inductor.aoti_load_package(path)
+        return runner.loader, positions, len(shape)
+
+    def _package(self, program: Any, key: tuple) -> str:
+        """The compiled package of ``program`` in the cache directory, compiled now where it is not there yet."""
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        from qada.models.small_matmul import SmallMatmulPass
+        from qada.version import __version__
+
+        small = SmallMatmulPass()
+        material = "\n".join([__version__, torch.__version__, repr(key[:2]), repr(key[3:]), small.uuid().hex(),
+                              str(program.graph_signature), str(program.call_spec), program.graph_module.code])
+        digest = hashlib.sha256(material.encode()).hexdigest()[:40]
+        folder = self.folder or os.path.join(cache_dir(), AOT_DIRECTORY)
+        path = os.path.join(folder, f"{digest}.pt2")
+        if os.path.exists(path):
+            self.loaded += 1
+            return path
+        os.makedirs(folder, exist_ok=True)
+        handle, partial = tempfile.mkstemp(suffix=".pt2", dir=folder)
+        os.close(handle)
+        try:
+            torch._inductor.aoti_compile_and_package(program, package_path=partial,
+                                                     inductor_configs={"post_grad_custom_post_pass": small})
+            os.replace(partial, path)  # whole or not at all, for a process that loads it meanwhile
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+        return path

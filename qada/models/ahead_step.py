@@ -36,6 +36,7 @@ import hashlib
 import os
 import tempfile
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -125,7 +126,8 @@ class AheadOfTimeStep:
         parts: the components whose fields are part of the key (every criterion, the moment source, the window).
         own: whether every part is one of qada's own dataclasses (else every call declines).
         entries: key -> the loaded package's runner, per key compiled or loaded.
-        declined: why the last key that was declined was (``None``: none was).
+        declined: why the last key that was declined was (``None``: none was); ``error``: the exception of the last
+            export or compilation that failed (``None``: none did).
         loaded: how many packages came from the cache directory rather than a compilation.
         folder: where packages are kept (``None``: :data:`AOT_DIRECTORY` in Inductor's cache directory).
     """
@@ -140,6 +142,7 @@ class AheadOfTimeStep:
         self.own = all(type(part).__module__.startswith("qada.") and dataclasses.is_dataclass(part)
                        for part in parts)
         self.declined: str | None = None if self.own else "a component is not one of qada's own"
+        self.error: Exception | None = None
 
     def key(self, leaves: list[torch.Tensor], structure: tuple) -> tuple | None:
         """The call's key, or ``None`` where the step cannot run ahead of time (a tensor off the CPU, gradients)."""
@@ -239,8 +242,10 @@ class AheadOfTimeStep:
         handle, partial = tempfile.mkstemp(suffix=".pt2", dir=folder)
         os.close(handle)
         try:
-            torch._inductor.aoti_compile_and_package(program, package_path=partial,
-                                                     inductor_configs={"post_grad_custom_post_pass": small})
+            with warnings.catch_warnings():  # torch's own pickling of a tree spec warns of its deprecated API
+                warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+                torch._inductor.aoti_compile_and_package(program, package_path=partial,
+                                                         inductor_configs={"post_grad_custom_post_pass": small})
             os.replace(partial, path)  # whole or not at all, for a process that loads it meanwhile
         finally:
             if os.path.exists(partial):

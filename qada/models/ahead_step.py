@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AOT_DIRECTORY", "MAX_ENTRIES", "AheadOfTimeStep", "flatten_arguments"]
+__all__ = ["AOT_DIRECTORY", "MAX_ENTRIES", "AheadOfTimeStep", "flatten_arguments", "settings"]
 
 MAX_ENTRIES = 2
 """Keys (configurations x cache sizes) one step compiles ahead of time; later ones go to ``torch.compile``."""

@@ -2,8 +2,8 @@
 
 * decoding with it gives the eager step's tokens, statistics and in-place state, and a second run of the same
   configuration loads the package instead of compiling;
-* a changed setting (``tau``) compiles again, as a guard of ``torch.compile`` would; past :data:`MAX_ENTRIES` keys
-  ``torch.compile``'s route takes over, still equal to eager;
+* a changed setting (``tau``) compiles again, as a guard of ``torch.compile`` would; another cache size than the
+  first, or past :data:`MAX_ENTRIES` configurations, ``torch.compile``'s route takes over, still equal to eager;
 * it declines where it cannot stand in for the guards: gradients, a tensor off the CPU, a user's component;
 * its key and its flattening of the arguments follow ``torch.export``'s order.
 """
@@ -93,15 +93,23 @@ def test_built_in_criteria_step_ahead_of_time_as_eager(model, reference, name, s
 
 
 @pytest.mark.slow
-def test_a_new_setting_compiles_again_and_past_the_limit_torch_compile_takes_over(model, reference, tmp_path):
+def test_a_new_setting_compiles_again_another_size_or_past_the_limit_goes_to_torch_compile(model, reference,
+                                                                                          tmp_path):
+    """tau 0.3 at the first cache size; 5 steps (another size): torch.compile's route; tau 0.9: compiled again at the
+    first size; tau 0.5: past the limit, torch.compile's route. Every decode equals the eager one."""
     run = make_run(CONFIGS["qada"], reference, True)
     ahead_of(run).folder = str(tmp_path)
-    for count, tau in enumerate((0.3, 0.9, 0.5), start=1):
+    for tau, steps, entries, declined in ((0.3, 8, 1, None), (0.3, 5, 1, "another cache size"), (0.9, 8, 2, None),
+                                          (0.5, 8, MAX_ENTRIES, "more than")):
         run.criterion.tau = tau
-        got = decode(model, run)
-        assert_same(got, decode(model, make_run({"name": "qada", "tau": tau}, reference, False)))
-        assert len(ahead_of(run).entries) == min(count, MAX_ENTRIES)
-    assert "more than" in ahead_of(run).declined
+        ahead_of(run).declined = None
+        got = decode(model, run, steps)
+        assert_same(got, decode(model, make_run({"name": "qada", "tau": tau}, reference, False), steps))
+        assert len(ahead_of(run).entries) == entries
+        if declined is None:
+            assert ahead_of(run).declined is None
+        else:
+            assert declined in ahead_of(run).declined
     assert run.layer_step.compiled  # torch.compile's route, not eager
 
 

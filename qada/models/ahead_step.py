@@ -1,5 +1,5 @@
-"""The compiled layer step on the CPU, ahead of time: exported once per configuration and cache size, compiled by
-AOTInductor, called with no guards.
+"""The compiled layer step on the CPU, ahead of time: exported once per configuration at the first cache size,
+compiled by AOTInductor, called with no guards.
 
 ``torch.compile``'s way into a compiled function (its guards over every input and every component attribute the
 trace read, its runtime wrappers, the Python call of the generated code) costs about as much as the layer step's
@@ -16,17 +16,19 @@ step of 30 layers that is ~7 ms of a ~90 ms step.
   configuration), so that changing e.g. ``tau`` between steps compiles the step again, as a guard would;
 * the torch thread count (the kernels' OpenMP teams are sized when compiled) and the default dtype.
 
-A key seen for the first time is exported (``torch.export``, non-strict: the step's own Python, run once on fake
-tensors), checked for host reads as :func:`~qada.models.layer_step.compile_layer_step` checks, and compiled by
-AOTInductor with :class:`~qada.models.small_matmul.SmallMatmulPass`; the package is kept in Inductor's cache
-directory (``qada_aot/``) under a hash of the exported graph's code and the key, so a later process loads it in
-milliseconds instead of compiling again (~15-25 s). In-place updates of the inputs (the moment state, the statistics'
-sums) are part of the exported graph.
+A key seen for the first time (at the inputs' first shapes) is exported (``torch.export``, non-strict: the step's own
+Python, run once on fake tensors), checked for host reads as :func:`~qada.models.layer_step.compile_layer_step`
+checks, and compiled by AOTInductor with :class:`~qada.models.small_matmul.SmallMatmulPass`; the package is kept in
+Inductor's cache directory (``qada_aot/``) under a hash of the exported graph's code and the key, so a later process
+loads it in milliseconds instead of compiling again (~15-25 s). In-place updates of the inputs (the moment state, the
+statistics' sums) are part of the exported graph.
 
 It declines (returns ``None``, and the run takes ``torch.compile``'s route as before) where it cannot stand in for
 the guards: a component that is not one of qada's own (a user's may read attributes that are not fields), a tensor
-the step would capture as a constant, inputs on another device, gradients wanted, an export that fails, or more than
-:data:`MAX_ENTRIES` keys (an evaluation over many cache sizes: ``torch.compile``'s dynamic shapes serve those).
+the step would capture as a constant, inputs on another device, gradients wanted, an export that fails, more than
+:data:`MAX_ENTRIES` configurations, or another cache size than the first (an evaluation over prompts of many
+lengths decodes a few tokens per size, which would not pay for a compilation each: ``torch.compile``'s dynamic shapes
+serve those with one).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ import torch
 __all__ = ["AOT_DIRECTORY", "MAX_ENTRIES", "AheadOfTimeStep", "flatten_arguments", "settings"]
 
 MAX_ENTRIES = 2
-"""Keys (configurations x cache sizes) one step compiles ahead of time; later ones go to ``torch.compile``."""
+"""Configurations (e.g. two values of ``tau``) one step compiles ahead of time, all at the inputs' first shapes; a
+later one, or another cache size, goes to ``torch.compile``."""
 
 AOT_DIRECTORY = "qada_aot"
 """The folder of compiled packages inside Inductor's cache directory."""
@@ -164,8 +167,11 @@ class AheadOfTimeStep:
             return None
         entry = self.entries.get(key)
         if entry is None:
+            if self.entries and all(seen[:2] != key[:2] for seen in self.entries):
+                self.declined = "another cache size (or batch, or dtype) than the first"
+                return None
             if len(self.entries) >= MAX_ENTRIES:
-                self.declined = f"more than {MAX_ENTRIES} cache sizes or configurations"
+                self.declined = f"more than {MAX_ENTRIES} configurations"
                 return None
             try:
                 entry = _in_fresh_thread(self._compile, args, leaves, key)

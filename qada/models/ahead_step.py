@@ -230,14 +230,16 @@ class AheadOfTimeStep:
 
     def _package(self, program: Any, key: tuple) -> str:
         """The compiled package of ``program`` in the cache directory, compiled now where it is not there yet."""
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         from qada.models.small_matmul import SmallMatmulPass
         from qada.version import __version__
 
         small = SmallMatmulPass()
-        material = "\n".join([__version__, torch.__version__, repr(key[:2]), repr(key[3:]), small.uuid().hex(),
-                              str(program.graph_signature), str(program.call_spec), program.graph_module.code])
+        material = "\n".join([__version__, torch.__version__, str(pick_vec_isa()), repr(key[:2]), repr(key[3:]),
+                              small.uuid().hex(), str(program.graph_signature), str(program.call_spec),
+                              program.graph_module.code])  # (the CPU's vector ISA: a cache folder may be shared)
         digest = hashlib.sha256(material.encode()).hexdigest()[:40]
         folder = self.folder or os.path.join(cache_dir(), AOT_DIRECTORY)
         path = os.path.join(folder, f"{digest}.pt2")

@@ -39,7 +39,8 @@ from qada.moments.base import MomentSource
 from qada.step import BulkMoments, DecodeStep
 from qada.window import Window
 
-__all__ = ["COMPILE_ENV", "LayerStep", "LayerStepResult", "compile_layer_step", "layer_step", "resolve_compile"]
+__all__ = ["COMPILE_ENV", "LayerStep", "LayerStepResult", "compile_layer_step", "layer_step", "resolve_compile",
+           "unbacked_node"]
 
 COMPILE_ENV = "QADA_COMPILE"
 """Environment variable giving the default of ``compile`` (``0``/``false``: eager; ``1``/``true``: inductor; any
@@ -204,6 +205,9 @@ class LayerStep:
 
     Attributes:
         eager_reason: why the step runs eagerly although compiling was asked for (``None``: it compiles).
+        ahead: with the inductor backend, the step compiled ahead of time that serves compiled calls on the CPU
+            (:class:`~qada.models.ahead_step.AheadOfTimeStep`; where it declines, ``torch.compile``'s step serves
+            them); ``None``: none (another backend, a fused executor, or set so to turn it off).
     """
 
     def __init__(self, criterion: HeadCriterion, moments: MomentSource | None, window: Window, policy: str,

@@ -134,7 +134,7 @@ def test_arguments_flatten_in_the_order_of_torch_export():
                          None, None, True)
 
 
-def test_the_key_follows_shapes_settings_and_threads_and_refuses_gradients():
+def test_the_key_follows_shapes_settings_and_threads_and_refuses_gradients_and_other_devices():
     criterion = TopKPeaked(sparsity=0.5)
     window = Window(t_local=8, t_sink=2)
     ahead = AheadOfTimeStep(layer_step, {}, [window])
@@ -145,6 +145,9 @@ def test_the_key_follows_shapes_settings_and_threads_and_refuses_gradients():
         assert ahead.key(*flatten_arguments(step_arguments(requires_grad=True))) is None
     with torch.no_grad():
         assert ahead.key(*flatten_arguments(step_arguments(requires_grad=True))) is not None
+    off_cpu = list(step_arguments())
+    off_cpu[0] = torch.empty(1, 4, 1, 8, device="meta")  # a tensor on another device (no GPU needed to say so)
+    assert ahead.key(*flatten_arguments(tuple(off_cpu))) is None
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:

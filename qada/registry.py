@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 import yaml
 
-__all__ = ["Component", "PluginError", "Registry", "import_modules", "load_config"]
+__all__ = ["Component", "PluginError", "Registry", "import_modules", "is_built_in", "load_config"]
 
 
 class Component:
@@ -64,6 +64,13 @@ class Component:
             if field.init:
                 config[field.name] = _to_plain(getattr(self, field.name))
         return config
+
+
+def is_built_in(part: Any) -> bool:
+    """Whether ``part`` is an instance of a class qada defines (not a user's or a plugin's): the compiled routes that
+    stand in for ``torch.compile``'s guards (a step traced into the model's graph, the step compiled ahead of time)
+    take only these, whose code they know keeps to the rules."""
+    return type(part).__module__.startswith("qada.")
 
 
 def _to_plain(value: Any) -> Any:

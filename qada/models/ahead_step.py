@@ -18,7 +18,8 @@ step of 30 layers that is ~7 ms of a ~90 ms step.
 
 A key seen for the first time (at the inputs' first shapes) is exported (``torch.export``, non-strict: the step's own
 Python, run once on fake tensors), checked for host reads as :func:`~qada.models.layer_step.compile_layer_step`
-checks, and compiled by AOTInductor with :class:`~qada.models.small_matmul.SmallMatmulPass`; the package is kept in
+checks, and compiled by AOTInductor with the step's options (:func:`~qada.models.layer_step.cpu_step_options`); the
+package is kept in
 Inductor's cache directory (``qada_aot/``) under a hash of the exported graph's code and the key, so a later process
 loads it in milliseconds instead of compiling again (~15-25 s). In-place updates of the inputs (the moment state, the
 statistics' sums) are part of the exported graph.
@@ -42,6 +43,9 @@ import warnings
 from typing import Any
 
 import torch
+
+from qada.models.inline_step import flatten_result, unflatten_result
+from qada.registry import is_built_in
 
 __all__ = ["AOT_DIRECTORY", "MAX_ENTRIES", "AheadOfTimeStep", "flatten_arguments", "settings"]
 
@@ -142,8 +146,7 @@ class AheadOfTimeStep:
         self._refused: set[tuple] = set()
         self.folder: str | None = None
         self.loaded = 0
-        self.own = all(type(part).__module__.startswith("qada.") and dataclasses.is_dataclass(part)
-                       for part in parts)
+        self.own = all(is_built_in(part) and dataclasses.is_dataclass(part) for part in parts)
         self.declined: str | None = None if self.own else "a component is not one of qada's own"
         self.error: Exception | None = None
 
@@ -187,8 +190,6 @@ class AheadOfTimeStep:
         parts: list[torch.Tensor | None] = [None] * count
         for position, tensor in zip(positions, outputs, strict=True):
             parts[position] = tensor
-        from qada.models.inline_step import unflatten_result
-
         return unflatten_result(parts)
 
     def _compile(self, args: tuple, leaves: list[torch.Tensor], key: tuple) -> tuple[Any, list[int], int]:
@@ -196,7 +197,6 @@ class AheadOfTimeStep:
         the non-``None`` outputs, output count)``."""
         from torch.utils import _pytree as pytree
 
-        from qada.models.inline_step import flatten_result
         from qada.models.layer_step import HostReadError, unbacked_node
 
         function, bound = self.function, self.bound
@@ -233,12 +233,13 @@ class AheadOfTimeStep:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        from qada.models.small_matmul import SmallMatmulPass
+        from qada.models.layer_step import cpu_step_options
         from qada.version import __version__
 
-        small = SmallMatmulPass()
+        options = cpu_step_options()
         material = "\n".join([__version__, torch.__version__, str(pick_vec_isa()), repr(key[:2]), repr(key[3:]),
-                              small.uuid().hex(), str(program.graph_signature), str(program.call_spec),
+                              repr(sorted(options)), options["post_grad_custom_post_pass"].uuid().hex(),
+                              str(program.graph_signature), str(program.call_spec),
                               program.graph_module.code])  # (the CPU's vector ISA: a cache folder may be shared)
         digest = hashlib.sha256(material.encode()).hexdigest()[:40]
         folder = self.folder or os.path.join(cache_dir(), AOT_DIRECTORY)
@@ -252,8 +253,7 @@ class AheadOfTimeStep:
         try:
             with warnings.catch_warnings():  # torch's own pickling of a tree spec warns of its deprecated API
                 warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-                torch._inductor.aoti_compile_and_package(program, package_path=partial,
-                                                         inductor_configs={"post_grad_custom_post_pass": small})
+                torch._inductor.aoti_compile_and_package(program, package_path=partial, inductor_configs=options)
             os.replace(partial, path)  # whole or not at all, for a process that loads it meanwhile
         finally:
             if os.path.exists(partial):

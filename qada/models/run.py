@@ -29,6 +29,7 @@ from qada.models.masks import RowBounds
 from qada.models.observers import Observer, ObserverFanout
 from qada.models.statistics import DecodeStatistics, all_layer_sparsity
 from qada.moments.base import MomentSource
+from qada.registry import is_built_in
 from qada.stable_tensors import write_into
 from qada.step import DecodeStep
 from qada.window import Window
@@ -155,7 +156,7 @@ class QAdARun:
             return False
         parts = [criterion for _, criterion in self.criterion.named_criteria()]
         parts += [self.moments] if self.uses_moments else []
-        return all(type(part).__module__.startswith("qada.") for part in parts)
+        return all(is_built_in(part) for part in parts)
 
     def shares_bounds(self, layer: int) -> bool:
         """Whether a decode step of ``layer`` on a preallocated cache can take its rows' bounds from an earlier global

@@ -21,7 +21,16 @@ settings.register_profile(
 )
 settings.load_profile("qada")
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def threads_per_worker() -> int:
+    """The torch threads of one test process: at most 2, the cores shared among pytest-xdist's workers (``-n``), so
+    that the workers together use no more threads than there are cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, os.cpu_count() or 1) // max(1, workers))
+
+
+torch.set_num_threads(threads_per_worker())
 
 
 def pytest_collection_modifyitems(config, items):

@@ -481,29 +481,35 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
 
 
 def test_interleaved_configurations_parse():
-    from benchmarks.interleaved import CRITERIA, NO_AHEAD, NO_PASS, parse_config
+    from benchmarks.interleaved import CRITERIA, NO_AHEAD, NO_PASS, OWN_WINDOW, parse_config
 
-    plain = {"small_matmul": True, "ahead": True}
+    plain = {"small_matmul": True, "ahead": True, "step_window": True}
     assert parse_config("dense packed compiled") == {"criterion": None, "compiled": True, **plain}
     assert parse_config(f"qada_tail compiled {NO_PASS}") == {"criterion": CRITERIA["qada_tail"], "compiled": True,
-                                                             "small_matmul": False, "ahead": True}
+                                                             **plain, "small_matmul": False}
     assert parse_config(f"qada compiled {NO_AHEAD}") == {"criterion": CRITERIA["qada"], "compiled": True,
-                                                         "small_matmul": True, "ahead": False}
+                                                         **plain, "ahead": False}
     assert parse_config(f"qada {NO_AHEAD} {NO_PASS}") == {"criterion": CRITERIA["qada"], "compiled": False,
-                                                          "small_matmul": False, "ahead": False}
+                                                          **plain, "small_matmul": False, "ahead": False}
+    assert parse_config(f"qada_tail compiled {OWN_WINDOW}") == {"criterion": CRITERIA["qada_tail"],
+                                                                "compiled": True, **plain, "step_window": False}
     assert parse_config("qada") == {"criterion": CRITERIA["qada"], "compiled": False, **plain}
+    assert parse_config("qada compiled #2") == parse_config("qada compiled")  # a replica: its own model copy
     with pytest.raises(ValueError, match="unknown configuration"):
         parse_config("quest compiled")
     with pytest.raises(ValueError, match="no layer step"):
         parse_config(f"dense packed {NO_PASS}")
     with pytest.raises(ValueError, match="no layer step"):
         parse_config(f"dense packed compiled {NO_AHEAD}")
+    with pytest.raises(ValueError, match="no layer step"):
+        parse_config(f"dense packed {OWN_WINDOW}")
 
 
 @pytest.mark.slow
 def test_interleaved_steps_write_their_ratios(tmp_path):
     """The embedded model at 256 tokens, two eager-model configurations (the second's layer step compiled without
-    the small-matmul pass), 2 rounds: both rows, the reference's ratio 1, the run's sparsity."""
+    the small-matmul pass), 2 rounds in each of 2 rotations of the build order: both rows, the reference's ratio 1,
+    a ratio per rotation, the run's sparsity."""
     from benchmarks.interleaved import main
 
     out = tmp_path / "ab"
@@ -512,6 +518,8 @@ def test_interleaved_steps_write_their_ratios(tmp_path):
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {row["config"]: row for row in result["rows"]}
     assert rows["dense packed"]["ratio_to_first"] == 1.0 and rows["dense packed"]["sparsity"] is None
+    assert result["rotations"] == 2 and rows["dense packed"]["ratio_per_rotation"] == [1.0, 1.0]
+    assert len(rows["qada no small-matmul pass"]["ratio_per_rotation"]) == 2
     assert rows["qada no small-matmul pass"]["median_ms"] > 0
     assert 0.0 <= rows["qada no small-matmul pass"]["sparsity"] <= 1.0
     assert "x dense packed" in out.with_suffix(".md").read_text()

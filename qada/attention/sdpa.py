@@ -48,11 +48,22 @@ class SDPAExecutor(AttentionExecutor):
             each call evenly over the torch threads, :func:`balanced_chunks`; 1: no split-K).
         min_split: shortest chunk worth a split, in tokens.
         host_skip: skip the bulk of unread groups by a host-side choice (``None``: on the CPU only).
+        step_window: inside a run, take every head's attention over the window from the layer step
+            (:attr:`~qada.step.DecodeStep.window_output`: computed from the window scores the criterion computed
+            anyway, one small product inside the compiled step) instead of attending over the window here; a step
+            without it (the executor called on its own) attends here. On the embedded model at 7.68k on the CPU this
+            saves an attention call per layer.
     """
 
     splits: int | None = None
     min_split: int = 1024
     host_skip: bool | None = None
+    step_window: bool = True
+
+    @property
+    def uses_window_output(self) -> bool:
+        """Whether a run's layer step attends over the window for this executor (``step_window``)."""
+        return self.step_window
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,6 +73,8 @@ class SDPAExecutor(AttentionExecutor):
                 raise ValueError(f"expected {name} to be an int >= {low} but got {value!r}")
         if self.host_skip not in (None, True, False):
             raise ValueError(f"expected host_skip in (None, True, False) but got {self.host_skip!r}")
+        if not isinstance(self.step_window, bool):
+            raise ValueError(f"expected step_window to be a bool but got {self.step_window!r}")
 
     @property
     def static_shapes(self) -> bool:  # type: ignore[override]
@@ -133,7 +146,10 @@ class SDPAExecutor(AttentionExecutor):
 
     @staticmethod
     def _window(step: DecodeStep, rows: torch.Tensor, sdpa) -> torch.Tensor:
-        """Every head's attention over its row's gathered window: ``[b, H_kv, G, d]``."""
+        """Every head's attention over its row's gathered window: ``[b, H_kv, G, d]`` (the layer step's
+        :attr:`~qada.step.DecodeStep.window_output` where it computed it)."""
+        if step.window_output is not None:
+            return step.window_output.view(rows.shape)
         mask = None if step.full_rows else step.window_valid[:, None, None, :]
         return sdpa(rows, step.window_keys, step.window_values, attn_mask=mask, scale=step.scale)
 

@@ -7,7 +7,7 @@ from qada.functional.lognormal import (
     lognormal_log_bulk_mass,
     lognormal_score_moments,
 )
-from qada.functional.masses import full_scores, log_bulk_mass, log_local_mass
+from qada.functional.masses import full_scores, log_bulk_mass, log_local_mass, window_attention
 from qada.functional.static import calibrate_static_mask, static_local_count
 from qada.functional.window import bulk_count, bulk_mask, gather_window, local_index_set, window_indices
 
@@ -31,5 +31,6 @@ __all__ = [
     "lognormal_log_bulk_mass",
     "lognormal_score_moments",
     "static_local_count",
+    "window_attention",
     "window_indices",
 ]

@@ -10,7 +10,7 @@ import torch
 
 from qada.functional.checks import accumulation_dtype, check_float, check_ndim, group_size
 
-__all__ = ["full_scores", "log_bulk_mass", "log_local_mass"]
+__all__ = ["full_scores", "log_bulk_mass", "log_local_mass", "window_attention"]
 
 
 def _grouped_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -66,3 +66,21 @@ def log_local_mass(scores: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 def log_bulk_mass(scores: torch.Tensor, bulk: torch.Tensor) -> torch.Tensor:
     """``log A_bulk = logsumexp_{i in B} s_i`` (``-inf`` for an empty bulk). Same shapes as :func:`log_local_mass`."""
     return _masked_logsumexp(scores, bulk)
+
+
+def window_attention(scores: torch.Tensor, log_local: torch.Tensor, values: torch.Tensor,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Each head's softmax attention over the gathered window, from the scores the criterion computed already:
+    ``o = sum_{i in I} e^{s_i - log A_local} v_i`` with ``scores [b, H, W]`` (float32, soft-capped where the model
+    caps), ``log_local [b, H]`` (``log A_local``, the sink logits included: they take their share of the mass),
+    ``values [b, H_kv, W, d]`` (the window's values, GQA without a repeat) and ``valid [b, W]`` (the slots holding
+    a token of the row's window; ``None``: all) -> ``[b, H, d]`` in ``values``' dtype. A head without a window token
+    gets ``0``."""
+    b, H, W = scores.shape
+    H_kv, d = values.shape[1], values.shape[3]
+    weights = (scores.float() - log_local.float()[..., None]).exp()
+    if valid is not None:
+        weights = weights.masked_fill(~valid[:, None, :], 0.0)
+    dtype = accumulation_dtype(weights, values)
+    output = torch.einsum("bkgn,bknd->bkgd", weights.to(dtype).view(b, H_kv, H // H_kv, W), values.to(dtype))
+    return output.reshape(b, H, d).to(values.dtype)

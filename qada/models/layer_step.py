@@ -34,6 +34,7 @@ import torch
 from qada.attention.group_policy import apply_group_policy, kv_read
 from qada.criteria.base import HeadCriterion
 from qada.functional.extra_set import attend_extra, merge_extra
+from qada.functional.masses import window_attention
 from qada.models.statistics import step_counts
 from qada.moments.base import MomentSource
 from qada.step import BulkMoments, DecodeStep
@@ -67,6 +68,9 @@ class LayerStepResult(NamedTuple):
         output, bulk_blocks: where the executor made the decision in its kernel (:meth:`LayerStep.fuse`): the
             attention ``[b, H, 1, d]`` and its 0-d bulk-only block count; the window fields are then ``None``;
             else ``None``.
+        window_output: ``[b, H, d]`` every head's attention over its window, from the criterion's window scores
+            (:func:`~qada.functional.masses.window_attention`), where the executor uses it (``attend_window``);
+            else ``None``.
     """
 
     decided: torch.Tensor
@@ -88,6 +92,7 @@ class LayerStepResult(NamedTuple):
     log_local: torch.Tensor | None = None
     output: torch.Tensor | None = None
     bulk_blocks: torch.Tensor | None = None
+    window_output: torch.Tensor | None = None
 
 
 def layer_step(
@@ -108,6 +113,7 @@ def layer_step(
     moments: MomentSource | None,
     window: Window,
     policy: str,
+    attend_window: bool = False,
 ) -> LayerStepResult:
     """The decision of one decode step of one layer, and what the executor reuses.
 
@@ -123,6 +129,9 @@ def layer_step(
         sums: ``[L, 5]`` float64, the run's :attr:`~qada.models.statistics.DecodeStatistics.sums`: the step's
             statistics row is added to ``sums[layer]`` in place (``None``: not added).
         criterion, moments, window, policy: the run's components and the executor's group policy.
+        attend_window: also every head's attention over its window (``window_output``), from the window scores the
+            criterion computed (an executor that ``uses_window_output``: one small product in the compiled step
+            instead of an attention call of its own).
     """
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
                             sink_logits, softcap, moments, window)
@@ -136,9 +145,13 @@ def layer_step(
     if extra is not None:  # local heads attend over window ∪ E: E's part now, merged after the executor
         extra_output, log_extra = attend_extra(values, *extra)
         log_local = step.log_local
+    window_output = None
+    if attend_window:
+        valid = None if step.full_rows else step.window_valid
+        window_output = window_attention(step.local_scores, step.log_local, step.window_values, valid)
     return LayerStepResult(decided, local, read, counts[None], counts[3], step.window_keys, step.window_values,
                            step.window_valid, step.t_bulk, step.real, bulk, step.query, step.start, step.end,
-                           extra_output, log_extra, log_local)
+                           extra_output, log_extra, log_local, window_output=window_output)
 
 
 def begin_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor | None,
@@ -211,9 +224,9 @@ class LayerStep:
     """
 
     def __init__(self, criterion: HeadCriterion, moments: MomentSource | None, window: Window, policy: str,
-                 backend: str | None) -> None:
+                 backend: str | None, attend_window: bool = False) -> None:
         self.criterion, self.moments, self.backend = criterion, moments, backend
-        bound = dict(criterion=criterion, moments=moments, window=window, policy=policy)
+        bound = dict(criterion=criterion, moments=moments, window=window, policy=policy, attend_window=attend_window)
         self._bound = bound
         self.eager = functools.partial(layer_step, **bound)
         self.eager_reason: str | None = None
@@ -247,7 +260,8 @@ class LayerStep:
         from qada.models.fused_step import check_fusable, fused_layer_step
 
         check_fusable(self.criterion, self.moments, executor)
-        bound = dict(self._bound, executor=executor)
+        bound = {name: value for name, value in self._bound.items() if name != "attend_window"}  # it attends itself
+        bound["executor"] = executor
         self.fused = executor
         self.eager = functools.partial(fused_layer_step, **bound)
         self._compiled, self.eager_reason, self.ahead = None, None, None

@@ -89,7 +89,8 @@ class QAdARun:
         if self._step is None:
             moments = self.moments if self.uses_moments else None
             policy = getattr(self.executor, "group_policy", "exact")
-            self._step = LayerStep(self.criterion, moments, self.window, policy, self.backend)
+            attend_window = getattr(self.executor, "uses_window_output", False)
+            self._step = LayerStep(self.criterion, moments, self.window, policy, self.backend, attend_window)
             if getattr(self.executor, "fuses_decision", False):
                 self._step.fuse(self.executor)
         return self._step
@@ -245,7 +246,8 @@ class QAdARun:
         step = DecodeStep.checked_already(result.query, key, scale, self.window, layer, step_index, result.start,
                                           result.end, result.moments, value, sink_logits, softcap)
         step.share(window_keys=result.window_keys, window_valid=result.window_valid,
-                   window_values=result.window_values, t_bulk=result.t_bulk, real=result.real)
+                   window_values=result.window_values, t_bulk=result.t_bulk, real=result.real,
+                   window_output=result.window_output)
         step.fail_safe = result.fail_safe
         if result.output is not None:  # the layer step attended already (an executor that fuses the decision)
             output, bulk_blocks = result.output, result.bulk_blocks

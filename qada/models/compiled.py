@@ -50,9 +50,15 @@ def run_named(run_id: int) -> Any:
     return run
 
 
-def unaliased(output: torch.Tensor) -> torch.Tensor:
-    """``output``, copied where it is a view (an operator's output must not alias)."""
-    return output if output._base is None else output.clone()
+def unaliased(output: torch.Tensor, inputs: tuple = ()) -> torch.Tensor:
+    """``output``, copied where it is a view or shares the storage of a tensor among ``inputs`` (an operator's output
+    must not alias its inputs; e.g. the window's attention a layer step handed to the executor, returned as is where
+    every head is local)."""
+    if output._base is not None:
+        return output.clone()
+    storage = output.untyped_storage().data_ptr()
+    shared = any(isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == storage for x in inputs)
+    return output.clone() if shared else output
 
 
 @functools.cache

@@ -79,8 +79,9 @@ def _operator():
         run = run_named(run_id)
         result = unflatten_result(parts)
         step_index = run.guard.count_step(layer)
-        return unaliased(run._attend(layer, step_index, query, key, value, scaling, result.start, result.end, result,
-                                     sink_logits, None, True))
+        output = run._attend(layer, step_index, query, key, value, scaling, result.start, result.end, result,
+                             sink_logits, None, True)
+        return unaliased(output, (query, key, value, *parts))
 
     @attend_step.register_fake
     def _(query, key, value, parts, run_id, layer, scaling, sink_logits=None):

@@ -260,8 +260,9 @@ class LayerStep:
         from qada.models.fused_step import check_fusable, fused_layer_step
 
         check_fusable(self.criterion, self.moments, executor)
-        bound = {name: value for name, value in self._bound.items() if name != "attend_window"}  # it attends itself
-        bound["executor"] = executor
+        # the executor attends over the window itself: the fused step takes the components only
+        self._bound = {name: value for name, value in self._bound.items() if name != "attend_window"}
+        bound = dict(self._bound, executor=executor)
         self.fused = executor
         self.eager = functools.partial(fused_layer_step, **bound)
         self._compiled, self.eager_reason, self.ahead = None, None, None

@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = [name.strip() for name in args.configs.split(",") if name.strip()]
     if len(configs) < 2:
         parser.error("--configs: give at least two configurations to compare")
+    if len(set(configs)) < len(configs):
+        parser.error("--configs: a configuration twice; tag a replica with '#', e.g. 'qada compiled #2'")
     rotations = args.rotations if args.rotations is not None else len(configs)
     if rotations < 1:
         parser.error("--rotations: give at least 1")

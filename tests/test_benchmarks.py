@@ -481,7 +481,10 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
 
 
 def test_interleaved_configurations_parse():
-    from benchmarks.interleaved import CRITERIA, NO_AHEAD, NO_PASS, OWN_WINDOW, parse_config
+    from benchmarks.interleaved import CRITERIA, NO_AHEAD, NO_PASS, OWN_WINDOW, main, parse_config
+
+    with pytest.raises(SystemExit):  # the same name twice (a replica needs a '#' tag)
+        main(["--configs", "qada compiled,qada compiled"])
 
     plain = {"small_matmul": True, "ahead": True, "step_window": True}
     assert parse_config("dense packed compiled") == {"criterion": None, "compiled": True, **plain}

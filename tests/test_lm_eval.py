@@ -165,3 +165,24 @@ def test_bad_model_args_on_the_command_line_are_one_line(tasks, tmp_path, capsys
     line = [x for x in err.splitlines() if x.startswith("error: ")]
     assert len(line) == 1 and match in line[0], err[-2000:]
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_second_run_in_the_process_logs_to_the_stderr_of_its_own_time(tasks, tmp_path, capsys, monkeypatch):
+    """lm-eval binds its console handler to the first run's stderr; a later run must not write to that stream once
+    it is closed (a notebook cell's, or an earlier test's captured output)."""
+    import io
+
+    args = ["run", "--model", "qada", "--model_args", "pretrained=smollm2-135m,criterion=no_such_criterion",
+            "--tasks", "qada_test_niah", "--include_path", str(tasks), "--output_path", str(tmp_path),
+            "--device", "cpu"]
+    first = io.StringIO()
+    with monkeypatch.context() as patch:
+        patch.setattr("sys.stderr", first)
+        assert main(args) == 2
+    first.close()
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Logging error" not in err and "Traceback" not in err, err[-2000:]
+    assert "Initializing qada model" in err  # lm-eval's own log line reached the second run's stderr

@@ -298,6 +298,16 @@ def register() -> None:
         model_registry.register(MODEL_NAME)(QAdaLM)
 
 
+def _log_to_current_stderr() -> None:
+    """Point lm-eval's console handlers at today's ``sys.stderr``. lm-eval makes its handler once per process, bound
+    to the ``sys.stderr`` of that moment; a second :func:`main` in the same process (a notebook, a test run that
+    captured the first call's output) would otherwise write to a stream that may be closed by then."""
+    for handler in logging.getLogger("lm_eval").handlers:
+        if type(handler) is logging.StreamHandler and handler.stream is not sys.stderr:
+            with handler.lock:  # not setStream: it flushes the old stream, which raises once that stream is closed
+                handler.stream = sys.stderr
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """lm-eval's command line with ``--model qada`` registered; a bad qada ``model_args`` is one line, status 2.
     After lm-eval's own output, prints qada's statistics per task (:func:`qada_table`)."""
@@ -311,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _made = []
     try:
         setup_logging()
+        _log_to_current_stderr()
         cli = HarnessCLI()
         cli.execute(cli.parse_args())  # parse: lm-eval refuses a --model_args holding "{" unless it is all JSON
     except (QAdaArgumentError, ValueError) as error:

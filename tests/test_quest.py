@@ -101,3 +101,50 @@ def test_attending_over_what_was_read_decodes_inside_a_model_compiled_as_eagerly
     assert summary["kv_read"] == pytest.approx(eager_summary["kv_read"]) and 0 < summary["kv_read"] < 1
     if criterion["name"] == "quest":
         assert summary["sparsity"] == 1.0
+
+
+@pytest.mark.parametrize("criterion", [
+    {"name": "quest", "pages": 2, "page_size": 4},
+    {"name": "qada_tail", "tau": 0.3, "heavy": 4, "observe": 4, "page_size": 4, "pages": 2, "attend_exact": True},
+    {"name": "qada_tail_budget", "sparsity": 0.6, "per_group": True, "heavy": 4, "observe": 4, "page_size": 4,
+     "pages": 2, "attend_exact": True, "super_page": 2, "super_pages": 2},
+])
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_the_extra_set_merged_in_the_layer_step_decodes_as_merged_after_the_executor(criterion, cache):
+    """With the window's attention from the layer step (``sdpa``'s default) the step merges window ∪ E itself and
+    nothing is merged after the executor; the logits equal the executor attending over the window itself and
+    merging after it (``step_window=False``) and the reference executor, eager and compiled."""
+    from transformers import DynamicCache, StaticCache
+
+    from qada.models.layer_step import LayerStep
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(5))
+    merged_after = []
+    original = LayerStep.merge
+
+    def counting(self, buffered, output, result):
+        merged_after.append(result.extra_output is not None)
+        return original(self, buffered, output, result)
+
+    outputs = {}
+    LayerStep.merge = counting
+    try:
+        for executor in ("sdpa", {"name": "sdpa", "step_window": False}, "reference"):
+            for compile in (False, "aot_eager"):
+                merged_after.clear()
+                made = (StaticCache(config=model.config, max_cache_len=60) if cache == "static" else DynamicCache())
+                with torch.no_grad(), qada.apply(model, criterion=criterion, moments="current", executor=executor,
+                                                 window={"t_local": 8, "t_sink": 2}, compile=compile) as run:
+                    logits = greedy_step_logits(model, ids, made, 5)
+                    outputs[str(executor), compile] = logits, run.summary()
+                # the step merges for sdpa's default alone; the others merge after their executor, at every step
+                assert merged_after and all(merged_after) == (executor != "sdpa") and any(merged_after) == all(
+                    merged_after)
+    finally:
+        LayerStep.merge = original
+    reference, reference_summary = outputs["reference", False]
+    assert 0 < reference_summary["sparsity"]
+    for (executor, compile), (logits, summary) in outputs.items():
+        torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4, msg=f"{executor} compile={compile}")
+        assert summary["sparsity"] == pytest.approx(reference_summary["sparsity"])

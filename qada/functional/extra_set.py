@@ -17,7 +17,7 @@ import torch
 
 from qada.functional.capping import soft_cap
 
-__all__ = ["attend_extra", "extra_scores", "merge_extra"]
+__all__ = ["attend_extra", "extra_scores", "merge_extra", "merge_masses"]
 
 
 def extra_scores(query: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, scale: float,
@@ -48,13 +48,21 @@ def attend_extra(values: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
     return (weights[..., None] * gathered).sum(-2), log_mass
 
 
-def merge_extra(output: torch.Tensor, log_local: torch.Tensor, extra_output: torch.Tensor, log_extra: torch.Tensor,
-                local: torch.Tensor) -> torch.Tensor:
-    """The local heads' attention over ``window ∪ E`` (module docstring): ``output [b, H, 1, d]`` (the executor's,
-    normalised by ``log_local [b, H]``, the window's mass plus the sink logits) merged with ``extra_output [b, H, d]``
-    of mass ``log_extra [b, H]``; dense heads (``local`` False) keep ``output``. In ``output``'s dtype."""
+def merge_masses(output: torch.Tensor, log_local: torch.Tensor, extra_output: torch.Tensor, log_extra: torch.Tensor
+                 ) -> torch.Tensor:
+    """Every head's attention over ``window ∪ E`` (module docstring), ``[b, H, d]`` float32: ``output [b, H, d]`` the
+    window's (normalised by ``log_local [b, H]``, the window's mass plus the sink logits) merged with
+    ``extra_output [b, H, d]`` of mass ``log_extra [b, H]`` (``-inf``: an empty set, ``output`` kept)."""
     total = torch.logaddexp(log_local, log_extra)
     keep = (log_local - total).exp().nan_to_num(1.0)[..., None]  # [b, H, 1]; no extra mass: keep all
     take = (log_extra - total).exp().nan_to_num(0.0)[..., None]
-    merged = keep * output[:, :, 0].float() + take * extra_output
+    return keep * output.float() + take * extra_output
+
+
+def merge_extra(output: torch.Tensor, log_local: torch.Tensor, extra_output: torch.Tensor, log_extra: torch.Tensor,
+                local: torch.Tensor) -> torch.Tensor:
+    """The local heads' attention over ``window ∪ E`` (:func:`merge_masses`): ``output [b, H, 1, d]`` (the
+    executor's, normalised by ``log_local [b, H]``) merged with ``extra_output [b, H, d]`` of mass ``log_extra
+    [b, H]``; dense heads (``local`` False) keep ``output``. In ``output``'s dtype."""
+    merged = merge_masses(output[:, :, 0], log_local, extra_output, log_extra)
     return torch.where(local[:, :, None, None], merged[:, :, None].to(output.dtype), output)

@@ -10,7 +10,8 @@ receives as arguments and updates in place:
 4. the step's statistics row (:func:`~qada.models.statistics.step_counts`, ``kv_read`` included),
 5. the window gather the executor reuses,
 6. where the criterion asks local heads to attend over an extra set of bulk tokens too (the tail-aware criteria's
-   exact set with ``attend_exact``, Quest's pages), that set's attention, merged after the executor.
+   exact set with ``attend_exact``, Quest's pages), that set's attention, merged into the window's attention where
+   the step computes that for the executor (``attend_window``), else after the executor.
 
 :class:`LayerStep` runs it for a run: compiled by ``torch.compile`` (``fullgraph=True``, static shapes) on a
 preallocated cache, once per run and reused by every layer and step (the layer's tensors are arguments, not
@@ -33,7 +34,7 @@ import torch
 
 from qada.attention.group_policy import apply_group_policy, kv_read
 from qada.criteria.base import HeadCriterion
-from qada.functional.extra_set import attend_extra, merge_extra
+from qada.functional.extra_set import attend_extra, merge_extra, merge_masses
 from qada.functional.masses import window_attention
 from qada.models.statistics import step_counts
 from qada.moments.base import MomentSource
@@ -64,13 +65,15 @@ class LayerStepResult(NamedTuple):
         extra_output, log_extra, log_local: where the criterion asked local heads to attend over an extra set too
             (:meth:`~qada.step.DecodeStep.attend_also`): that set's attention ``[b, H, d]`` and mass ``[b, H]``, and
             the window's mass (sink logits included) to merge them with the executor's output
-            (:func:`~qada.functional.extra_set.merge_extra`); else ``None``.
+            (:func:`~qada.functional.extra_set.merge_extra`); else ``None``, also where the step merged them into
+            ``window_output`` already.
         output, bulk_blocks: where the executor made the decision in its kernel (:meth:`LayerStep.fuse`): the
             attention ``[b, H, 1, d]`` and its 0-d bulk-only block count; the window fields are then ``None``;
             else ``None``.
         window_output: ``[b, H, d]`` every head's attention over its window, from the criterion's window scores
             (:func:`~qada.functional.masses.window_attention`), where the executor uses it (``attend_window``);
-            else ``None``.
+            with an extra set, over ``window ∪ E`` (:func:`~qada.functional.extra_set.merge_masses`: what a local
+            head attends to, so the executor's output needs no merge); else ``None``.
     """
 
     decided: torch.Tensor
@@ -131,7 +134,7 @@ def layer_step(
         criterion, moments, window, policy: the run's components and the executor's group policy.
         attend_window: also every head's attention over its window (``window_output``), from the window scores the
             criterion computed (an executor that ``uses_window_output``: one small product in the compiled step
-            instead of an attention call of its own).
+            instead of an attention call of its own), merged with the extra set's where there is one.
     """
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
                             sink_logits, softcap, moments, window)
@@ -142,13 +145,16 @@ def layer_step(
         sums.index_add_(0, layer.reshape(1), counts[None])
     extra = step.extra_set
     extra_output = log_extra = log_local = None
-    if extra is not None:  # local heads attend over window ∪ E: E's part now, merged after the executor
+    if extra is not None:  # local heads attend over window ∪ E: E's part now, merged below or after the executor
         extra_output, log_extra = attend_extra(values, *extra)
         log_local = step.log_local
     window_output = None
     if attend_window:
         valid = None if step.full_rows else step.window_valid
         window_output = window_attention(step.local_scores, step.log_local, step.window_values, valid)
+        if extra_output is not None:  # window ∪ E here, the local heads' output as is: nothing to merge after
+            window_output = merge_masses(window_output, log_local, extra_output, log_extra).to(window_output.dtype)
+            extra_output = log_extra = log_local = None
     return LayerStepResult(decided, local, read, counts[None], counts[3], step.window_keys, step.window_values,
                            step.window_valid, step.t_bulk, step.real, bulk, step.query, step.start, step.end,
                            extra_output, log_extra, log_local, window_output=window_output)

@@ -336,15 +336,16 @@ class DecodeStep:
 
     # --- bookkeeping -------------------------------------------------------------------------------------
     def share(self, *, window_keys: torch.Tensor, window_valid: torch.Tensor, window_values: torch.Tensor,
-              t_bulk: torch.Tensor | None, real: torch.Tensor | None, window_output: torch.Tensor | None = None
-              ) -> None:
+              t_bulk: torch.Tensor | None, real: torch.Tensor | None, window_output: torch.Tensor | None = None,
+              host_plan: torch.Tensor | None = None) -> None:
         """Take the derived values the run's layer step computed for this very step
         (:class:`qada.models.layer_step.LayerStepResult`): ``window_keys``/``window_values`` ``[b, H_kv, W, d]``,
         ``window_valid [b, W]``, ``t_bulk [b]`` and ``real [b, T]`` (or ``None``), as this step would compute them;
         the executor then does not compute them again. A ``None`` window or ``t_bulk`` (a step whose kernels read the
         rows' bounds themselves, :mod:`qada.models.fused_step`) or ``real`` is not taken: the step computes it on
         demand. ``window_output [b, H, d]``: every head's attention over the window, where the layer step computed it
-        (:attr:`window_output`)."""
+        (:attr:`window_output`). ``host_plan``: what a host-skipping executor reads of the decision, packed
+        (:attr:`host_plan`)."""
         if window_keys is not None:
             self.__dict__["_window_keys"] = (window_keys, window_valid)
         if window_values is not None:
@@ -355,6 +356,8 @@ class DecodeStep:
             self.__dict__["real"] = real
         if window_output is not None:
             self.__dict__["window_output"] = window_output
+        if host_plan is not None:
+            self.__dict__["host_plan"] = host_plan
 
     @property
     def window_output(self) -> torch.Tensor | None:
@@ -362,6 +365,13 @@ class DecodeStep:
         the criterion computed anyway (:func:`~qada.functional.masses.window_attention`, :meth:`share`), else
         ``None``: an executor that uses it attends over the window no more."""
         return self.__dict__.get("window_output")
+
+    @property
+    def host_plan(self) -> torch.Tensor | None:
+        """The ``int64`` vector of the step's decision and rows' bounds that the host-skipping ``sdpa`` executor
+        reads (:func:`~qada.attention.sdpa.pack_host_plan`), where the layer step packed it (:meth:`share`), else
+        ``None``: the executor packs it itself."""
+        return self.__dict__.get("host_plan")
 
     def attend_also(self, slots: torch.Tensor, valid: torch.Tensor, scores: torch.Tensor) -> None:
         """A criterion read these bulk tokens exactly: local heads attend over them besides the window

@@ -15,7 +15,7 @@ from qada.functional.capping import soft_cap, softmax_with_sink_column
 from qada.functional.checks import accumulation_dtype
 from qada.step import DecodeStep
 
-__all__ = ["HostPlan", "SDPAExecutor"]
+__all__ = ["HostPlan", "SDPAExecutor", "pack_host_plan"]
 
 
 @register_executor("sdpa")
@@ -64,6 +64,12 @@ class SDPAExecutor(AttentionExecutor):
     def uses_window_output(self) -> bool:
         """Whether a run's layer step attends over the window for this executor (``step_window``)."""
         return self.step_window
+
+    @property
+    def host_plan(self) -> bool | None:
+        """Where a run's layer step packs what :meth:`HostPlan.read` reads into one tensor (``True``: on every
+        device, ``None``: on the CPU, ``False``: never): where this executor skips by a host-side choice."""
+        return self.host_skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -172,13 +178,14 @@ class HostPlan(NamedTuple):
 
     @classmethod
     def read(cls, step: DecodeStep, local: torch.Tensor, read: torch.Tensor) -> HostPlan:
-        """The plan of ``step`` with ``local [b, H]`` and ``read [b, H_kv]`` (bool): one concatenation, one host
-        read, the rest in Python."""
+        """The plan of ``step`` with ``local [b, H]`` and ``read [b, H_kv]`` (bool): one concatenation
+        (:func:`pack_host_plan`, or the layer step's, :attr:`~qada.step.DecodeStep.host_plan`), one host read, the
+        rest in Python."""
         b, H_kv = read.shape
-        parts = [read.reshape(-1), local.reshape(-1)]
-        if step.end is not None:
-            parts += [step.end] + ([] if step.start is None else [step.start])
-        values = torch.cat([p.to(torch.int64) for p in parts]).tolist()  # the host read
+        packed = step.host_plan
+        if packed is None:
+            packed = pack_host_plan(local, read, step.start, step.end)
+        values = packed.tolist()  # the host read
         flags, rest = values[: b * H_kv], values[b * H_kv :]
         pairs = [(i // H_kv, i % H_kv) for i, flag in enumerate(flags) if flag]
         any_local = any(rest[: local.numel()])
@@ -188,6 +195,17 @@ class HostPlan(NamedTuple):
         ends, starts = bounds[:b], bounds[b:]
         reach = max(ends)
         return cls(pairs, any_local, reach, min(ends) == reach and not any(starts))
+
+
+def pack_host_plan(local: torch.Tensor, read: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """What :meth:`HostPlan.read` reads, as one int64 vector: ``read [b, H_kv]`` and ``local [b, H]`` flattened,
+    then (a preallocated buffer) ``end [b]`` and ``start [b]`` where given. Computed by the run's layer step where
+    the executor asks for it (:attr:`SDPAExecutor.host_plan`), so that the executor's host read is one call."""
+    parts = [read.reshape(-1), local.reshape(-1)]
+    if end is not None:
+        parts += [end] + ([] if start is None else [start])
+    return torch.cat([p.to(torch.int64) for p in parts])
 
 
 def _heads(run: list[int]) -> slice:

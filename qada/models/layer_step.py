@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from qada.attention.group_policy import apply_group_policy, kv_read
+from qada.attention.sdpa import pack_host_plan
 from qada.criteria.base import HeadCriterion
 from qada.functional.extra_set import attend_extra, merge_extra, merge_masses
 from qada.functional.masses import window_attention
@@ -74,6 +75,8 @@ class LayerStepResult(NamedTuple):
             (:func:`~qada.functional.masses.window_attention`), where the executor uses it (``attend_window``);
             with an extra set, over ``window ∪ E`` (:func:`~qada.functional.extra_set.merge_masses`: what a local
             head attends to, so the executor's output needs no merge); else ``None``.
+        host_plan: the ``int64`` vector the host-skipping executor reads (:func:`~qada.attention.sdpa.pack_host_plan`:
+            ``read``, ``local``, ``end``, ``start``), where it asks for it (``host_plan``); else ``None``.
     """
 
     decided: torch.Tensor
@@ -96,6 +99,7 @@ class LayerStepResult(NamedTuple):
     output: torch.Tensor | None = None
     bulk_blocks: torch.Tensor | None = None
     window_output: torch.Tensor | None = None
+    host_plan: torch.Tensor | None = None
 
 
 def layer_step(
@@ -117,6 +121,7 @@ def layer_step(
     window: Window,
     policy: str,
     attend_window: bool = False,
+    host_plan: bool | None = False,
 ) -> LayerStepResult:
     """The decision of one decode step of one layer, and what the executor reuses.
 
@@ -135,6 +140,8 @@ def layer_step(
         attend_window: also every head's attention over its window (``window_output``), from the window scores the
             criterion computed (an executor that ``uses_window_output``: one small product in the compiled step
             instead of an attention call of its own), merged with the extra set's where there is one.
+        host_plan: also what a host-skipping executor reads of the decision, packed into one tensor (``True``: on
+            every device; ``None``: where the query is on the CPU; ``False``: never): its host read is then one call.
     """
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
                             sink_logits, softcap, moments, window)
@@ -155,9 +162,12 @@ def layer_step(
         if extra_output is not None:  # window ∪ E here, the local heads' output as is: nothing to merge after
             window_output = merge_masses(window_output, log_local, extra_output, log_extra).to(window_output.dtype)
             extra_output = log_extra = log_local = None
+    plan = None
+    if host_plan or (host_plan is None and query.device.type == "cpu"):
+        plan = pack_host_plan(local, read, step.start, step.end)
     return LayerStepResult(decided, local, read, counts[None], counts[3], step.window_keys, step.window_values,
                            step.window_valid, step.t_bulk, step.real, bulk, step.query, step.start, step.end,
-                           extra_output, log_extra, log_local, window_output=window_output)
+                           extra_output, log_extra, log_local, window_output=window_output, host_plan=plan)
 
 
 def begin_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor | None,
@@ -230,9 +240,10 @@ class LayerStep:
     """
 
     def __init__(self, criterion: HeadCriterion, moments: MomentSource | None, window: Window, policy: str,
-                 backend: str | None, attend_window: bool = False) -> None:
+                 backend: str | None, attend_window: bool = False, host_plan: bool | None = False) -> None:
         self.criterion, self.moments, self.backend = criterion, moments, backend
-        bound = dict(criterion=criterion, moments=moments, window=window, policy=policy, attend_window=attend_window)
+        bound = dict(criterion=criterion, moments=moments, window=window, policy=policy, attend_window=attend_window,
+                     host_plan=host_plan)
         self._bound = bound
         self.eager = functools.partial(layer_step, **bound)
         self.eager_reason: str | None = None
@@ -266,8 +277,9 @@ class LayerStep:
         from qada.models.fused_step import check_fusable, fused_layer_step
 
         check_fusable(self.criterion, self.moments, executor)
-        # the executor attends over the window itself: the fused step takes the components only
-        self._bound = {name: value for name, value in self._bound.items() if name != "attend_window"}
+        # the executor attends over the window itself, without a host read: the fused step takes the components only
+        self._bound = {name: value for name, value in self._bound.items()
+                       if name not in ("attend_window", "host_plan")}
         bound = dict(self._bound, executor=executor)
         self.fused = executor
         self.eager = functools.partial(fused_layer_step, **bound)

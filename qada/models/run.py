@@ -90,7 +90,9 @@ class QAdARun:
             moments = self.moments if self.uses_moments else None
             policy = getattr(self.executor, "group_policy", "exact")
             attend_window = getattr(self.executor, "uses_window_output", False)
-            self._step = LayerStep(self.criterion, moments, self.window, policy, self.backend, attend_window)
+            host_plan = getattr(self.executor, "host_plan", False)
+            self._step = LayerStep(self.criterion, moments, self.window, policy, self.backend, attend_window,
+                                   host_plan)
             if getattr(self.executor, "fuses_decision", False):
                 self._step.fuse(self.executor)
         return self._step
@@ -247,7 +249,7 @@ class QAdARun:
                                           result.end, result.moments, value, sink_logits, softcap)
         step.share(window_keys=result.window_keys, window_valid=result.window_valid,
                    window_values=result.window_values, t_bulk=result.t_bulk, real=result.real,
-                   window_output=result.window_output)
+                   window_output=result.window_output, host_plan=result.host_plan)
         step.fail_safe = result.fail_safe
         if result.output is not None:  # the layer step attended already (an executor that fuses the decision)
             output, bulk_blocks = result.output, result.bulk_blocks

@@ -17,7 +17,8 @@ reported too.
 
 Configurations: ``dense packed`` (the unwrapped model, packed grouped-query attention) or a criterion (``qada``,
 ``qada_tail``, ``qada_tail_budget``, with the suite's tau / sparsity and stored moments; ``qada_tail+E/lean`` and
-``qada_tail_budget+E/lean/group``, the read-lean settings of the RULER tables, :data:`LEAN`), then modifiers:
+``qada_tail_budget+E/lean/group``, the read-lean settings of the RULER tables, ``qada.criteria.READ_LEAN``), then
+modifiers:
 ``compiled`` (``torch.compile(model.forward, fullgraph=True)``), ``no small-matmul pass`` (the layer step
 compiled without :class:`~qada.models.small_matmul.SmallMatmulPass`, to measure what it gains) and ``no
 ahead-of-time`` (the layer step through ``torch.compile`` rather than compiled ahead of time,
@@ -50,22 +51,20 @@ import torch
 
 from benchmarks.end_to_end import Stepper, fresh_cache
 from benchmarks.packed_dense import packed_attention
+from qada.criteria import READ_LEAN
 from qada.eval.decode import prefill, prefill_from_cache
 from qada.eval.passkey import passkey_prompt
 from qada.models import attach, build_run, load_default_model, prepare_run
 
 __all__ = ["CRITERIA", "parse_config", "run_interleaved"]
 
-#: The read-lean tail setting (docs/howto/tail.rst, "Cheaper bounds"): a page hierarchy of 256-token super-pages,
-#: exact sets sized for 8k, never shrunk below (the configuration the RULER tables keep the dense score with).
-LEAN = {"super_page": 16, "super_pages": 4, "pages": 4, "heavy": 16, "scale_exact": 8192, "shrink_exact": False}
 CRITERIA = {
     "qada": {"name": "qada", "tau": 0.6},
     "qada_tail": {"name": "qada_tail", "tau": 0.3},
     "qada_tail_budget": {"name": "qada_tail_budget", "sparsity": 0.85},
-    "qada_tail+E/lean": {"name": "qada_tail", "tau": 0.3, "attend_exact": True, **LEAN},
+    "qada_tail+E/lean": {"name": "qada_tail", "tau": 0.3, "attend_exact": True, **READ_LEAN},
     "qada_tail_budget+E/lean/group": {"name": "qada_tail_budget", "sparsity": 0.85, "attend_exact": True,
-                                      "per_group": True, **LEAN},
+                                      "per_group": True, **READ_LEAN},
 }
 NO_PASS = "no small-matmul pass"
 NO_AHEAD = "no ahead-of-time"

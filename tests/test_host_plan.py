@@ -55,3 +55,21 @@ def test_the_layer_step_packs_the_plan_only_where_the_executor_reads_one(executo
         assert result.host_plan is None
     else:
         assert torch.equal(result.host_plan, pack_host_plan(result.local, result.read, step.start, step.end))
+
+
+def test_the_read_lean_settings_are_what_the_ruler_tables_ran():
+    """``READ_LEAN`` is the ``/lean-floor`` setting of the RULER tables (``results/criteria/run.py``: ``/lean`` with
+    sizes never shrunk below 8k), and it builds both tail-aware criteria."""
+    import importlib.util
+    from pathlib import Path
+
+    from qada.criteria import CRITERIA, READ_LEAN
+
+    path = Path(__file__).resolve().parent.parent / "results" / "criteria" / "run.py"
+    spec = importlib.util.spec_from_file_location("criteria_run", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert READ_LEAN == module.LEAN_FLOOR
+    for criterion in ({"name": "qada_tail", "tau": 0.3}, {"name": "qada_tail_budget", "sparsity": 0.85}):
+        built = CRITERIA.build({**criterion, "attend_exact": True, **READ_LEAN})
+        assert built.super_page == 16 and not built.shrink_exact

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from qada.criteria import READ_LEAN
 from qada.eval.passkey import passkey_prompt
 from qada.models import apply, load_default_model
 
@@ -45,7 +46,7 @@ def test_passkey_dense_finds_it_local_does_not_qada_does_with_high_sparsity(smol
     assert qada_summary["sparsity"] > 0.5 and qada_summary["fail_safe"] == 0
 
 
-LEAN = {"super_page": 16, "super_pages": 4, "pages": 4, "heavy": 16, "scale_exact": 8192, "shrink_exact": False}
+LEAN = READ_LEAN  # the read-lean tail settings qada exports
 
 
 @pytest.mark.parametrize("criterion", [

@@ -15,12 +15,13 @@ from qada.criteria.oracle import OracleCriterion
 from qada.criteria.qada import QAdACriterion
 from qada.criteria.quest import QuestCriterion
 from qada.criteria.static import StaticCriterion
-from qada.criteria.tail import TailBudgetCriterion, TailCriterion
+from qada.criteria.tail import READ_LEAN, TailBudgetCriterion, TailCriterion
 from qada.criteria.threshold import ThresholdCriterion
 from qada.step import DecodeStep, StepContext
 
 __all__ = [
     "CRITERIA",
+    "READ_LEAN",
     "AllOf",
     "AnyOf",
     "BudgetCriterion",

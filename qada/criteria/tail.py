@@ -34,7 +34,7 @@ READ_LEAN = {"super_page": 16, "super_pages": 4, "pages": 4, "heavy": 16, "scale
 """The read-lean settings of the tail-aware criteria (add ``attend_exact=True`` and a ``tau`` or ``sparsity``): a page
 hierarchy of 256-token super-pages, exact sets sized for 8k slots, grown by ``sqrt(C / 8192)`` beyond and never shrunk
 below. A local KV group reads 5.3% of a dense one at 8k, window included (``docs/howto/tail.rst``); with ``tau=0.3``
-it keeps the dense RULER scores at 8k on the embedded model (``docs/results.md``) and is the configuration whose
+it scores as dense does on RULER at 8k on the embedded model (``docs/results.md``) and is the configuration whose
 compiled step is faster than dense on the CPU (``benchmarks/results/interleaved-cpu-lean.md``)."""
 
 

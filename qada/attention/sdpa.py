@@ -15,7 +15,7 @@ from qada.functional.capping import soft_cap, softmax_with_sink_column
 from qada.functional.checks import accumulation_dtype
 from qada.step import DecodeStep
 
-__all__ = ["HostPlan", "SDPAExecutor", "pack_host_plan"]
+__all__ = ["HostPlan", "SDPAExecutor", "pack_host_plan", "skips_on_host"]
 
 
 @register_executor("sdpa")
@@ -107,7 +107,7 @@ class SDPAExecutor(AttentionExecutor):
         # GQA without a repeat of K/V: the G query heads of a group attend as G query rows of its one KV head.
         rows = step.query.reshape(b, H_kv, G, d)
         real = step.real
-        host = self.host_skip if self.host_skip is not None else step.device.type == "cpu"
+        host = skips_on_host(self.host_skip, step.device)
         sdpa = _attention_for(step)
         if not host:  # every group in full, the window result chosen per head: no sync, no loop
             out = self._window(step, rows, sdpa).reshape(b, H, 1, d)  # GPU kernels may return it strided
@@ -195,6 +195,12 @@ class HostPlan(NamedTuple):
         ends, starts = bounds[:b], bounds[b:]
         reach = max(ends)
         return cls(pairs, any_local, reach, min(ends) == reach and not any(starts))
+
+
+def skips_on_host(host_skip: bool | None, device: torch.device) -> bool:
+    """Whether the ``sdpa`` executor with ``host_skip`` chooses the groups to read on the host on ``device``
+    (``None``: on the CPU only); the run's layer step packs its host read by the same rule (:func:`pack_host_plan`)."""
+    return host_skip if host_skip is not None else device.type == "cpu"
 
 
 def pack_host_plan(local: torch.Tensor, read: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from qada.attention.group_policy import apply_group_policy, kv_read
-from qada.attention.sdpa import pack_host_plan
+from qada.attention.sdpa import pack_host_plan, skips_on_host
 from qada.criteria.base import HeadCriterion
 from qada.functional.extra_set import attend_extra, merge_extra, merge_masses
 from qada.functional.masses import window_attention
@@ -163,7 +163,7 @@ def layer_step(
             window_output = merge_masses(window_output, log_local, extra_output, log_extra).to(window_output.dtype)
             extra_output = log_extra = log_local = None
     plan = None
-    if host_plan or (host_plan is None and query.device.type == "cpu"):
+    if skips_on_host(host_plan, query.device):
         plan = pack_host_plan(local, read, step.start, step.end)
     return LayerStepResult(decided, local, read, counts[None], counts[3], step.window_keys, step.window_values,
                            step.window_valid, step.t_bulk, step.real, bulk, step.query, step.start, step.end,

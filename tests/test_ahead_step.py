@@ -161,3 +161,55 @@ def test_a_component_of_a_users_declines():
     """A user's criterion may read attributes that are not its fields: torch.compile's guards keep watching it."""
     ahead = AheadOfTimeStep(layer_step, {}, [TopKPeaked(sparsity=0.5), Window(t_local=8, t_sink=2)])
     assert not ahead.own and ahead(step_arguments()) is None and "qada's own" in ahead.declined
+
+
+def test_the_tensor_guard_refuses_another_dtype_shape_strides_device_or_gradients():
+    from qada.models.ahead_step import tensor_guard
+
+    leaves = list(flatten_arguments(step_arguments())[0])
+    guard = tensor_guard(leaves)
+    assert guard is not None and guard.check(*[tensor.clone() for tensor in leaves])
+    changes = {"dtype": leaves[0].double(), "shape": torch.randn(1, 4, 1, 9),
+               "strides": torch.randn(1, 4, 8, 1).transpose(2, 3), "device": leaves[0].to("meta"),
+               "gradients": leaves[0].clone().requires_grad_()}
+    for name, tensor in changes.items():
+        assert not guard.check(tensor, *leaves[1:]), name
+    resized = leaves[1].clone()
+    assert guard.check(leaves[0], resized, *leaves[2:])
+    resized.resize_(1, 2, 33, 8)  # the same tensor, changed in place
+    assert not guard.check(leaves[0], resized, *leaves[2:])
+
+
+def test_the_fast_path_takes_the_last_entry_only_where_the_key_is_the_same():
+    """The next call skips the Python key where nothing in it changed: the settings, the tensors' metadata (checked
+    in C++), the threads, the default dtype, the gradient mode and the arguments' structure; anything else goes to
+    the full key (and compiles or declines as before)."""
+    from qada.criteria.qada import QAdACriterion
+
+    criterion = QAdACriterion(tau=0.6)
+    ahead = AheadOfTimeStep(layer_step, {}, [criterion, Window(t_local=8, t_sink=2)])
+
+    def fast(args: tuple) -> object:
+        leaves, structure = flatten_arguments(args)
+        return ahead._recent_entry(leaves, structure, ahead.configuration())
+
+    args = step_arguments()
+    leaves, structure = flatten_arguments(args)
+    with torch.no_grad():
+        ahead._remember(leaves, structure, ahead.configuration(), ahead.key(leaves, structure), "entry")
+        assert fast(args) == "entry" and fast(step_arguments()) == "entry"  # new tensors of the same kind
+        assert fast(step_arguments(batch=2)) is None
+        states = dict(args[8]["criterion"])
+        states["other"] = torch.zeros(2)
+        assert fast(args[:8] + ({"criterion": states},) + args[9:]) is None  # another structure
+        criterion.tau = 0.3
+        assert fast(args) is None
+        criterion.tau = 0.6
+        assert fast(args) == "entry"
+        torch.set_num_threads(torch.get_num_threads() + 1)
+        try:
+            assert fast(args) is None
+        finally:
+            torch.set_num_threads(torch.get_num_threads() - 1)
+    with torch.enable_grad():
+        assert fast(args) is None

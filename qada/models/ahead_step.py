@@ -16,6 +16,12 @@ step of 30 layers that is ~7 ms of a ~90 ms step.
   configuration), so that changing e.g. ``tau`` between steps compiles the step again, as a guard would;
 * the torch thread count (the kernels' OpenMP teams are sized when compiled) and the default dtype.
 
+The key in Python costs ~45 us a call (~65 us inside a decode step, its objects out of the cache), a sixth of the
+step's kernels. So a call whose key is the last call's takes a fast path: the settings, the structure, the threads,
+the dtype and the gradient mode are compared as before, and the tensors' dtype, device, shape, strides and
+``requires_grad`` by ``torch.compile``'s own tensor guard in C++ (:func:`tensor_guard`, ~4 us for the 22-28 tensors
+of a step). Anything else changed, the full key is made and looked up as before.
+
 A key seen for the first time (at the inputs' first shapes) is exported (``torch.export``, non-strict: the step's own
 Python, run once on fake tensors), checked for host reads as :func:`~qada.models.layer_step.compile_layer_step`
 checks, and compiled by AOTInductor with the step's options (:func:`~qada.models.layer_step.cpu_step_options`); the
@@ -35,19 +41,21 @@ serve those with one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import operator
 import os
 import tempfile
 import threading
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from qada.models.inline_step import flatten_result, unflatten_result
 from qada.registry import is_built_in
 
-__all__ = ["AOT_DIRECTORY", "MAX_ENTRIES", "AheadOfTimeStep", "flatten_arguments", "settings"]
+__all__ = ["AOT_DIRECTORY", "MAX_ENTRIES", "AheadOfTimeStep", "flatten_arguments", "settings", "tensor_guard"]
 
 MAX_ENTRIES = 2
 """Configurations (e.g. two values of ``tau``) one step compiles ahead of time, all at the inputs' first shapes; a
@@ -119,9 +127,51 @@ def _plain(value: Any) -> Any:
     return type(value)
 
 
+_SCALARS = frozenset({type(None), bool, int, float, str})
+
+
 def settings(part: Any) -> tuple:
     """The configuration of a component (a dataclass): its fields' values, as :func:`_plain` makes them."""
-    return tuple(_plain(getattr(part, field.name)) for field in dataclasses.fields(part))
+    values = _field_values(type(part))(part)
+    if all(type(value) in _SCALARS for value in values):  # the common case, as they are
+        return values
+    return tuple(_plain(value) for value in values)
+
+
+@functools.cache
+def _field_values(kind: type) -> Any:
+    """``part -> (its fields' values)`` for a dataclass type: one ``attrgetter`` (this is on every call's path)."""
+    names = [field.name for field in dataclasses.fields(kind)]
+    if len(names) == 1:
+        single = operator.attrgetter(names[0])
+        return lambda part: (single(part),)
+    return operator.attrgetter(*names) if names else (lambda part: ())
+
+
+def tensor_guard(leaves: list[torch.Tensor]) -> Any:
+    """A check in C++ that tensors have the dtype, device, shape, strides and ``requires_grad`` of ``leaves``:
+    ``guard.check(*tensors) -> bool`` (``torch.compile``'s own tensor guard, ~4 us for 28 tensors against ~30-60 us
+    for the same in Python), or ``None`` where this version of torch has none that works."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        guard = TensorGuards(*leaves, dynamic_dims_sizes=[list(tensor.shape) for tensor in leaves],
+                             dynamic_dims_strides=[list(tensor.stride()) for tensor in leaves])
+        return guard if guard.check(*leaves) else None
+    except Exception:  # noqa: BLE001 - a private API: without it every call takes the key in Python
+        return None
+
+
+class _Recent(NamedTuple):
+    """The last call's key in the parts that are checked again on the fast path, and its entry."""
+
+    structure: tuple
+    configuration: tuple
+    threads: int
+    dtype: torch.dtype
+    grad: bool
+    guard: Any
+    entry: tuple
 
 
 class AheadOfTimeStep:
@@ -149,23 +199,57 @@ class AheadOfTimeStep:
         self.own = all(is_built_in(part) and dataclasses.is_dataclass(part) for part in parts)
         self.declined: str | None = None if self.own else "a component is not one of qada's own"
         self.error: Exception | None = None
+        self._recent: _Recent | None = None  # the last call's key and entry, for the fast path
 
-    def key(self, leaves: list[torch.Tensor], structure: tuple) -> tuple | None:
-        """The call's key, or ``None`` where the step cannot run ahead of time (a tensor off the CPU, gradients)."""
+    def configuration(self) -> tuple:
+        """The parts' configuration (:func:`settings` of each), as the key holds it."""
+        return tuple(settings(part) for part in self.parts)
+
+    def key(self, leaves: list[torch.Tensor], structure: tuple, configuration: tuple | None = None) -> tuple | None:
+        """The call's key, or ``None`` where the step cannot run ahead of time (a tensor off the CPU, gradients);
+        ``configuration``: :meth:`configuration` where the caller has it."""
         grad = torch.is_grad_enabled()
         meta = []
         for tensor in leaves:
             if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu or (grad and tensor.requires_grad):
                 return None
             meta.append((tensor.dtype, tensor.shape, tensor.stride()))
-        configuration = tuple(settings(part) for part in self.parts)
+        if configuration is None:
+            configuration = self.configuration()
         return (structure, tuple(meta), configuration, torch.get_num_threads(), torch.get_default_dtype())
+
+    def _recent_entry(self, leaves: list[torch.Tensor], structure: tuple, configuration: tuple) -> tuple | None:
+        """The last call's entry where this call has its key (the fast path: the tensors checked in C++,
+        :func:`tensor_guard`), else ``None``."""
+        recent = self._recent
+        if (recent is None or recent.configuration != configuration or recent.structure != structure
+                or recent.threads != torch.get_num_threads() or recent.dtype != torch.get_default_dtype()
+                or recent.grad != torch.is_grad_enabled() or not recent.guard.check(*leaves)):
+            return None
+        return recent.entry
 
     def __call__(self, args: tuple) -> Any:
         if not self.own:
             return None
         leaves, structure = flatten_arguments(args)
-        key = self.key(leaves, structure)
+        configuration = self.configuration()
+        entry = self._recent_entry(leaves, structure, configuration)
+        if entry is None:
+            entry = self._entry(args, leaves, structure, configuration)
+            if entry is None:
+                return None
+        runner, positions, count = entry
+        outputs = runner.run(leaves)
+        parts: list[torch.Tensor | None] = [None] * count
+        for position, tensor in zip(positions, outputs, strict=True):
+            parts[position] = tensor
+        return unflatten_result(parts)
+
+    def _entry(self, args: tuple, leaves: list[torch.Tensor], structure: tuple, configuration: tuple
+               ) -> tuple | None:
+        """The entry of this call's key, compiled or loaded where it is new; ``None`` where it declines. Kept as
+        the recent entry for the next call's fast path."""
+        key = self.key(leaves, structure, configuration)
         if key is None or key in self._refused:
             return None
         entry = self.entries.get(key)
@@ -185,12 +269,15 @@ class AheadOfTimeStep:
                 self.declined = f"{type(error).__name__}: {first}"
                 return None
             self.entries[key] = entry
-        runner, positions, count = entry
-        outputs = runner.run(leaves)
-        parts: list[torch.Tensor | None] = [None] * count
-        for position, tensor in zip(positions, outputs, strict=True):
-            parts[position] = tensor
-        return unflatten_result(parts)
+        self._remember(leaves, structure, configuration, key, entry)
+        return entry
+
+    def _remember(self, leaves: list[torch.Tensor], structure: tuple, configuration: tuple, key: tuple,
+                  entry: tuple) -> None:
+        """Keep ``entry`` of ``key`` for the next call's fast path (:meth:`_recent_entry`)."""
+        guard = tensor_guard(leaves)
+        self._recent = None if guard is None else _Recent(structure, configuration, key[3], key[4],
+                                                          torch.is_grad_enabled(), guard, entry)
 
     def _compile(self, args: tuple, leaves: list[torch.Tensor], key: tuple) -> tuple[Any, list[int], int]:
         """Export the step for ``args``, compile it (or load it from the cache directory): ``(runner, positions of

@@ -30,6 +30,7 @@ from qada.step import BulkMoments
 __all__ = ["attend_op", "flatten_result", "inline_decode", "unflatten_result"]
 
 _TENSOR_FIELDS = [name for name in LayerStepResult._fields if name != "moments"]
+_COUNT, _MOMENTS = len(_TENSOR_FIELDS), LayerStepResult._fields.index("moments")
 
 
 def flatten_result(result: LayerStepResult) -> list[torch.Tensor | None]:
@@ -41,9 +42,10 @@ def flatten_result(result: LayerStepResult) -> list[torch.Tensor | None]:
 
 def unflatten_result(parts: list[torch.Tensor | None]) -> LayerStepResult:
     """The inverse of :func:`flatten_result`."""
-    fields = dict(zip(_TENSOR_FIELDS, parts[: len(_TENSOR_FIELDS)], strict=True))
-    mean, cov = parts[len(_TENSOR_FIELDS):]
-    return LayerStepResult(**fields, moments=None if mean is None else BulkMoments(mean, cov))
+    mean, cov = parts[_COUNT], parts[_COUNT + 1]
+    values = parts[:_COUNT]
+    values.insert(_MOMENTS, None if mean is None else BulkMoments(mean, cov))
+    return LayerStepResult._make(values)  # positional: this is on every compiled call's path
 
 
 def inline_decode(run: Any, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

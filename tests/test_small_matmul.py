@@ -54,3 +54,29 @@ def test_the_pass_turns_small_products_into_loops_and_leaves_large_ones(dtype):
 
 def test_the_pass_has_a_stable_identity_for_inductors_cache():
     assert SmallMatmulPass().uuid() == SmallMatmulPass().uuid()
+
+
+def extra_set_attention(weights, values, slots):
+    """An extra set's attention as the layer step computes it: a gathered operand reduced over its rows."""
+    gathered = values[torch.arange(values.shape[0])[:, None], slots]  # [H, n, d]
+    return (weights[:, None, :] @ gathered)[:, 0, :]
+
+
+def test_a_gathered_operand_reduced_over_its_rows_is_computed_into_a_buffer_first(monkeypatch):
+    """The gather gets a loop of its own (a buffer the product reads), not indirect loads inside the reduction; the
+    result equals eager. Without the rule the gather is fused into the product's loop (no buffer)."""
+    import qada.models.small_matmul as small_matmul
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(9, 200, 64, generator=g)
+    slots = torch.randint(0, 200, (9, 80), generator=g)
+    weights = torch.rand(9, 80, generator=g)
+    buffer = "empty_strided_cpu((9, 80, 64)"
+    for realized in (True, False):
+        if not realized:
+            monkeypatch.setattr(small_matmul, "_gathered", lambda node: False)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False):  # the pass's identity is its file: the same
+            result, (code, *_) = run_and_get_code(compiled_with_pass(extra_set_attention), weights, values, slots)
+        torch.testing.assert_close(result, extra_set_attention(weights, values, slots), rtol=1e-5, atol=1e-5)
+        assert "extern_kernels.bmm(" not in code and (buffer in code) == realized, realized

@@ -45,7 +45,7 @@ def attend_extra(values: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
     log_mass = torch.logsumexp(scores, dim=-1)  # [b, H]
     weights = (scores - log_mass[..., None]).exp().nan_to_num(0.0)  # an empty set: all zero
     gathered = _by_query_head(values, slots).float()  # [b, H, n, d]
-    return (weights[..., None] * gathered).sum(-2), log_mass
+    return (weights[..., None, :] @ gathered)[..., 0, :], log_mass  # a product: compiled, gathered into a buffer
 
 
 def merge_masses(output: torch.Tensor, log_local: torch.Tensor, extra_output: torch.Tensor, log_extra: torch.Tensor

@@ -203,14 +203,25 @@ def test_compiled_flex_on_cpu_with_the_embedded_model_shape():
 @pytest.mark.parametrize("splits", [2, 3, 5])
 @pytest.mark.parametrize("mask", ["dense", "mixed", "one_group_local"])
 @pytest.mark.parametrize("T", [300, 301, 513])
-def test_sdpa_split_k_equals_reference(splits, mask, T):
-    """The CPU split-K path (chunks attended as separate work items, merged by log-sum-exp) on odd lengths."""
-    executor = EXECUTORS.build("sdpa", splits=splits, min_split=16)
+@pytest.mark.parametrize("products", [False, True])
+def test_sdpa_split_k_equals_reference(splits, mask, T, products, monkeypatch):
+    """The CPU split-K path (chunks attended as separate work items, merged by log-sum-exp) on odd lengths, and in
+    float32 the two products that take its place by default; each is the path taken."""
+    import qada.attention.sdpa as sdpa
+
+    executor = EXECUTORS.build("sdpa", splits=splits, min_split=16, products=products)
+    taken = []
+    for name in ("products_attention", "split_k_attention"):
+        function = getattr(sdpa, name)
+        monkeypatch.setattr(sdpa, name, lambda *a, _f=function, _n=name: taken.append(_n) or _f(*a))
     for b, H, H_kv in ((1, 9, 3), (2, 8, 2)):
         case = make_case(b, H, H_kv, T, 16, None, mask, torch.float32, seed=T + splits)
         check_against_reference(executor, case)
+    assert set(taken) == {"products_attention" if products else "split_k_attention"}
     with pytest.raises(ValueError, match="expected splits to be an int >= 1"):
         EXECUTORS.build("sdpa", splits=0)
+    with pytest.raises(ValueError, match="expected products to be a bool"):
+        EXECUTORS.build("sdpa", products="yes")
 
 
 @pytest.mark.parametrize("mask", ["local", "dense", "mixed", "one_group_local"])

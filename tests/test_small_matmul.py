@@ -62,7 +62,14 @@ def extra_set_attention(weights, values, slots):
     return (weights[:, None, :] @ gathered)[:, 0, :]
 
 
-def test_a_gathered_operand_reduced_over_its_rows_is_computed_into_a_buffer_first(monkeypatch):
+def window_attention_by_gather(weights, values, slots):
+    """The same with ``torch.gather`` (as a window is gathered on a buffer with row bounds)."""
+    index = slots[:, :, None].expand(*slots.shape, values.shape[-1])
+    return (weights[:, None, :] @ torch.gather(values, 1, index))[:, 0, :]
+
+
+@pytest.mark.parametrize("function", [extra_set_attention, window_attention_by_gather])
+def test_a_gathered_operand_reduced_over_its_rows_is_computed_into_a_buffer_first(function, monkeypatch):
     """The gather gets a loop of its own (a buffer the product reads), not indirect loads inside the reduction; the
     result equals eager. Without the rule the gather is fused into the product's loop (no buffer)."""
     import qada.models.small_matmul as small_matmul
@@ -77,6 +84,6 @@ def test_a_gathered_operand_reduced_over_its_rows_is_computed_into_a_buffer_firs
             monkeypatch.setattr(small_matmul, "_gathered", lambda node: False)
         torch._dynamo.reset()
         with torch._inductor.config.patch(fx_graph_cache=False):  # the pass's identity is its file: the same
-            result, (code, *_) = run_and_get_code(compiled_with_pass(extra_set_attention), weights, values, slots)
-        torch.testing.assert_close(result, extra_set_attention(weights, values, slots), rtol=1e-5, atol=1e-5)
+            result, (code, *_) = run_and_get_code(compiled_with_pass(function), weights, values, slots)
+        torch.testing.assert_close(result, function(weights, values, slots), rtol=1e-5, atol=1e-5)
         assert "extern_kernels.bmm(" not in code and (buffer in code) == realized, realized

@@ -75,9 +75,9 @@ _VIEWS = frozenset({_aten.view.default, _aten.reshape.default, _aten._unsafe_vie
 
 
 def _gathered(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an indexed gather (``aten.index``), seen through views, copies and dtype casts."""
+    """Whether ``node`` is a gather (``aten.index``, ``aten.gather``), seen through views, copies and dtype casts."""
     while isinstance(node, torch.fx.Node) and node.op == "call_function":
-        if node.target is _aten.index.Tensor:
+        if node.target in (_aten.index.Tensor, _aten.gather.default):
             return True
         if node.target not in _VIEWS:
             return False

@@ -43,7 +43,7 @@ def flatten_result(result: LayerStepResult) -> list[torch.Tensor | None]:
 def unflatten_result(parts: list[torch.Tensor | None]) -> LayerStepResult:
     """The inverse of :func:`flatten_result`."""
     mean, cov = parts[_COUNT], parts[_COUNT + 1]
-    values = parts[:_COUNT]
+    values = list(parts[:_COUNT])
     values.insert(_MOMENTS, None if mean is None else BulkMoments(mean, cov))
     return LayerStepResult._make(values)  # positional: this is on every compiled call's path
 

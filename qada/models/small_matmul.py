@@ -54,8 +54,8 @@ class SmallMatmulPass(CustomGraphPass):
             if a_val is None or b_val is None or not small_product(a_val.shape, b_val.shape):
                 continue
             with graph.inserting_before(node):
-                if _gathered(b):  # reduced over its rows: read from a buffer, not gathered in the reduction
-                    b = _realized(graph, b, b_val)
+                if _gathered(b) and all(isinstance(stride, int) for stride in b_val.stride()):
+                    b = _realized(graph, b, b_val)  # reduced over its rows: read from a buffer, not gathered there
                 rows = graph.call_function(_aten.unsqueeze.default, (a, -1))  # [..., M, K, 1]
                 columns = graph.call_function(_aten.unsqueeze.default, (b, -3))  # [..., 1, K, N]
                 product = graph.call_function(_aten.mul.Tensor, (rows, columns))  # [..., M, K, N]: never stored

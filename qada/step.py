@@ -240,6 +240,12 @@ class DecodeStep:
         real = position >= self.starts[:, None]
         return real if self.end is None else real & (position < self.end[:, None])
 
+    @property
+    def real_if_computed(self) -> torch.Tensor | None:
+        """:attr:`real` where something computed it already (a criterion, :meth:`share`), else ``None``: not computed
+        here. The layer step returns it so, leaving the mask to the executor that needs it."""
+        return self.__dict__.get("real")
+
     # --- local window (gathered once per step) -----------------------------------------------------------
     @cached_property
     def _window_keys(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,9 +60,10 @@ class LayerStepResult(NamedTuple):
         fail_safe: 0-d, the heads the criterion forced dense (non-finite values).
         window_keys, window_values: ``[b, H_kv, W, d]``; ``window_valid``: ``[b, W]`` bool.
         t_bulk: ``[b]`` bulk sizes (``None`` from a fused step: computed on demand); ``real``: ``[b, C]`` bool, the
-            slots holding a row's tokens, where the step computed it (``None``: the executor computes it where it
-            needs it, :attr:`~qada.step.DecodeStep.real`; the ``sdpa`` executor needs it only for rows of unequal
-            bounds; a mask of every slot cost ~35 us of a ~355 us step in a loop over one layer's arguments at 7.68k).
+            slots holding a row's tokens, where the step computed it (:attr:`~qada.step.DecodeStep.real_if_computed`;
+            ``None``: the executor computes it where it needs it, :attr:`~qada.step.DecodeStep.real`; the ``sdpa``
+            executor needs it only for rows of unequal bounds; a mask of every slot cost ~35 us of a ~355 us step in a
+            loop over one layer's arguments at 7.68k).
         moments: the step's bulk moments (``None`` without a moment source).
         query, start, end: the step's ``[b, H, d]`` query and its rows' bounds as the step checked them.
         extra_output, log_extra, log_local: where the criterion asked local heads to attend over an extra set too
@@ -168,9 +169,8 @@ def layer_step(
     if skips_on_host(host_plan, query.device):
         plan = pack_host_plan(local, read, step.start, step.end)
     return LayerStepResult(decided, local, read, counts[None], counts[3], step.window_keys, step.window_values,
-                           step.window_valid, step.t_bulk, step.__dict__.get("real"), bulk, step.query, step.start,
-                           step.end,
-                           extra_output, log_extra, log_local, window_output=window_output, host_plan=plan)
+                           step.window_valid, step.t_bulk, step.real_if_computed, bulk, step.query, step.start,
+                           step.end, extra_output, log_extra, log_local, window_output=window_output, host_plan=plan)
 
 
 def begin_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor | None,

@@ -180,6 +180,21 @@ def test_the_tensor_guard_refuses_another_dtype_shape_strides_device_or_gradient
     assert not guard.check(leaves[0], resized, *leaves[2:])
 
 
+def test_without_torchs_tensor_guard_every_call_takes_the_key(monkeypatch):
+    """A torch without ``TensorGuards`` (a private API): no guard, no fast path, the key is made on every call."""
+    from qada.criteria.qada import QAdACriterion
+    from qada.models import ahead_step
+
+    monkeypatch.setattr(ahead_step, "_tensor_guards", lambda: None)
+    ahead = AheadOfTimeStep(layer_step, {}, [QAdACriterion(tau=0.6), Window(t_local=8, t_sink=2)])
+    leaves, structure = flatten_arguments(step_arguments())
+    assert ahead_step.tensor_guard(leaves) is None
+    key = ahead.key(leaves, structure)
+    assert key.threads == torch.get_num_threads() and key.dtype == torch.get_default_dtype()
+    ahead._remember(leaves, structure, ahead.configuration(), key, "entry")
+    assert ahead._recent is None and ahead._recent_entry(leaves, structure, ahead.configuration()) is None
+
+
 def test_the_fast_path_takes_the_last_entry_only_where_the_key_is_the_same():
     """The next call skips the Python key where nothing in it changed: the settings, the tensors' metadata (checked
     in C++), the threads, the default dtype, the gradient mode and the arguments' structure; anything else goes to

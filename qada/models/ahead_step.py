@@ -55,7 +55,8 @@ import torch
 from qada.models.inline_step import flatten_result, unflatten_result
 from qada.registry import is_built_in
 
-__all__ = ["AOT_DIRECTORY", "MAX_ENTRIES", "AheadOfTimeStep", "flatten_arguments", "settings", "tensor_guard"]
+__all__ = ["AOT_DIRECTORY", "MAX_ENTRIES", "AheadOfTimeStep", "StepKey", "flatten_arguments", "settings",
+           "tensor_guard"]
 
 MAX_ENTRIES = 2
 """Configurations (e.g. two values of ``tau``) one step compiles ahead of time, all at the inputs' first shapes; a
@@ -148,18 +149,44 @@ def _field_values(kind: type) -> Any:
     return operator.attrgetter(*names) if names else (lambda part: ())
 
 
+@functools.cache
+def _tensor_guards() -> Any:
+    """``torch.compile``'s C++ tensor guard class, or ``None`` where this version of torch has none (looked up once)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:
+        return None
+    return TensorGuards
+
+
 def tensor_guard(leaves: list[torch.Tensor]) -> Any:
     """A check in C++ that tensors have the dtype, device, shape, strides and ``requires_grad`` of ``leaves``:
     ``guard.check(*tensors) -> bool`` (``torch.compile``'s own tensor guard, ~4 us for 28 tensors against ~30-60 us
     for the same in Python), or ``None`` where this version of torch has none that works."""
+    guards = _tensor_guards()
+    if guards is None:
+        return None
     try:
-        from torch._C._dynamo.guards import TensorGuards
-
-        guard = TensorGuards(*leaves, dynamic_dims_sizes=[list(tensor.shape) for tensor in leaves],
-                             dynamic_dims_strides=[list(tensor.stride()) for tensor in leaves])
+        guard = guards(*leaves, dynamic_dims_sizes=[list(tensor.shape) for tensor in leaves],
+                       dynamic_dims_strides=[list(tensor.stride()) for tensor in leaves])
         return guard if guard.check(*leaves) else None
     except Exception:  # noqa: BLE001 - a private API: without it every call takes the key in Python
         return None
+
+
+class StepKey(NamedTuple):
+    """What a compiled package is for (:meth:`AheadOfTimeStep.key`): one entry per distinct key."""
+
+    structure: tuple
+    """Which inputs are ``None``, the state dictionaries' keys, the floats baked into the step."""
+    tensors: tuple
+    """``(dtype, shape, strides)`` of every input tensor, in :func:`flatten_arguments`' order."""
+    configuration: tuple
+    """The components' settings (:meth:`AheadOfTimeStep.configuration`)."""
+    threads: int
+    """``torch.get_num_threads()``: the kernels' OpenMP teams are sized when compiled."""
+    dtype: torch.dtype
+    """``torch.get_default_dtype()``."""
 
 
 class _Recent(NamedTuple):
@@ -192,8 +219,8 @@ class AheadOfTimeStep:
     def __init__(self, function: Any, bound: dict[str, Any], parts: list[Any]) -> None:
         self.function, self.bound = function, bound
         self.parts = parts
-        self.entries: dict[tuple, Any] = {}
-        self._refused: set[tuple] = set()
+        self.entries: dict[StepKey, Any] = {}
+        self._refused: set[StepKey] = set()
         self.folder: str | None = None
         self.loaded = 0
         self.own = all(is_built_in(part) and dataclasses.is_dataclass(part) for part in parts)
@@ -205,7 +232,7 @@ class AheadOfTimeStep:
         """The parts' configuration (:func:`settings` of each), as the key holds it."""
         return tuple(settings(part) for part in self.parts)
 
-    def key(self, leaves: list[torch.Tensor], structure: tuple, configuration: tuple | None = None) -> tuple | None:
+    def key(self, leaves: list[torch.Tensor], structure: tuple, configuration: tuple | None = None) -> StepKey | None:
         """The call's key, or ``None`` where the step cannot run ahead of time (a tensor off the CPU, gradients);
         ``configuration``: :meth:`configuration` where the caller has it."""
         grad = torch.is_grad_enabled()
@@ -216,7 +243,7 @@ class AheadOfTimeStep:
             meta.append((tensor.dtype, tensor.shape, tensor.stride()))
         if configuration is None:
             configuration = self.configuration()
-        return (structure, tuple(meta), configuration, torch.get_num_threads(), torch.get_default_dtype())
+        return StepKey(structure, tuple(meta), configuration, torch.get_num_threads(), torch.get_default_dtype())
 
     def _recent_entry(self, leaves: list[torch.Tensor], structure: tuple, configuration: tuple) -> tuple | None:
         """The last call's entry where this call has its key (the fast path: the tensors checked in C++,
@@ -254,7 +281,7 @@ class AheadOfTimeStep:
             return None
         entry = self.entries.get(key)
         if entry is None:
-            if self.entries and all(seen[:2] != key[:2] for seen in self.entries):
+            if self.entries and all(seen[:2] != key[:2] for seen in self.entries):  # (structure, tensors)
                 self.declined = "another cache size (or batch, or dtype) than the first"
                 return None
             if len(self.entries) >= MAX_ENTRIES:
@@ -272,14 +299,14 @@ class AheadOfTimeStep:
         self._remember(leaves, structure, configuration, key, entry)
         return entry
 
-    def _remember(self, leaves: list[torch.Tensor], structure: tuple, configuration: tuple, key: tuple,
+    def _remember(self, leaves: list[torch.Tensor], structure: tuple, configuration: tuple, key: StepKey,
                   entry: tuple) -> None:
         """Keep ``entry`` of ``key`` for the next call's fast path (:meth:`_recent_entry`)."""
         guard = tensor_guard(leaves)
-        self._recent = None if guard is None else _Recent(structure, configuration, key[3], key[4],
+        self._recent = None if guard is None else _Recent(structure, configuration, key.threads, key.dtype,
                                                           torch.is_grad_enabled(), guard, entry)
 
-    def _compile(self, args: tuple, leaves: list[torch.Tensor], key: tuple) -> tuple[Any, list[int], int]:
+    def _compile(self, args: tuple, leaves: list[torch.Tensor], key: StepKey) -> tuple[Any, list[int], int]:
         """Export the step for ``args``, compile it (or load it from the cache directory): ``(runner, positions of
         the non-``None`` outputs, output count)``."""
         from torch.utils import _pytree as pytree
@@ -315,7 +342,7 @@ class AheadOfTimeStep:
         runner = torch._inductor.aoti_load_package(path)
         return runner.loader, positions, len(shape)
 
-    def _package(self, program: Any, key: tuple) -> str:
+    def _package(self, program: Any, key: StepKey) -> str:
         """The compiled package of ``program`` in the cache directory, compiled now where it is not there yet."""
         from torch._inductor.cpu_vec_isa import pick_vec_isa
         from torch._inductor.runtime.cache_dir_utils import cache_dir

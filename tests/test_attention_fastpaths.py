@@ -256,9 +256,10 @@ def buffer_step(ends, starts, local_kind, C=64, b=2, H=6, H_kv=3, d=16, seed=3):
 @pytest.mark.parametrize("splits", [None, 1, 2])
 def test_sdpa_on_a_buffer_reads_the_host_once_and_equals_reference(ends, starts, local_kind, splits, monkeypatch):
     """The host-skipping path on a preallocated buffer (rows ending apart, left padding): one host read per call
-    (:class:`~qada.attention.sdpa.HostPlan`), the reference's output."""
+    (:class:`~qada.attention.sdpa.HostPlan`), the reference's output; the mask of the keys attended is built only
+    where the rows do not all hold ``[0, reach)``."""
+    ref = EXECUTORS.build("reference").attend(*buffer_step(ends, starts, local_kind))[0]
     step, decision = buffer_step(ends, starts, local_kind)
-    ref = EXECUTORS.build("reference").attend(step, decision)[0]
     reads = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
@@ -268,6 +269,8 @@ def test_sdpa_on_a_buffer_reads_the_host_once_and_equals_reference(ends, starts,
     monkeypatch.undo()
     assert len(reads) == 1
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    if len(set(ends)) == 1 and not any(starts or []):
+        assert "real" not in step.__dict__  # every row holds [0, reach): no mask
 
 
 def test_host_plan_says_which_groups_are_read_and_how_far_the_rows_reach():

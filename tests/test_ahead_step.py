@@ -191,7 +191,7 @@ def test_without_torchs_tensor_guard_every_call_takes_the_key(monkeypatch):
     assert ahead_step.tensor_guard(leaves) is None
     key = ahead.key(leaves, structure)
     assert key.threads == torch.get_num_threads() and key.dtype == torch.get_default_dtype()
-    ahead._remember(leaves, structure, ahead.configuration(), key, "entry")
+    ahead._remember(leaves, key, "entry")
     assert ahead._recent is None and ahead._recent_entry(leaves, structure, ahead.configuration()) is None
 
 
@@ -211,7 +211,7 @@ def test_the_fast_path_takes_the_last_entry_only_where_the_key_is_the_same():
     args = step_arguments()
     leaves, structure = flatten_arguments(args)
     with torch.no_grad():
-        ahead._remember(leaves, structure, ahead.configuration(), ahead.key(leaves, structure), "entry")
+        ahead._remember(leaves, ahead.key(leaves, structure), "entry")
         assert fast(args) == "entry" and fast(step_arguments()) == "entry"  # new tensors of the same kind
         assert fast(step_arguments(batch=2)) is None
         states = dict(args[8]["criterion"])

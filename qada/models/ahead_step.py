@@ -190,12 +190,10 @@ class StepKey(NamedTuple):
 
 
 class _Recent(NamedTuple):
-    """The last call's key in the parts that are checked again on the fast path, and its entry."""
+    """The last call's key (its tensors' part checked again by ``guard``, the rest in Python), gradient mode and
+    entry: what the fast path compares a call with."""
 
-    structure: tuple
-    configuration: tuple
-    threads: int
-    dtype: torch.dtype
+    key: StepKey
     grad: bool
     guard: Any
     entry: tuple
@@ -249,8 +247,11 @@ class AheadOfTimeStep:
         """The last call's entry where this call has its key (the fast path: the tensors checked in C++,
         :func:`tensor_guard`), else ``None``."""
         recent = self._recent
-        if (recent is None or recent.configuration != configuration or recent.structure != structure
-                or recent.threads != torch.get_num_threads() or recent.dtype != torch.get_default_dtype()
+        if recent is None:
+            return None
+        key = recent.key
+        if (key.configuration != configuration or key.structure != structure
+                or key.threads != torch.get_num_threads() or key.dtype != torch.get_default_dtype()
                 or recent.grad != torch.is_grad_enabled() or not recent.guard.check(*leaves)):
             return None
         return recent.entry
@@ -296,15 +297,13 @@ class AheadOfTimeStep:
                 self.declined = f"{type(error).__name__}: {first}"
                 return None
             self.entries[key] = entry
-        self._remember(leaves, structure, configuration, key, entry)
+        self._remember(leaves, key, entry)
         return entry
 
-    def _remember(self, leaves: list[torch.Tensor], structure: tuple, configuration: tuple, key: StepKey,
-                  entry: tuple) -> None:
-        """Keep ``entry`` of ``key`` for the next call's fast path (:meth:`_recent_entry`)."""
+    def _remember(self, leaves: list[torch.Tensor], key: StepKey, entry: tuple) -> None:
+        """Keep ``entry`` of ``key`` (``leaves``' key) for the next call's fast path (:meth:`_recent_entry`)."""
         guard = tensor_guard(leaves)
-        self._recent = None if guard is None else _Recent(structure, configuration, key.threads, key.dtype,
-                                                          torch.is_grad_enabled(), guard, entry)
+        self._recent = None if guard is None else _Recent(key, torch.is_grad_enabled(), guard, entry)
 
     def _compile(self, args: tuple, leaves: list[torch.Tensor], key: StepKey) -> tuple[Any, list[int], int]:
         """Export the step for ``args``, compile it (or load it from the cache directory): ``(runner, positions of

@@ -203,25 +203,31 @@ def test_compiled_flex_on_cpu_with_the_embedded_model_shape():
 @pytest.mark.parametrize("splits", [2, 3, 5])
 @pytest.mark.parametrize("mask", ["dense", "mixed", "one_group_local"])
 @pytest.mark.parametrize("T", [300, 301, 513])
-@pytest.mark.parametrize("products", [False, True])
-def test_sdpa_split_k_equals_reference(splits, mask, T, products, monkeypatch):
+@pytest.mark.parametrize("path", ["split_k_attention", "products_attention", "streamed_attention"])
+def test_sdpa_split_k_equals_reference(splits, mask, T, path, monkeypatch):
     """The CPU split-K path (chunks attended as separate work items, merged by log-sum-exp) on odd lengths, and in
-    float32 the two products that take its place by default; each is the path taken."""
+    float32 the two that take its place by default (qada's streamed C kernel, else two BLAS products); each is the
+    path taken."""
     import qada.attention.sdpa as sdpa
+    from qada.attention.streamed import kernel_error
 
-    executor = EXECUTORS.build("sdpa", splits=splits, min_split=16, products=products)
+    if path == "streamed_attention" and kernel_error() is not None:
+        pytest.skip(f"the streamed kernel cannot run here: {kernel_error()}")
+    executor = EXECUTORS.build("sdpa", splits=splits, min_split=16, products=path == "products_attention",
+                               streamed=path == "streamed_attention")
     taken = []
-    for name in ("products_attention", "split_k_attention"):
+    for name in ("products_attention", "split_k_attention", "streamed_attention"):
         function = getattr(sdpa, name)
         monkeypatch.setattr(sdpa, name, lambda *a, _f=function, _n=name: taken.append(_n) or _f(*a))
     for b, H, H_kv in ((1, 9, 3), (2, 8, 2)):
         case = make_case(b, H, H_kv, T, 16, None, mask, torch.float32, seed=T + splits)
         check_against_reference(executor, case)
-    assert set(taken) == {"products_attention" if products else "split_k_attention"}
+    assert set(taken) == {path}
     with pytest.raises(ValueError, match="expected splits to be an int >= 1"):
         EXECUTORS.build("sdpa", splits=0)
-    with pytest.raises(ValueError, match="expected products to be a bool"):
-        EXECUTORS.build("sdpa", products="yes")
+    for name in ("products", "streamed"):
+        with pytest.raises(ValueError, match=f"expected {name} to be a bool"):
+            EXECUTORS.build("sdpa", **{name: "yes"})
 
 
 @pytest.mark.parametrize("mask", ["local", "dense", "mixed", "one_group_local"])

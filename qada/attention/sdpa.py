@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
+from qada.attention.streamed import kernel_error, streamed_attention, streamed_fits
 from qada.functional.capping import soft_cap, softmax_with_sink_column
 from qada.functional.checks import accumulation_dtype
 from qada.step import DecodeStep
@@ -60,6 +61,11 @@ class SDPAExecutor(AttentionExecutor):
             the ``qada_tail`` decode step with the read-lean settings was 3-4% faster (steps alternated in one
             process). ``False``: the split-K flash kernel. Other dtypes always take the flash kernel (whose sums are
             in float32).
+        streamed: on the CPU in float32, a read group whose keys would be split attends by qada's C kernel instead
+            (:func:`~qada.attention.streamed.streamed_attention`: one pass over its K and V, an online softmax, the
+            threads sharing its keys), which reads cold K/V ~2x faster than the BLAS products; built by the machine's
+            C compiler on first use. Where it cannot run (:func:`~qada.attention.streamed.kernel_error`), or with
+            ``False``, such a group takes the ``products`` path.
     """
 
     splits: int | None = None
@@ -67,6 +73,7 @@ class SDPAExecutor(AttentionExecutor):
     host_skip: bool | None = None
     step_window: bool = True
     products: bool = True
+    streamed: bool = True
 
     @property
     def uses_window_output(self) -> bool:
@@ -87,7 +94,7 @@ class SDPAExecutor(AttentionExecutor):
                 raise ValueError(f"expected {name} to be an int >= {low} but got {value!r}")
         if self.host_skip not in (None, True, False):
             raise ValueError(f"expected host_skip in (None, True, False) but got {self.host_skip!r}")
-        for name in ("step_window", "products"):
+        for name in ("step_window", "products", "streamed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be a bool but got {getattr(self, name)!r}")
 
@@ -152,7 +159,9 @@ class SDPAExecutor(AttentionExecutor):
                     heads = _heads(run)  # views, strided over the progression's KV heads
                     q, k, v = rows[row : row + 1, heads], key[row : row + 1, heads], value[row : row + 1, heads]
                     chunks = self._chunks(step, real, T, len(run))
-                    if chunks > 1 and self.products and step.query.dtype == torch.float32:
+                    if chunks > 1 and self.streamed and streamed_fits(q, k, v) and kernel_error() is None:
+                        full[row, heads] = streamed_attention(q, k, v, scale)
+                    elif chunks > 1 and self.products and step.query.dtype == torch.float32:
                         full[row, heads] = products_attention(q, k, v, scale)
                     elif chunks > 1:
                         full[row, heads] = split_k_attention(q, k, v, scale, chunks)

@@ -144,7 +144,7 @@ def test_without_a_compiler_the_executor_takes_its_blas_path(monkeypatch, tmp_pa
         streamed._load.cache_clear()  # the next caller loads the real kernel again
 
 
-def test_the_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
+def test_the_build_is_cached(monkeypatch, tmp_path):
     """A fresh cache gets one library, built once: a second load in the same cache builds nothing."""
     if streamed._compiler() is None:
         pytest.skip("no C compiler here")

@@ -3,7 +3,6 @@ attention only for the KV groups that read their bulk."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -11,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
-from qada.attention.streamed import kernel_error, streamed_attention, streamed_fits
+from qada.attention.streamed import balanced_chunks, kernel_error, streamed_attention, streamed_fits
 from qada.functional.capping import soft_cap, softmax_with_sink_column
 from qada.functional.checks import accumulation_dtype
 from qada.step import DecodeStep
@@ -29,10 +28,11 @@ class SDPAExecutor(AttentionExecutor):
     Full attention runs once over the whole batch when every group reads its bulk; otherwise each read
     (row, group) attends over views of its own K/V (no copy of the cache). On the CPU (``splits=None``, the default)
     each read group's keys are cut into chunks attended in one call and merged by log-sum-exp (split-K), as many as
-    spread the call's work items evenly over the torch threads (:func:`balanced_chunks`): one group alone is
-    otherwise a single work item, i.e. a single core (on 2 cores one group took 217 us, the same as two; split in
-    two, 129 us). On the embedded model at 7.68k this made the decode step 1-4% faster. ``splits=1`` turns it off.
-    In float32 such a group attends by qada's streamed C kernel (``streamed``), else by two BLAS products.
+    spread the call's work items evenly over the torch threads (:func:`~qada.attention.streamed.balanced_chunks`):
+    one group alone is otherwise a single work item, i.e. a single core (on 2 cores one group took 217 us, the same
+    as two; split in two, 129 us). On the embedded model at 7.68k this made the decode step 1-4% faster.
+    ``splits=1`` turns it off. In float32 such a group attends by qada's streamed C kernel (``streamed``), else by
+    two BLAS products.
     On the CPU the window is skipped when no head is local. A step with a soft cap or sink logits (Gemma-2, gpt-oss)
     attends in explicit scores instead of ``scaled_dot_product_attention``, which cannot apply them, over the same
     keys.
@@ -47,7 +47,8 @@ class SDPAExecutor(AttentionExecutor):
 
     Args:
         splits: key chunks per read group on the CPU (``None``, the default: as many as spread the KV heads of
-            each call evenly over the torch threads, :func:`balanced_chunks`; 1: no split-K).
+            each call evenly over the torch threads, :func:`~qada.attention.streamed.balanced_chunks`; 1: no
+            split-K).
         min_split: shortest chunk worth a split, in tokens.
         host_skip: skip the bulk of unread groups by a host-side choice (``None``: on the CPU only).
         step_window: inside a run, take every head's attention over the window from the layer step
@@ -292,12 +293,6 @@ def _progressions(groups: list[int]) -> list[list[int]]:
 
 # PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp of each query row (None if absent).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def balanced_chunks(items: int, threads: int) -> int:
-    """Key chunks per item so that ``items * chunks`` work items share ``threads`` evenly: ``threads / gcd``
-    (1 item on 2 threads: 2 chunks; 3 items: 2, i.e. 6 items, 3 per thread; 2 items: 1)."""
-    return threads // math.gcd(items, threads)
 
 
 def products_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

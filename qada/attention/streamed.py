@@ -26,7 +26,7 @@ import torch
 
 from qada.cache import cache_dir
 
-__all__ = ["default_chunks", "kernel_error", "streamed_attention", "streamed_fits"]
+__all__ = ["balanced_chunks", "default_chunks", "kernel_error", "streamed_attention", "streamed_fits"]
 
 SOURCE = Path(__file__).with_name("streamed_attention.c")
 # compiled with fast-math (vectorised exp, reassociated sums); linked without, so that loading the library sets no
@@ -101,11 +101,18 @@ def kernel_error() -> str | None:
     return _load()[1]
 
 
+def balanced_chunks(items: int, threads: int) -> int:
+    """Key chunks per item so that ``items * chunks`` work items share ``threads`` evenly: ``threads / gcd``
+    (1 item on 2 threads: 2 chunks; 3 items: 2, i.e. 6 items, 3 per thread; 2 items: 1). The ``sdpa`` executor's
+    split-K and :func:`default_chunks` both cut keys by it."""
+    return threads // math.gcd(items, threads)
+
+
 def default_chunks(heads: int, length: int, threads: int) -> int:
-    """Key chunks per head: four work items per thread, a multiple of the threads in all (``heads * chunks``),
-    none shorter than :data:`MIN_CHUNK` keys (1 head on 2 threads: 8 chunks; 3 heads: 8, i.e. 24 items)."""
-    balanced = threads // math.gcd(heads, threads)
-    return max(1, min(4 * balanced, length // MIN_CHUNK))
+    """Key chunks per head: four work items per thread, a multiple of the threads in all (``heads * chunks``, four
+    times :func:`balanced_chunks`), none shorter than :data:`MIN_CHUNK` keys (1 head on 2 threads: 8 chunks; 3 heads:
+    8, i.e. 24 items)."""
+    return max(1, min(4 * balanced_chunks(heads, threads), length // MIN_CHUNK))
 
 
 def streamed_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import qada.attention.streamed as streamed
 from qada.attention import EXECUTORS
-from qada.attention.streamed import default_chunks, kernel_error, streamed_attention, streamed_fits
+from qada.attention.streamed import default_chunks, kernel_error, specialised, streamed_attention, streamed_fits
 
 needs_kernel = pytest.mark.skipif(kernel_error() is not None, reason=f"the kernel cannot run here: {kernel_error()}")
 
@@ -42,6 +42,41 @@ def test_equals_the_softmax_reference(n, G, d, T, step, spare, chunks, seed):
     out = streamed_attention(q, k, v, d**-0.5, chunks=chunks)
     assert out.shape == (n, G, d) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), reference(q, k, v, d**-0.5), atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("G", range(1, 10))
+def test_each_compiled_shape_and_the_general_version_equal_the_reference(G, d):
+    """The versions compiled for 1-8 query rows of 64 or 128 features (:func:`specialised`), and 9 rows, which take
+    the general version: strided views, three chunks, a length that is no multiple of the block."""
+    assert specialised(G, d) == (G <= 8)
+    q, k, v = cache_views(2, G, d, 1500, 2, 13, seed=G + d)
+    torch.testing.assert_close(streamed_attention(q, k, v, d**-0.5, chunks=3).double(), reference(q, k, v, d**-0.5),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_specialised_names_the_compiled_shapes():
+    assert specialised(3, 64) and specialised(8, 128) and specialised(1, 64)
+    assert not specialised(9, 64) and not specialised(3, 80) and not specialised(0, 64) and not specialised(4, 256)
+
+
+@needs_kernel
+@pytest.mark.parametrize("G, d, expected", [(3, 64, {"streamed_attention"}), (3, 16, set())])
+def test_the_executor_streams_every_read_group_of_a_compiled_shape(monkeypatch, G, d, expected):
+    """Two of three KV groups read, keys too few to split (``_chunks`` is 1): a compiled shape attends by the
+    kernel anyway (faster than flash attention at any length), another shape by flash attention as before; the
+    output equals the reference either way."""
+    import qada.attention.sdpa as sdpa
+    from tests.test_attention_fastpaths import check_against_reference, make_case
+
+    taken = []
+    function = sdpa.streamed_attention
+    monkeypatch.setattr(sdpa, "streamed_attention", lambda *a: taken.append("streamed_attention") or function(*a))
+    case = make_case(1, 3 * G, 3, 700, d, None, "dense", torch.float32, seed=9)
+    case = (*case[:3], torch.tensor([[True] * G + [False] * 2 * G]), *case[4:])  # group 0 local, groups 1-2 read
+    check_against_reference(EXECUTORS.build("sdpa"), case)
+    assert set(taken) == expected
 
 
 @needs_kernel

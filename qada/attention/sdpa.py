@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
-from qada.attention.streamed import balanced_chunks, kernel_error, streamed_attention, streamed_fits
+from qada.attention.streamed import balanced_chunks, kernel_error, specialised, streamed_attention, streamed_fits
 from qada.functional.capping import soft_cap, softmax_with_sink_column
 from qada.functional.checks import accumulation_dtype
 from qada.step import DecodeStep
@@ -62,12 +62,15 @@ class SDPAExecutor(AttentionExecutor):
             the ``qada_tail`` decode step with the read-lean settings was 3-4% faster (steps alternated in one
             process). ``False``: the split-K flash kernel. Other dtypes always take the flash kernel (whose sums are
             in float32).
-        streamed: on the CPU in float32, a read group whose keys would be split attends by qada's C kernel instead
+        streamed: on the CPU in float32, a read group attends by qada's C kernel
             (:func:`~qada.attention.streamed.streamed_attention`: one pass over its K and V, an online softmax, the
-            threads sharing its keys): inside decode steps on 2 cores it read the groups at 8.7 GB/s against 6.6 GB/s
-            for the BLAS products (whole steps ~1.5% faster); built by the machine's C compiler on first use. Where
-            it cannot run (:func:`~qada.attention.streamed.kernel_error`), or with ``False``, such a group takes the
-            ``products`` path.
+            threads sharing its keys): every read group where the kernel has a version for its group size and head
+            dim (:func:`~qada.attention.streamed.specialised`: 1-8 query heads per KV head, 64 or 128 features, which
+            beat PyTorch's flash attention at every length measured), else a group whose keys would be split; built
+            by the machine's C compiler on first use. Inside decode steps on 2 cores its first, general version read
+            the groups at 8.7 GB/s against 6.6 GB/s for the BLAS products (whole steps ~1.5% faster). Where it cannot
+            run (:func:`~qada.attention.streamed.kernel_error`), or with ``False``, such a group takes the
+            ``products`` path (or flash attention, unsplit).
     """
 
     splits: int | None = None
@@ -148,7 +151,9 @@ class SDPAExecutor(AttentionExecutor):
             T = plan.reach
         else:
             real = step.real
-        if len(plan.pairs) == b * H_kv and self._chunks(step, real, T, len(plan.pairs)) == 1:
+        streams = self._streams(step, real)
+        compiled = streams and specialised(G, d)  # the kernel's version for this shape: faster than flash at any T
+        if not compiled and len(plan.pairs) == b * H_kv and self._chunks(step, real, T, len(plan.pairs)) == 1:
             mask = None if real is None else real[:, None, None, :]
             full = sdpa(rows, key, value, attn_mask=mask, scale=scale)
         else:
@@ -161,7 +166,7 @@ class SDPAExecutor(AttentionExecutor):
                     heads = _heads(run)  # views, strided over the progression's KV heads
                     q, k, v = rows[row : row + 1, heads], key[row : row + 1, heads], value[row : row + 1, heads]
                     chunks = self._chunks(step, real, T, len(run))
-                    if chunks > 1 and self.streamed and streamed_fits(q, k, v) and kernel_error() is None:
+                    if streams and (compiled or chunks > 1) and streamed_fits(q, k, v):
                         full[row, heads] = streamed_attention(q, k, v, scale)
                     elif chunks > 1 and self.products and step.query.dtype == torch.float32:
                         full[row, heads] = products_attention(q, k, v, scale)
@@ -174,6 +179,12 @@ class SDPAExecutor(AttentionExecutor):
         if out is not None:  # some heads local, among them maybe some of a read group's
             full = torch.where(local.reshape(b, H_kv, G, 1), out, full)
         return full.reshape(b, H, 1, d), None
+
+    def _streams(self, step: DecodeStep, real: torch.Tensor | None) -> bool:
+        """Whether qada's streamed kernel may attend this call's read groups (:attr:`streamed`): on the CPU in
+        float32, plain softmax, no mask of the keys attended (``real``), the kernel built here."""
+        return (self.streamed and real is None and step.device.type == "cpu" and step.plain_softmax
+                and step.query.dtype == torch.float32 and kernel_error() is None)
 
     @staticmethod
     def _window(step: DecodeStep, rows: torch.Tensor, sdpa) -> torch.Tensor:

@@ -405,13 +405,11 @@ def _refusing_host_reads(backend: Any) -> Any:
 def cpu_step_options() -> dict[str, Any]:
     """Inductor's options for the layer step on the CPU, scoped to its own compilation (``torch.compile``'s route
     and the ahead-of-time one, :mod:`qada.models.ahead_step`): a C++ wrapper around the kernels instead of a Python
-    one (~60 us less per layer step on a 2-core CPU), the few-row products as fused loops instead of BLAS calls
-    (:class:`~qada.models.small_matmul.SmallMatmulPass`), and the step's ~50 intermediate buffers planned into a
-    few pools (``memory_planning``: ~11 allocations a call instead of ~60; 0.7-1.1 ms less per decode step of
-    SmolLM2's 30 layers at 7.68k, whole steps 0.984x and 0.991x in two in-process A/B runs)."""
+    one (~60 us less per layer step on a 2-core CPU), and the few-row products as fused loops instead of BLAS calls
+    (:class:`~qada.models.small_matmul.SmallMatmulPass`)."""
     from qada.models.small_matmul import SmallMatmulPass
 
-    return {"cpp_wrapper": True, "memory_planning": True, "post_grad_custom_post_pass": SmallMatmulPass()}
+    return {"cpp_wrapper": True, "post_grad_custom_post_pass": SmallMatmulPass()}
 
 
 def unbacked_node(graph: torch.fx.Graph) -> torch.fx.Node | None:

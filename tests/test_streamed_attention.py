@@ -65,8 +65,8 @@ def test_specialised_names_the_compiled_shapes():
 @pytest.mark.parametrize("G, d, expected", [(3, 64, {"streamed_attention"}), (3, 16, set())])
 def test_the_executor_streams_every_read_group_of_a_compiled_shape(monkeypatch, G, d, expected):
     """Two of three KV groups read, keys too few to split (``_chunks`` is 1): a compiled shape attends by the
-    kernel anyway (faster than flash attention at any length), another shape by flash attention as before; the
-    output equals the reference either way."""
+    kernel anyway (faster than flash attention at every length measured), another shape by flash attention as
+    before; the output equals the reference either way."""
     import qada.attention.sdpa as sdpa
     from tests.test_attention_fastpaths import check_against_reference, make_case
 

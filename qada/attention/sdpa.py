@@ -152,7 +152,7 @@ class SDPAExecutor(AttentionExecutor):
         else:
             real = step.real
         streams = self._streams(step, real)
-        compiled = streams and specialised(G, d)  # the kernel's version for this shape: faster than flash at any T
+        compiled = streams and specialised(G, d)  # its version for this shape: faster than flash, any T measured
         if not compiled and len(plan.pairs) == b * H_kv and self._chunks(step, real, T, len(plan.pairs)) == 1:
             mask = None if real is None else real[:, None, None, :]
             full = sdpa(rows, key, value, attn_mask=mask, scale=scale)

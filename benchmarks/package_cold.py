@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-__all__ = ["CASES", "capture_layer_call", "spin", "time_after"]
+__all__ = ["capture_layer_call", "make_cases", "spin", "time_after"]
 
 BUSY_US = (20, 100, 300, 1000, 3000)
 
@@ -46,7 +46,7 @@ def spin(microseconds: float) -> None:
         pass
 
 
-def CASES() -> dict[str, Callable[[], Any]]:  # noqa: N802 - a table, made when asked (no tensors at import)
+def make_cases() -> dict[str, Callable[[], Any]]:
     """The cases' names -> what runs before each timed call."""
     big = torch.randn(8 << 20)  # 32 MB
     weight, vector = torch.randn(576, 6144), torch.randn(6144)  # ~14 MB
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with torch.no_grad():
         for _ in range(20):  # warm up
             runner.run(leaves)
-        cases = {name: time_after(before, lambda: runner.run(leaves), args.calls) for name, before in CASES().items()}
+        cases = {name: time_after(before, lambda: runner.run(leaves), args.calls)
+                 for name, before in make_cases().items()}
     result = {"length": args.length, "config": args.config, "calls": args.calls, "threads": torch.get_num_threads(),
               "cases": cases, "cpu": machine_info()["cpu"], "torch": torch.__version__,
               "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # ``benchmarks`` is a folder of the checkout, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.package_cold import BUSY_US, CASES, spin, time_after, to_markdown  # noqa: E402
+from benchmarks.package_cold import BUSY_US, make_cases, spin, time_after, to_markdown  # noqa: E402
 
 
 def test_time_after_runs_before_each_call_and_times_only_the_call():
@@ -27,7 +27,7 @@ def test_spin_keeps_the_thread_busy_for_its_time():
 
 
 def test_cases_and_markdown_table():
-    cases = CASES()
+    cases = make_cases()
     assert {"nothing", "sum 32 MB", "gemv 14 MB", "sleep 1 ms"} <= set(cases)
     assert {f"busy {us} us" for us in BUSY_US} <= set(cases)
     result = {"length": 64, "cpu": "x", "threads": 2, "torch": "t", "load_average": (0.1, 0.2, 0.3), "calls": 5,

@@ -106,10 +106,12 @@ def capture_layer_call(length: int, criterion: dict[str, Any], steps: int = 3) -
                 stepper()
         finally:
             type(ahead).__call__ = call
-        if ahead._recent is None:
-            raise RuntimeError(f"the ahead-of-time step declined: {ahead.declined}")
+        if len(ahead.entries) != 1:  # one run, one configuration, one cache size: one package or none
+            raise RuntimeError(f"expected one compiled package but got {len(ahead.entries)} (declined: "
+                               f"{ahead.declined})")
+        runner, _, _ = next(iter(ahead.entries.values()))
         leaves, _ = flatten_arguments(seen["args"])
-        return ahead._recent.entry[0], leaves
+        return runner, leaves
 
 
 def to_markdown(result: dict[str, Any], command: str) -> str:
@@ -135,8 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (at most the cores)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
-    if args.calls < 1 or args.length < 64:
-        parser.error("--calls must be >= 1 and --length >= 64")
+    if args.calls < 1 or args.length < 64 or args.threads < 1:
+        parser.error("--calls and --threads must be >= 1 and --length >= 64")
     torch.set_num_threads(args.threads)
     runner, leaves = capture_layer_call(args.length, CRITERIA[args.config])
     with torch.no_grad():
@@ -151,8 +153,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "package-cold-cpu.json").write_text(json.dumps(result, indent=2) + "\n")
     command = "python benchmarks/package_cold.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "package-cold-cpu.md").write_text(to_markdown(result, command.strip()))
-    print(to_markdown(result, command.strip()))
+    table = to_markdown(result, command.strip())
+    (out / "package-cold-cpu.md").write_text(table)
+    print(table)
     return result
 
 

@@ -28,6 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+LEAN = {"name": "qada_tail", "tau": 0.3, "attend_exact": True, "super_page": 16, "super_pages": 4, "pages": 4,
+        "heavy": 16, "scale_exact": 8192, "shrink_exact": False}
+"""The accurate read-lean configuration (``qada.criteria.READ_LEAN`` with ``attend_exact``); spelled out here so that
+importing this module does not import torch (``tests/test_benchmarks.py`` checks it equals ``READ_LEAN``'s)."""
+
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]] | None] = {  # name: (criterion, executor) or dense
     "dense (transformers sdpa)": None,
     "qada, sdpa": ({"name": "qada", "tau": 0.6}, {"name": "sdpa"}),
@@ -38,6 +43,8 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]] | None] = {  # name: (c
     "qada_tail, triton_fused": ({"name": "qada_tail", "tau": 0.3}, {"name": "triton_fused"}),
     "qada_tail_budget, triton": ({"name": "qada_tail_budget", "sparsity": 0.85}, {"name": "triton"}),
     "qada_tail_budget, triton_fused": ({"name": "qada_tail_budget", "sparsity": 0.85}, {"name": "triton_fused"}),
+    "qada_tail+E/lean, triton": (LEAN, {"name": "triton"}),
+    "qada_tail+E/lean, triton_fused": (LEAN, {"name": "triton_fused"}),
 }
 
 

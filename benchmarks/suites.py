@@ -98,13 +98,26 @@ interpreter, each would be its plain ``fused`` row again): name -> (``qada`` or 
 (``compile_step``); ``pdl``: programmatic dependent launches; ``spread``: ``qada_tail``'s page bounds over programs
 of :data:`SPREAD_PAGES` pages."""
 
+LEAN_TAIL = {"name": "qada_tail", "tau": 0.3, "attend_exact": True, "super_page": 16, "super_pages": 4, "pages": 4,
+             "heavy": 16, "scale_exact": 8192, "shrink_exact": False}
+"""The accurate read-lean configuration (``qada_tail+E/lean`` of the RULER tables and ``benchmarks/interleaved.py``:
+``qada.criteria.READ_LEAN`` with ``attend_exact``; ``tests/test_benchmarks.py`` checks that it is)."""
+
+LEAN_ROWS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "qada_tail+E/lean": (LEAN_TAIL, {"name": "triton"}),
+    "qada_tail+E/lean fused": (LEAN_TAIL, {"name": "triton_fused"}),
+}
+"""Rows built only where a workload's compiled rows name them (the GPU suite and its dry run): name -> (criterion,
+executor). The accurate configuration decided by its torch layer step (compiled on the static cache) and in the
+``triton_fused`` kernels (moment step, split, combine)."""
+
 # stored moments, as the CPU suites: the same decisions as there (the GPU runs of 2026-11-24 used current moments,
 # which on the same prompts decide sparsity .30-.33 against stored's .69, on the CPU as on the GPU)
 SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32),
                        compiled=("dense", "dense packed", "qada dense", "qada", "qada fused", "qada fused once",
                                  "qada fused inductor", "qada fused pdl", "qada_tail", "qada_tail fused",
                                  "qada_tail fused once", "qada_tail fused pdl", "qada_tail fused spread",
-                                 "qada_tail_budget", "qada_tail_budget fused"),
+                                 "qada_tail_budget", "qada_tail_budget fused", *LEAN_ROWS),
                        eager=True, tail=True,
                        moments="stored")  # fmt: skip
 

@@ -196,12 +196,13 @@ COMPILE = textwrap.dedent(
                    INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features,
                    PDL=features),
               {"qk_scale": "fp64", "softcap": "fp64"})  # what Inductor may pass for a Python float
-        build(K.qada_decode_combine_kernel,  # with features: the statistics row too (the fused step's)
+        build(K.qada_decode_combine_kernel,  # with features: the statistics row and E's split (the fused step's)
               dict(ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", OUT="*" + dtype, BULK_BLOCKS="*i64",
                    SINKS="*" + dtype, LOCAL="*u8", READ="*u8", BROKEN="*u8", ROW="*fp64", SUMS="*fp64",
-                   LAYER="*i64", **ints),
+                   LAYER="*i64", EXTRA_M="*fp32", EXTRA_L="*fp32", EXTRA_ACC="*fp32", EXTRA_LOCAL="*u8", **ints),
               dict(G=4, D=128, BLOCK_S=64, CHUNK_S=16, BLOCK_D=128, BLOCK_C=256, HAS_SINKS=features, STATS=features,
-                   HAS_START=has_rows, HAS_END=has_rows, TAIL_READS=features, ADD=features, PDL=features), {})
+                   HAS_START=has_rows, HAS_END=has_rows, TAIL_READS=features, ADD=features, EXTRA=features, PDL=features),
+              {})
     print("compiled")
     """
 )

@@ -395,10 +395,11 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     twins = {f"{name} eager" for name in {"qada"} | TAIL}  # compile=False: the same layer step, eagerly
     fused = {f"{name} fused{once}" for name in ("qada", "qada_tail") for once in ("", " once")}  # triton suites
     fused |= {"qada_tail_budget fused"}  # (a budget's decision is always a launch of its own: no "once" twin)
+    lean = {f"qada_tail+E/lean{fused}{graph}" for fused in ("", " fused") for graph in ("", " compiled")}
     graphed = {f"{name} compiled" for name in ("dense", "dense packed", "qada dense", "qada", "qada fused")}  # graphs
     assert {("smollm2", 2, c) for c in eager | fused | graphed | twins | {f"{t} compiled" for t in TAIL}
             | {"qada_tail fused compiled", "qada fused once compiled", "qada_tail fused once compiled",
-               "qada_tail_budget fused compiled"}} == {k for k in rows if k[0] == "smollm2"}
+               "qada_tail_budget fused compiled"} | lean} == {k for k in rows if k[0] == "smollm2"}
     random_rows = eager | fused | graphed | {"dense dynamic cache", "qada_tail fused compiled",
                                              "qada_tail fused once compiled", "qada_tail_budget compiled",
                                              "qada_tail_budget fused compiled", "static rho_kv=0.875 compiled"}
@@ -407,6 +408,9 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
         for fused_name in {f"{name} fused", f"{name} fused once"} & fused:
             fused_sparsity = rows[("smollm2", 2, fused_name)]["sparsity"]
             assert fused_sparsity == pytest.approx(rows[("smollm2", 2, name)]["sparsity"])
+    for key in ("sparsity", "kv_read"):  # the accurate configuration, decided in the kernels as by its torch step
+        assert rows[("smollm2", 2, "qada_tail+E/lean fused")][key] == pytest.approx(
+            rows[("smollm2", 2, "qada_tail+E/lean")][key])
     stored = rows[("smollm2", 2, "qada")]["run"]["moments"]  # the CPU suites' source, its reference named
     assert stored["name"] == "stored" and stored["prompt"] == "random_words"
     assert stored["file"].endswith(".safetensors") and len(stored["fingerprint"]) == 16
@@ -526,3 +530,15 @@ def test_interleaved_steps_write_their_ratios(tmp_path):
     assert rows["qada no small-matmul pass"]["median_ms"] > 0
     assert 0.0 <= rows["qada no small-matmul pass"]["sparsity"] <= 1.0
     assert "x dense packed" in out.with_suffix(".md").read_text()
+
+
+def test_lean_configurations_are_read_lean_with_attend_exact():
+    """``benchmarks/dispatch_count.py`` (no torch import at its top) and the GPU suite spell the accurate
+    configuration out: it must stay ``READ_LEAN`` with ``attend_exact``, as ``benchmarks/interleaved.py`` builds it."""
+    from benchmarks.dispatch_count import LEAN
+    from benchmarks.interleaved import CRITERIA
+    from benchmarks.suites import LEAN_TAIL
+    from qada.criteria import READ_LEAN
+
+    assert LEAN == LEAN_TAIL == CRITERIA["qada_tail+E/lean"] == {"name": "qada_tail", "tau": 0.3,
+                                                                   "attend_exact": True, **READ_LEAN}

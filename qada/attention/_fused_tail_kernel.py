@@ -2,24 +2,30 @@
 its page, the exact set ``E`` (heavy set and top pages), the decision and split-K decode in one launch. Imported
 lazily: importing it imports triton. Its splits are merged by the ``triton`` executor's combine kernel.
 
-What it computes is :class:`~qada.criteria.TailCriterion`'s decision with one-level pages and window-only local heads
-(``attend_exact=False``, ``super_page=0``, no ``scale_exact``), for one (row, KV head) and its ``G`` query heads:
+What it computes is :class:`~qada.criteria.TailCriterion`'s decision, for one (row, KV head) and its ``G`` query
+heads, with any of its settings: one-level pages or a page hierarchy (``super_page``), window-only local heads or
+``window ∪ E`` (``attend_exact``), and sizes grown with the context (``scale_exact``: the launcher passes the step's
+``n_heavy``, ``TOP`` and ``SUPER_TOP``):
 
 * the step's key (slot ``end - 1``, ``C - 1`` without ``END``) joins its page's extrema
   (:func:`~qada.criteria.tail_index.append_step_key`): ``low = key`` on a page's first slot, else ``min(kmin, key)``
   (``high`` alike) and the page's halves ``((low + high) / 2, (high - low) / 2)``; split 0 writes them back;
+  with a hierarchy the key joins its super-page's extrema and halves too;
 * the heavy set: the KV head's heavy slots that are valid and inside the bulk, scored by every query head;
 * per query head the ``TOP`` pages overlapping the bulk with the highest bound ``scale [q, |q|]·halves`` (the halves
   made from the extrema, which a 16-bit cache keeps in its own dtype: half the bytes of the float32 halves)
   (:func:`~qada.functional.tail.top_pages`; a NaN bound ranks first and marks its page invalid, as ``topk`` does),
   kept in a running list over tiles of ``BLOCK_P`` pages, where a tile's page enters only if it beats the list's
   worst (:func:`insert_top`), and their tokens inside the bulk that are not heavy (``MEMBER``), ``ENTRIES`` pages of
-  a head at a time;
+  a head at a time; with a hierarchy only the pages inside each head's ``SUPER_TOP`` best super-pages compete
+  (:func:`hierarchical_top`, as :func:`~qada.functional.tail.top_pages_hierarchical`);
 * ``log A_E = logsumexp`` of those (soft-capped) scores, ``|E|`` their count, ``log Â_rest = log(T_bulk - |E|) +
   LME`` (each head's ``log E[exp(s)]``, made once per step by the moment launch; ``-inf`` when nothing is left) and
   ``log Â_bulk = logaddexp(log A_E, log Â_rest)``;
 * the threshold decision of :mod:`qada.attention._fused_kernel` with ``log A_local`` the window's mass (sink logit
-  included), then the group's split of the attention.
+  included), then the group's split of the attention; with ``attend_exact`` the local mass is ``logaddexp(log
+  A_local, log A_E)`` against ``log Â_rest``, and split 0 also writes each head's attention over ``E`` (its values
+  accumulated while ``E`` is scored), which the combine launch merges into the local heads' output as one more split.
 
 Every split computes the decision (its block list depends on it) and the step key's page extrema; split 0 writes
 them back before it decides, so that they hold no registers through the decision. The update is idempotent (a split
@@ -57,17 +63,22 @@ from qada.attention._triton_kernel import (
 
 
 @triton.jit
-def add_scores(m, total, count, bad, s, valid):
+def fold_scores(m, total, count, bad, s, valid):
     """Fold scores ``s [BLOCK_G, n]`` (``valid [BLOCK_G, n]``) into a running ``logsumexp`` ``(m, total)`` per
-    head, their count and whether a valid one is NaN or ``+inf`` (the eager logsumexp is then not finite)."""
+    head, their count and whether a valid one is NaN or ``+inf`` (the eager logsumexp is then not finite):
+    ``(m, total, count, bad, p, alpha)`` with the tile's weights ``p = exp(s - m) [BLOCK_G, n]`` (0 where not
+    valid) and ``alpha [BLOCK_G]`` the factor the running sums were rescaled by (what a running weighted sum of the
+    values takes too)."""
     broken = (s != s) | (s == float("inf"))
     bad += tl.max(tl.where(valid & broken, 1, 0), axis=1)
     count += tl.sum(tl.where(valid, 1, 0), axis=1)
     s = tl.where(valid & (broken == 0), s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    total = total * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-    return m_new, total, count, bad
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    return m_new, total, count, bad, p, alpha
 
 
 @triton.jit
@@ -150,44 +161,115 @@ def store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, st
 
 
 @triton.jit
-def page_top(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stride_ed, p_begin, p_end, new_page,
-             low_new, high_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-             BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """Each query head's ``TOP`` pages of ``[p_begin, p_end)`` by bound ``scale [q, |q|]·[c, r]``
-    (:func:`~qada.functional.tail.page_bounds`; the step key's page with its new extrema ``low_new, high_new`` from
-    registers): ``(vals, ids, oks [BLOCK_G, BLOCK_M])``, by tiles of ``BLOCK_P``. ``q_head``: the group's first
-    query head (the others ``stride_qh`` apart), read one head at a time. The centre ``c = (kmin + kmax) / 2`` and
-    radius ``r = (kmax - kmin) / 2`` are made in float32 from the extrema at ``kmin_base`` / ``kmax_base`` (one page
-    ``stride_ep`` apart), as :func:`~qada.functional.tail.page_halves` makes the float32 halves the eager criterion
-    reads: the same values, from half their bytes in a 16-bit cache's dtype.
-    The bounds are float32 sums, one query head at a time (not a float32 ``ieee`` dot: that holds whole rows of
-    both tiles per thread, hundreds of registers on a GPU)."""
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+def empty_top(BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """An empty running list of :func:`insert_top`: ``(vals, ids, oks) [BLOCK_G, BLOCK_M]`` (``-inf``, 0, 0)."""
     vals = tl.full([BLOCK_G, BLOCK_M], float("-inf"), dtype=tl.float32)
     ids = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
     oks = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
+    return vals, ids, oks
+
+
+@triton.jit
+def tile_bounds(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stride_ed, pages, p_ok, new_page,
+                low_new, high_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
+    """Each query head's bound ``scale [q, |q|]·[c, r]`` on the scores of the pages ``pages [BLOCK_P]`` (where
+    ``p_ok``): ``[BLOCK_G, BLOCK_P]`` float32 (:func:`~qada.functional.tail.page_bounds`; the step key's page with
+    its new extrema ``low_new, high_new`` from registers). ``q_head``: the group's first query head (the others
+    ``stride_qh`` apart), read one head at a time. The centre ``c = (kmin + kmax) / 2`` and radius ``r = (kmax -
+    kmin) / 2`` are made in float32 from the extrema at ``kmin_base`` / ``kmax_base`` (one page ``stride_ep``
+    apart), as :func:`~qada.functional.tail.page_halves` makes the float32 halves the eager criterion reads: the same
+    values, from half their bytes in a 16-bit cache's dtype. The bounds are float32 sums, one query head at a time
+    (not a float32 ``ieee`` dot: that holds whole rows of both tiles per thread, hundreds of registers on a GPU)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    at = pages[:, None].to(tl.int64) * stride_ep + offs_d[None, :] * stride_ed
+    both = p_ok[:, None] & d_ok[None, :]
+    is_new = (pages == new_page)[:, None]  # the step key's page: its new extrema, from registers
+    low = tl.where(is_new, low_new[None, :], tl.load(kmin_base + at, mask=both, other=0.0).to(tl.float32))
+    high = tl.where(is_new, high_new[None, :], tl.load(kmax_base + at, mask=both, other=0.0).to(tl.float32))
+    bound = tl.zeros([BLOCK_G, pages.shape[0]], dtype=tl.float32)
+    for g in tl.static_range(G):
+        is_g = offs_g == g
+        q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
+        bound_g = (tl.sum((low + high) * 0.5 * q_g[None, :], axis=1)
+                   + tl.sum((high - low) * 0.5 * tl.abs(q_g)[None, :], axis=1))  # fmt: skip
+        bound = tl.where(is_g[:, None], bound_g[None, :], bound)
+    return bound * scale
+
+
+@triton.jit
+def page_top(vals, ids, oks, q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stride_ed, p_begin,
+             p_end, new_page, low_new, high_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Each query head's running list ``(vals, ids, oks) [BLOCK_G, BLOCK_M]`` of its ``TOP`` best pages with the
+    pages of ``[p_begin, p_end)`` inserted by bound (:func:`tile_bounds`, by tiles of ``BLOCK_P``;
+    :func:`insert_top`; a NaN bound ranks first and marks its page invalid, as ``topk`` does)."""
+    offs_g = tl.arange(0, BLOCK_G)
     for p0 in range(p_begin, p_end, BLOCK_P):
         pages = p0 + tl.arange(0, BLOCK_P)
         p_ok = pages < p_end
-        at = pages[:, None].to(tl.int64) * stride_ep + offs_d[None, :] * stride_ed
-        both = p_ok[:, None] & d_ok[None, :]
-        is_new = (pages == new_page)[:, None]  # the step key's page: its new extrema, from registers
-        low = tl.where(is_new, low_new[None, :], tl.load(kmin_base + at, mask=both, other=0.0).to(tl.float32))
-        high = tl.where(is_new, high_new[None, :], tl.load(kmax_base + at, mask=both, other=0.0).to(tl.float32))
-        bound = tl.zeros([BLOCK_G, BLOCK_P], dtype=tl.float32)
-        for g in tl.static_range(G):
-            is_g = offs_g == g
-            q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
-            bound_g = (tl.sum((low + high) * 0.5 * q_g[None, :], axis=1)
-                       + tl.sum((high - low) * 0.5 * tl.abs(q_g)[None, :], axis=1))  # fmt: skip
-            bound = tl.where(is_g[:, None], bound_g[None, :], bound)
-        bound = bound * scale  # [BLOCK_G, BLOCK_P]
+        bound = tile_bounds(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stride_ed, pages, p_ok,
+                            new_page, low_new, high_new, scale, G, D, BLOCK_G, BLOCK_D)  # [BLOCK_G, BLOCK_P]
         rank = tl.where(p_ok[None, :] & (offs_g < G)[:, None], tl.where(bound != bound, float("inf"), bound),
                         float("-inf"))  # (padding heads rank nothing: no insertion rounds of their own)
         page_ok = tl.where(p_ok[None, :] & (tl.abs(bound) < float("inf")), 1, 0)
         vals, ids, oks = insert_top(vals, ids, oks, rank, pages[None, :], page_ok, TOP, BLOCK_M)
+    return vals, ids, oks
+
+
+@triton.jit
+def super_top(q_head, stride_qh, stride_qd, smin_base, smax_base, stride_sp, stride_sd, s_begin, s_end, new_super,
+              low_new, high_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """The first level of :func:`~qada.functional.tail.top_pages_hierarchical`: the KV group's ``TOP`` super-pages
+    of ``[s_begin, s_end)`` by their bound's maximum over the group's query heads (a NaN bound of any head ranks
+    the super-page first, as ``amax`` then ``topk`` do), from the super-pages' extrema (:func:`tile_bounds`; the
+    step key's super-page from registers): ``(vals, ids) [BLOCK_G, BLOCK_M]``, every row the group's list
+    (``-inf``: an empty entry)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    vals, ids, oks = empty_top(BLOCK_G, BLOCK_M)
+    for p0 in range(s_begin, s_end, BLOCK_P):
+        pages = p0 + tl.arange(0, BLOCK_P)
+        p_ok = pages < s_end
+        bound = tile_bounds(q_head, stride_qh, stride_qd, smin_base, smax_base, stride_sp, stride_sd, pages, p_ok,
+                            new_super, low_new, high_new, scale, G, D, BLOCK_G, BLOCK_D)  # fmt: skip
+        rank = tl.where((offs_g < G)[:, None], tl.where(bound != bound, float("inf"), bound), float("-inf"))
+        group = tl.where(p_ok, tl.max(rank, axis=0), float("-inf"))  # [BLOCK_P]
+        rank = tl.zeros([BLOCK_G, BLOCK_P], dtype=tl.float32) + group[None, :]
+        page_ok = tl.where(rank > float("-inf"), 1, 0)
+        vals, ids, oks = insert_top(vals, ids, oks, rank, pages[None, :], page_ok, TOP, BLOCK_M)
+    return vals, ids
+
+
+@triton.jit
+def hierarchical_top(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stride_ed, smin_base, smax_base,
+                     stride_sp, stride_sd, p_lo, p_hi, new_page, low, high, new_super, super_low, super_high, scale,
+                     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, SUPER: tl.constexpr,
+                     SUPER_TOP: tl.constexpr, BLOCK_SM: tl.constexpr):  # fmt: skip
+    """Each query head's ``TOP`` pages of the bulk's pages ``[p_lo, p_hi)`` through a hierarchy of ``SUPER`` pages
+    per super-page (:func:`~qada.functional.tail.top_pages_hierarchical`): the group's ``SUPER_TOP`` best
+    super-pages (:func:`super_top`), then the pages of the bulk inside them (:func:`page_top`), one super-page
+    after the other: ``(vals, ids, oks) [BLOCK_G, BLOCK_M]``."""
+    s_lo = p_lo // SUPER
+    s_hi = tl.where(p_hi > p_lo, tl.cdiv(p_hi, SUPER), s_lo)
+    s_vals, s_ids = super_top(q_head, stride_qh, stride_qd, smin_base, smax_base, stride_sp, stride_sd, s_lo, s_hi,
+                              new_super, super_low, super_high, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P, SUPER_TOP,
+                              BLOCK_SM)  # fmt: skip
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_sm = tl.arange(0, BLOCK_SM)
+    vals, ids, oks = empty_top(BLOCK_G, BLOCK_M)
+    for j in range(SUPER_TOP):
+        pick = (offs_g == 0)[:, None] & (offs_sm == j)[None, :]  # (every row holds the group's list)
+        chosen = tl.max(tl.max(tl.where(pick, s_vals, float("-inf")), axis=1), axis=0) > float("-inf")
+        first_page = tl.sum(tl.sum(tl.where(pick, s_ids, 0), axis=1), axis=0) * SUPER
+        begin = tl.maximum(first_page, p_lo)
+        end = tl.where(chosen, tl.maximum(tl.minimum(first_page + SUPER, p_hi), begin), begin)
+        vals, ids, oks = page_top(vals, ids, oks, q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep,
+                                  stride_ed, begin, end, new_page, low, high, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P,
+                                  TOP, BLOCK_M)  # fmt: skip
     return vals, ids, oks
 
 
@@ -231,9 +313,10 @@ def qada_tail_page_top_kernel(
     p_begin = tl.minimum(p_lo + stretch * pages_per_program, p_hi)
     p_end = tl.minimum(p_begin + pages_per_program, p_hi)
     extrema = row64 * stride_eb + kv64 * stride_eh
-    vals, ids, oks = page_top(q_head, stride_qh, stride_qd, KMIN + extrema, KMAX + extrema, stride_ep, stride_ed,
-                              p_begin, p_end, new_page, low, high, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P, TOP,
-                              BLOCK_M)  # fmt: skip
+    vals, ids, oks = empty_top(BLOCK_G, BLOCK_M)
+    vals, ids, oks = page_top(vals, ids, oks, q_head, stride_qh, stride_qd, KMIN + extrema, KMAX + extrema, stride_ep,
+                              stride_ed, p_begin, p_end, new_page, low, high, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P,
+                              TOP, BLOCK_M)  # fmt: skip
     at = ((pair.to(tl.int64) * tl.num_programs(1) + stretch) * BLOCK_G + offs_g[:, None]) * BLOCK_M \
         + tl.arange(0, BLOCK_M)[None, :]
     tl.store(CAND_VALS + at, vals)
@@ -245,7 +328,8 @@ def qada_tail_page_top_kernel(
 def qada_tail_fused_split_kernel(
     Q, K, V, LME, START, END, SINKS,
     HEAVY, HEAVY_VALID, MEMBER, KMIN, KMAX, HALVES, CAND_VALS, CAND_IDS, CAND_OKS,
-    ACC, M, L, COUNTS, DECIDED, LOCAL, READ, BROKEN, LOG_RATIO, N_EXACT,
+    SUPER_KMIN, SUPER_KMAX, SUPER_HALVES,
+    ACC, M, L, COUNTS, DECIDED, LOCAL, READ, BROKEN, LOG_RATIO, N_EXACT, EXTRA_M, EXTRA_L, EXTRA_ACC,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -253,11 +337,14 @@ def qada_tail_fused_split_kernel(
     stride_ub, stride_uh, stride_ut,
     stride_eb, stride_eh, stride_ep, stride_ed,
     stride_fb, stride_fh, stride_fp, stride_fx,
-    C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau, n_heavy, n_pages, n_stretches,
+    stride_sb, stride_sh, stride_sp, stride_sd,
+    stride_tb, stride_th, stride_tp, stride_tx,
+    C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau, n_heavy, n_pages, n_stretches, n_super,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES: tl.constexpr,
+    SUPER: tl.constexpr, SUPER_TOP: tl.constexpr, BLOCK_SM: tl.constexpr, EXACT: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     ATTEND: tl.constexpr, SCORE: tl.constexpr, CANDIDATES: tl.constexpr, PDL: tl.constexpr,
@@ -281,6 +368,16 @@ def qada_tail_fused_split_kernel(
     ``BLOCK_H``: heavy slots per tile; ``BLOCK_P``: pages per tile; ``BLOCK_S >= PAGE``, ``BLOCK_M >= TOP`` powers
     of two.
 
+    With ``SUPER = S > 0`` (a page hierarchy, not with ``CANDIDATES``) the top pages are chosen through the
+    super-pages of ``S`` pages (:func:`hierarchical_top`: the group's ``SUPER_TOP`` best, ``BLOCK_SM >= SUPER_TOP``
+    a power of two, then the pages inside them), from ``SUPER_KMIN, SUPER_KMAX [b, H_kv, n_super, d]`` (the page
+    extrema's dtype; strides ``stride_s*``), and the step's key joins its super-page too (split 0 writes it, and
+    its float32 ``SUPER_HALVES [b, H_kv, n_super, 2d]``, strides ``stride_t*``). With ``EXACT`` (``attend_exact``)
+    local heads attend over ``window ∪ E``: the decision is ``logaddexp(log A_local, log A_E) / (that + Â_rest)``,
+    and split 0 writes each head's attention over ``E`` as one more split, ``EXTRA_M, EXTRA_L [b, H]``, ``EXTRA_ACC
+    [b, H, d]`` float32 (contiguous, log2 domain), which the combine launch merges into the local heads' output
+    (:func:`~qada.attention._triton_kernel.qada_decode_combine_kernel`'s ``EXTRA``).
+
     With ``PDL`` (launched as a programmatic dependent launch after the moment step's launch, which wrote ``LME``;
     not with ``CANDIDATES``, which a launch in between wrote) it lets the next launch start, makes the whole
     decision but the bulk estimate while the moment step may still run, and waits for it before reading ``LME``.
@@ -300,6 +397,7 @@ def qada_tail_fused_split_kernel(
     row64 = row.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
     k_base = K + row64 * stride_kb + kv64 * stride_kh
+    v_base = V + row64 * stride_vb + kv64 * stride_vh
     q_rows = Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh
     q_head = Q + row64 * stride_qb + (kv64 * G) * stride_qh  # the group's first query head
 
@@ -326,12 +424,21 @@ def qada_tail_fused_split_kernel(
         store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, stride_eb, stride_eh, stride_ep,
                             stride_ed, stride_fb, stride_fh, stride_fp, stride_fx, C, n_pages, D, BLOCK_D, PAGE,
                             HAS_END)  # fmt: skip
+    if SUPER:  # and its super-page, alike
+        new_super, super_low, super_high = step_key_page(
+            SUPER_KMIN, SUPER_KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_sb, stride_sh,
+            stride_sp, stride_sd, C, n_super, D, BLOCK_D, PAGE * SUPER, HAS_END)  # fmt: skip
+        if split == 0:
+            store_step_key_page(SUPER_KMIN, SUPER_KMAX, SUPER_HALVES, END, row, row64, kv64, super_low, super_high,
+                                stride_sb, stride_sh, stride_sp, stride_sd, stride_tb, stride_th, stride_tp,
+                                stride_tx, C, n_super, D, BLOCK_D, PAGE * SUPER, HAS_END)  # fmt: skip
 
     # --- the exact set E: the heavy set ----------------------------------------------------------------------
     m_e = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     total_e = tl.zeros([BLOCK_G], dtype=tl.float32)
     n_exact = tl.zeros([BLOCK_G], dtype=tl.int32)
     bad_e = tl.zeros([BLOCK_G], dtype=tl.int32)
+    acc_e = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)  # with EXACT: sum of exp(s - m_e) v over E
     heavy_base = row64 * stride_hb + kv64 * stride_hh
     for h0 in range(0, n_heavy, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -345,14 +452,27 @@ def qada_tail_fused_split_kernel(
         if SOFTCAP:
             s = cap(s, softcap)
         valid = g_ok[:, None] & h_valid[None, :]
-        m_e, total_e, n_exact, bad_e = add_scores(m_e, total_e, n_exact, bad_e, s, valid)
+        m_e, total_e, n_exact, bad_e, p, alpha = fold_scores(m_e, total_e, n_exact, bad_e, s, valid)
+        if EXACT:  # the heavy tokens' values, for the local heads' attention over E
+            v = tl.load(v_base + h_slot[:, None].to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
+                        mask=h_valid[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+            if DOT_FP32:
+                v = v.to(tl.float32)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION).to(tl.float32)
 
     # --- the exact set E: each query head's TOP pages by bound (top_pages), by tiles of BLOCK_P pages ----------
     offs_m = tl.arange(0, BLOCK_M)
-    if CANDIDATES:  # merged from the stretches' lists, 4 lists per tile (ties: the lower page, as one pass would)
-        vals = tl.full([BLOCK_G, BLOCK_M], float("-inf"), dtype=tl.float32)
-        ids = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
-        oks = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.int32)
+    p_lo, p_hi = page_range(bulk_lo, bulk_hi, has_bulk, PAGE)
+    extrema = row64 * stride_eb + kv64 * stride_eh
+    vals, ids, oks = empty_top(BLOCK_G, BLOCK_M)
+    if SUPER:  # through the super-pages: those of the group's best super-pages only
+        supers = row64 * stride_sb + kv64 * stride_sh
+        vals, ids, oks = hierarchical_top(q_head, stride_qh, stride_qd, KMIN + extrema, KMAX + extrema, stride_ep,
+                                          stride_ed, SUPER_KMIN + supers, SUPER_KMAX + supers, stride_sp, stride_sd,
+                                          p_lo, p_hi, new_page, low, high, new_super, super_low, super_high, scale, G,
+                                          D, BLOCK_G, BLOCK_D, BLOCK_P, TOP, BLOCK_M, SUPER, SUPER_TOP,
+                                          BLOCK_SM)  # fmt: skip
+    elif CANDIDATES:  # merged from the stretches' lists, 4 lists per tile (ties: the lower page, as one pass would)
         offs_c = tl.arange(0, 4 * BLOCK_M)  # [list, entry] flattened
         for c0 in range(0, n_stretches, 4):
             c = c0 + offs_c // BLOCK_M
@@ -363,11 +483,9 @@ def qada_tail_fused_split_kernel(
                                         tl.load(CAND_IDS + at, mask=there, other=0),
                                         tl.load(CAND_OKS + at, mask=there, other=0), TOP, BLOCK_M)  # fmt: skip
     else:
-        p_lo, p_hi = page_range(bulk_lo, bulk_hi, has_bulk, PAGE)
-        extrema = row64 * stride_eb + kv64 * stride_eh
-        vals, ids, oks = page_top(q_head, stride_qh, stride_qd, KMIN + extrema, KMAX + extrema, stride_ep, stride_ed,
-                                  p_lo, p_hi, new_page, low, high, scale, G, D, BLOCK_G, BLOCK_D,
-                                  BLOCK_P, TOP, BLOCK_M)  # fmt: skip
+        vals, ids, oks = page_top(vals, ids, oks, q_head, stride_qh, stride_qd, KMIN + extrema, KMAX + extrema,
+                                  stride_ep, stride_ed, p_lo, p_hi, new_page, low, high, scale, G, D, BLOCK_G,
+                                  BLOCK_D, BLOCK_P, TOP, BLOCK_M)  # fmt: skip
 
     # --- the top pages' tokens: in the bulk, not heavy (one query head and ENTRIES of its pages at a time) ------
     offs_j = tl.arange(0, ENTRIES * BLOCK_S)  # [entry, slot] flattened
@@ -394,7 +512,12 @@ def qada_tail_fused_split_kernel(
                 s = cap(s, softcap)
             rows = is_g[:, None] & valid[None, :]  # head g's row only
             s_rows = tl.where(rows, s[None, :], float("-inf"))
-            m_e, total_e, n_exact, bad_e = add_scores(m_e, total_e, n_exact, bad_e, s_rows, rows)
+            m_e, total_e, n_exact, bad_e, p, alpha = fold_scores(m_e, total_e, n_exact, bad_e, s_rows, rows)
+            if EXACT:  # (the other heads' sums keep their scale: alpha is 1 there, or 0 on an empty sum)
+                v = tl.load(v_base + slots[:, None].to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
+                            mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                head_sum = tl.sum(tl.sum(tl.where(is_g[:, None], p, 0.0), axis=0)[:, None] * v, axis=0)
+                acc_e = acc_e * alpha[:, None] + tl.where(is_g[:, None], head_sum[None, :], 0.0)
     log_exact = tl.where(total_e > 0, m_e + tl.log(total_e), float("-inf"))
 
     # --- eqs. 5-7 on the rest of the bulk: log Â_bulk = logaddexp(log A_E, log(T_bulk - |E|) + log E[exp(s)]) ----
@@ -403,9 +526,18 @@ def qada_tail_fused_split_kernel(
     rest = t_bulk - n_exact  # [BLOCK_G]
     log_rest = tl.where(rest > 0, tl.log(tl.maximum(rest, 1).to(tl.float32)) + log_mean_exp, float("-inf"))
     bad = bad | (bad_e > 0) | (log_rest != log_rest)  # a NaN estimate of the rest: the fail-safe
-    log_bulk = tl.where(has_bulk, logaddexp(log_exact, log_rest), float("-inf"))
+    if EXACT:  # a local head keeps window ∪ E and leaves out the rest
+        log_local = logaddexp(log_local, log_exact)
+        log_bulk = tl.where(has_bulk, log_rest, float("-inf"))
+    else:
+        log_bulk = tl.where(has_bulk, logaddexp(log_exact, log_rest), float("-inf"))
 
     out = row64 * (H_KV * G) + heads.to(tl.int64)  # [b, H] offsets, made here: see store_step_key_page for why
+    if EXACT:
+        if split == 0:  # each head's attention over E, one more split for the combine launch (log2 domain)
+            tl.store(EXTRA_M + out, m_e * 1.4426950408889634, mask=g_ok)
+            tl.store(EXTRA_L + out, total_e, mask=g_ok)
+            tl.store(EXTRA_ACC + out[:, None] * D + offs_d[None, :], acc_e, mask=g_ok[:, None] & d_ok[None, :])
     if SCORE:  # the budget's score: ranked across the row's heads by the next launch
         if split == 0:
             tl.store(LOG_RATIO + out, tl.where(bad, float("nan"), log_local - log_bulk), mask=g_ok)
@@ -425,7 +557,7 @@ def qada_tail_fused_split_kernel(
         if DOT_FP32:
             q = q.to(tl.float32)
         read = through_memory(COUNTS, pair, split, num_splits, read)  # (pipelined bounds)
-        attend_split(q, k_base, V + row64 * stride_vb + kv64 * stride_vh, stride_kt, stride_kd, stride_vt, stride_vd,
+        attend_split(q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
                      first, last, bulk_lo, bulk_hi, has_bulk, read, dense, ACC, M, L, COUNTS, pair, split, num_splits,
                      qk_scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, INPUT_PRECISION, DOT_FP32,
                      SOFTCAP)  # fmt: skip

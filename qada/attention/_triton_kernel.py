@@ -302,17 +302,19 @@ def qada_decode_split_kernel(
 
 @triton.jit
 def statistics_row(
-    LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER, n_heads, H, C, t_local, page_size, heavy, pages,
-    G: tl.constexpr, BLOCK_C: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
+    LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER, n_heads, H, C, t_local, page_size, heavy, pages, super_page,
+    super_pages, exact_reads, G: tl.constexpr, BLOCK_C: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
     TAIL_READS: tl.constexpr, ADD: tl.constexpr,
 ):  # fmt: skip
     """The step's statistics row ``ROW [5]`` float64 (:func:`~qada.models.statistics.step_counts`): the fraction of
     the ``n_heads = b H`` query heads ``LOCAL`` (``[b, H]`` bool), of the ``b H_kv`` bulks not ``READ``, 1, the
     heads ``BROKEN`` (forced dense) and ``kv_read`` (:func:`~qada.attention.group_policy.kv_read`): per (row, KV
     head) ``2 T`` vectors when its bulk is read, else ``2 min(T, T_local)``, ``T = T_bulk + T_local``, plus with
-    ``TAIL_READS`` the tail-aware criterion's reads (:func:`~qada.criteria.tail.exact_set_reads`, one level,
-    window-only: ``heavy + G min(n_p, pages) P + 2 n_p``, ``n_p = ceil(filled / P)``, ``filled`` the row's end),
-    over ``2 T`` per (row, KV head). Sums of integers in float64: exact, as the torch row's. With ``ADD``, the row
+    ``TAIL_READS`` the tail-aware criterion's reads (:func:`~qada.criteria.tail.exact_set_reads`: ``exact_reads
+    (heavy + G min(n_c, pages) P) + bounds``, ``exact_reads`` 2 where local heads attend over ``E`` (its values
+    too), else 1; one level (``super_page`` 0): ``n_c = n_p``, ``bounds = 2 n_p``; a hierarchy of ``S = super_page``
+    pages per super-page: ``n_c = min(n_p, super_pages S)``, ``bounds = 2 ceil(n_p / S) + 2 n_c``; ``n_p =
+    ceil(filled / P)``, ``filled`` the row's end), over ``2 T`` per (row, KV head). Sums of integers in float64: exact, as the torch row's. With ``ADD``, the row
     is also added to ``SUMS [L, 5]`` float64 at the layer index ``LAYER`` (int64, the run's statistics sums)."""
     offs = tl.arange(0, BLOCK_C)
     H_kv = H // G
@@ -345,7 +347,13 @@ def statistics_row(
         extra = tl.zeros([BLOCK_C], dtype=tl.float64)
         if TAIL_READS:
             n_pages = ((last + page_size - 1) // page_size).to(tl.float64)
-            extra = heavy + G * tl.minimum(n_pages, pages) * page_size + 2 * n_pages
+            candidates = n_pages
+            bounds = 2 * n_pages
+            if super_page > 0:
+                candidates = tl.minimum(n_pages, super_pages * super_page + 0.0)  # (+ 0.0: a float, constant or not)
+                bounds = 2 * ((last + page_size * super_page - 1) // (page_size * super_page)).to(tl.float64) \
+                    + 2 * candidates
+            extra = (heavy + G * tl.minimum(candidates, pages) * page_size) * exact_reads + bounds
         row_reads = (row_read.to(tl.float64) * (2 * T) + (H_kv - row_read).to(tl.float64) * (2 * tl.minimum(T, t_local))
                      + H_kv * extra)  # fmt: skip
         reads += tl.where(ok, row_reads, 0.0)
@@ -367,19 +375,22 @@ def statistics_row(
 @triton.jit
 def qada_decode_combine_kernel(
     ACC, M, L, COUNTS, OUT, BULK_BLOCKS, SINKS,
-    LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER,
+    LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER, EXTRA_M, EXTRA_L, EXTRA_ACC, EXTRA_LOCAL,
     stride_ob, stride_oh, stride_od,
-    H, num_splits, num_counts, C, t_local, page_size, heavy, pages,
+    H, num_splits, num_counts, C, t_local, page_size, heavy, pages, super_page, super_pages, exact_reads,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_SINKS: tl.constexpr, STATS: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
-    TAIL_READS: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr,
+    TAIL_READS: tl.constexpr, ADD: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Programs ``0 .. b*H-1``: one (row, query head) each, merge its splits by log-sum-exp into ``OUT [b, H, 1,
     d]`` (the query dtype; a split with ``m = -inf`` weighs 0 and a head with nothing attended gets 0). Program
     ``b*H``: sum the bulk-only block counts ``COUNTS[:, 0]`` into the 0-d int64 ``BULK_BLOCKS``; with ``STATS``,
-    also the step's statistics row (:func:`statistics_row`, added to ``SUMS[LAYER]`` with ``ADD``). With ``PDL``
-    (launched as a programmatic dependent launch after the split launch) it first waits for the splits."""
+    also the step's statistics row (:func:`statistics_row`, added to ``SUMS[LAYER]`` with ``ADD``). With ``EXTRA``
+    a head that ``EXTRA_LOCAL [b, H]`` (bool) marks local also attends over its extra set, whose attention is one
+    more split: ``EXTRA_M, EXTRA_L [b, H]`` and ``EXTRA_ACC [b, H, d]`` float32 (contiguous, log2 domain, as a
+    split's; :func:`~qada.functional.extra_set.merge_extra`'s merge by masses). With ``PDL`` (launched as a
+    programmatic dependent launch after the split launch) it first waits for the splits."""
     wait_for_previous(PDL)
     pid = tl.program_id(0)
     n_heads = tl.num_programs(0) - 1
@@ -393,7 +404,8 @@ def qada_decode_combine_kernel(
         tl.store(BULK_BLOCKS, tl.sum(n_blocks, axis=0))
         if STATS:
             statistics_row(LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER, n_heads, H, C, t_local, page_size,
-                           heavy, pages, G, BLOCK_C, HAS_START, HAS_END, TAIL_READS, ADD)
+                           heavy, pages, super_page, super_pages, exact_reads, G, BLOCK_C, HAS_START, HAS_END,
+                           TAIL_READS, ADD)
     else:
         row = pid // H
         head = pid % H
@@ -406,6 +418,9 @@ def qada_decode_combine_kernel(
         if HAS_SINKS:
             sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634  # log2 domain
             m_max = tl.maximum(m_max, sink)
+        if EXTRA:  # a local head's extra set: one more split (a dense head's bulk holds it already)
+            m_extra = tl.where(tl.load(EXTRA_LOCAL + pid) != 0, tl.load(EXTRA_M + pid), float("-inf"))
+            m_max = tl.maximum(m_max, m_extra)
         m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
         offs_c = tl.arange(0, CHUNK_S)
         offs_d = tl.arange(0, BLOCK_D)
@@ -425,6 +440,10 @@ def qada_decode_combine_kernel(
         total = tl.sum(denominator, axis=0)
         if HAS_SINKS:
             total += tl.math.exp2(sink - m_safe)
+        if EXTRA:
+            weight_extra = tl.where(m_extra == float("-inf"), 0.0, tl.math.exp2(m_extra - m_safe))
+            total += weight_extra * tl.load(EXTRA_L + pid)
+            numerator += weight_extra * tl.load(EXTRA_ACC + pid.to(tl.int64) * D + offs_d, mask=d_ok, other=0.0)
         result = numerator / tl.where(total > 0, total, 1.0)
         tl.store(OUT + row.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + offs_d * stride_od,
                  result.to(OUT.dtype.element_ty), mask=d_ok)  # fmt: skip

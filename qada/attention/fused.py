@@ -21,11 +21,14 @@ source that steps in torch (or a frozen one) gets one launch more for ``log E[ex
 (:func:`~qada.attention.moment_step.estimate_launch`), as does :meth:`FusedTritonExecutor.decide_and_attend` called
 without it.
 
-On a run whose criterion is the tail-aware ``qada_tail`` (one-level pages, window-only local heads) the split
-launch is :mod:`qada.attention._fused_tail_kernel`'s instead (:class:`FusedTail` carries the layer's tail index):
-each program also makes the step's key join its page (split 0 writes the page back), scores the heavy set and each
-query head's top pages by bound, and decides on ``logaddexp(log A_E, log(T_bulk - |E|) + mu_s + sigma_s^2 / 2)``;
-still two launches per layer after the moment step.
+On a run whose criterion is the tail-aware ``qada_tail`` the split launch is :mod:`qada.attention._fused_tail_kernel`'s
+instead (:class:`FusedTail` carries the layer's tail index): each program also makes the step's key join its page
+(split 0 writes the page back), scores the heavy set and each query head's top pages by bound, and decides on
+``logaddexp(log A_E, log(T_bulk - |E|) + mu_s + sigma_s^2 / 2)``; still two launches per layer after the moment
+step. Any of the criterion's settings: a page hierarchy (``super_page``: the key joins its super-page too, and the
+top pages are chosen inside each head's best super-pages), ``scale_exact`` (the step's sizes, from the cache length)
+and ``attend_exact`` (local heads attend over ``window ∪ E``: split 0 writes each head's attention over ``E``, which
+the combine launch merges as one more split).
 
 With ``decide_once=True`` (by default: a ``qada_tail`` decision over more pages than ``pages_per_program``) the
 decision is made once per group, one program per (row, KV head), and the ``triton`` executor's split and combine
@@ -34,8 +37,8 @@ moment step's: two launches after it, as deciding in the splits; :class:`~qada.a
 a ``qada_tail`` one in a launch of its own (three). No split then recomputes the decision (what a GPU measurement
 should choose between).
 
-Anything else (another criterion, ``qada_tail`` with ``attend_exact``, ``super_page`` or ``scale_exact``, no moment
-source) is an error when the run is built: use ``triton``. Called as a plain executor (with a decision given, e.g.
+Anything else (another criterion, such as ``quest`` or a composed one; no moment source) is an error when the run
+is built: use ``triton``. Called as a plain executor (with a decision given, e.g.
 :func:`~qada.attention.decode_attention`), it is the ``triton`` executor.
 """
 
@@ -50,7 +53,9 @@ import torch
 from qada.attention.base import GroupDecision, register_executor
 from qada.attention.moment_step import BulkEstimate, EstimateDecision, estimate_launch
 from qada.attention.triton_decode import (
+    ExtraAttention,
     StepStatistics,
+    TailReads,
     TritonExecutor,
     _next_pow2,
     check_triton_runtime,
@@ -111,6 +116,12 @@ class FusedTail(NamedTuple):
         page_size: slots per page ``P``; pages: top pages per query head (``m``).
         heavy_reads: the heavy tokens per KV head the step's ``kv_read`` counts (``None``: ``heavy``'s ``k``; a
             criterion without a heavy set keeps a placeholder slot and counts 0).
+        super_kmin, super_kmax, super_halves: with a page hierarchy, the super-pages' extrema ``[b, H_kv, n_super,
+            d]`` (the page extrema's dtype and strides alike) and float32 halves ``[b, H_kv, n_super, 2d]``
+            (:class:`~qada.criteria.tail_index.LayerTail`); ``None``: one level.
+        super_page: pages per super-page ``S`` (0: one level); super_pages: super-pages per KV group whose pages
+            are bounded.
+        attend_exact: local heads attend over ``window ∪ E`` (:attr:`~qada.criteria.TailCriterion.attend_exact`).
     """
 
     heavy: torch.Tensor
@@ -122,6 +133,12 @@ class FusedTail(NamedTuple):
     page_size: int
     pages: int
     heavy_reads: int | None = None
+    super_kmin: torch.Tensor | None = None
+    super_kmax: torch.Tensor | None = None
+    super_halves: torch.Tensor | None = None
+    super_page: int = 0
+    super_pages: int = 0
+    attend_exact: bool = False
 
     def kernel_inputs(self, b: int, H_kv: int, C: int, d: int) -> tuple[torch.Tensor, ...]:
         """The six tensors as the kernel reads them (the bool ones as they are: a kernel reads a bool as a byte),
@@ -144,13 +161,62 @@ class FusedTail(NamedTuple):
             raise ValueError(f"expected float32 page halves but got {self.halves.dtype}")
         return self.heavy, self.heavy_valid, self.member, self.kmin, self.kmax, self.halves
 
+    def super_inputs(self, b: int, H_kv: int, C: int, d: int) -> tuple[torch.Tensor, ...]:
+        """The super-pages' ``(kmin, kmax, halves)`` as the split kernel reads them, after checking them (with a
+        hierarchy), or three placeholders it does not read (one level)."""
+        if not self.super_page:
+            return self.kmin, self.kmax, self.halves
+        if self.super_kmin is None or self.super_kmax is None or self.super_halves is None or self.super_pages < 1:
+            raise ValueError(f"expected the super-pages' extrema and halves and super_pages >= 1 with super_page "
+                             f"{self.super_page} but got super_pages {self.super_pages}")
+        n = self.super_kmin.shape[2]
+        for name, tensor, shape in (("super_kmin", self.super_kmin, (b, H_kv, n, d)),
+                                    ("super_kmax", self.super_kmax, (b, H_kv, n, d)),
+                                    ("super_halves", self.super_halves, (b, H_kv, n, 2 * d))):
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"expected {name} of shape {list(shape)} but got {tuple(tensor.shape)}")
+        if n * self.page_size * self.super_page < C:
+            raise ValueError(f"expected super-pages covering {C} slots but got {n} of {self.super_page} pages of "
+                             f"{self.page_size}")
+        if self.super_kmin.stride() != self.super_kmax.stride() or self.super_kmin.dtype != self.kmin.dtype \
+                or self.super_kmax.dtype != self.kmin.dtype or self.super_halves.dtype != torch.float32:
+            raise ValueError("expected super_kmin / super_kmax of equal strides in the page extrema's dtype and "
+                             "float32 super_halves")
+        return self.super_kmin, self.super_kmax, self.super_halves
+
     def kernel_strides(self) -> tuple[int, ...]:
-        return (*self.heavy.stride(), *self.member.stride(), *self.kmin.stride(), *self.halves.stride())
+        supers = self.super_kmin if self.super_page else self.kmin
+        super_halves = self.super_halves if self.super_page else self.halves
+        return (*self.heavy.stride(), *self.member.stride(), *self.kmin.stride(), *self.halves.stride(),
+                *supers.stride(), *super_halves.stride())
+
+    def n_super(self) -> int:
+        """The super-pages of the hierarchy (0: one level)."""
+        return self.super_kmin.shape[2] if self.super_page else 0
+
+    def bounded_pages(self) -> int:
+        """Pages (and super-pages) a decision bounds at most: every page, or with a hierarchy the super-pages and
+        the pages of the ``super_pages`` best."""
+        if self.super_page:
+            return self.n_super() + self.super_pages * self.super_page
+        return self.kmin.shape[2]
 
     def kernel_constants(self, head_dim: int) -> dict[str, int]:
         """The kernels' block sizes for queries and keys of ``head_dim`` features."""
         return dict(BLOCK_H=max(16, min(64, _next_pow2(self.heavy.shape[2]))),
                     **page_tiles(self.page_size, self.pages, head_dim))
+
+    def split_constants(self) -> dict[str, Any]:
+        """The split kernel's hierarchy and exact-set constants: ``SUPER``, ``SUPER_TOP``, ``BLOCK_SM``, ``EXACT``."""
+        return dict(SUPER=self.super_page, SUPER_TOP=self.super_pages if self.super_page else 1,
+                    BLOCK_SM=max(2, _next_pow2(self.super_pages if self.super_page else 1)),
+                    EXACT=bool(self.attend_exact))
+
+    def reads(self) -> TailReads:
+        """What the step's ``kv_read`` counts of the exact set (:class:`~qada.attention.triton_decode.TailReads`)."""
+        heavy = self.heavy.shape[2] if self.heavy_reads is None else self.heavy_reads
+        return TailReads(self.page_size, heavy, self.pages, self.super_page,
+                         self.super_pages if self.super_page else 0, bool(self.attend_exact))
 
 
 def page_tiles(page_size: int, pages: int, head_dim: int) -> dict[str, int]:
@@ -215,8 +281,8 @@ class FusedTritonExecutor(TritonExecutor):
     one combine launch per layer and step for the whole decision and attention (module docstring).
 
     In a run it applies when the criterion is the plain ``qada`` one (:class:`~qada.criteria.QAdACriterion`, any
-    ``tau``) or ``qada_tail`` (:class:`~qada.criteria.TailCriterion` without ``attend_exact``, ``super_page``,
-    ``scale_exact``) with a moment source (``stored``, ``current``, ...); any other criterion is an error when the
+    ``tau``), ``qada_tail`` or ``qada_tail_budget`` (:class:`~qada.criteria.TailCriterion`,
+    :class:`~qada.criteria.TailBudgetCriterion`, any settings) with a moment source (``stored``, ``current``, ...); any other criterion is an error when the
     run is built (``triton`` decodes for every criterion). Its decisions, statistics and output are those of the
     criterion with the ``triton`` executor, up to float32 rounding (and ``qada_tail``'s tail index after each step
     too). Arguments as for :class:`~qada.attention.TritonExecutor`.
@@ -403,7 +469,7 @@ class FusedTritonExecutor(TritonExecutor):
         strides = (*query.stride(), *key.stride(), *value.stride())
         sizes = (C, H_kv, window.t_sink, window.t_local, S, float(step.scale),
                  float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau)
-        log_ratio = n_exact = None
+        log_ratio = n_exact = extra = None
         grid = (pairs, S)
         pdl = self.programmatic(device)  # each launch below may start while the one before it runs
         if tail is None:  # (the decision made in every split: not apart)
@@ -415,28 +481,34 @@ class FusedTritonExecutor(TritonExecutor):
             log_ratio = torch.empty(b, H, **f32)
             n_exact = torch.empty(b, H, dtype=torch.int32, device=device)
             n_pages = tail.kmin.shape[2]
-            stretches = -(-n_pages // self.pages_per_program) if apart else 1  # the page bounds spread out
+            # the page bounds spread out (one level: a hierarchy bounds few pages)
+            stretches = -(-n_pages // self.pages_per_program) if apart and not tail.super_page else 1
             tail_inputs, constants = tail.kernel_inputs(b, H_kv, C, d), tail.kernel_constants(d)
+            supers = tail.super_inputs(b, H_kv, C, d)
             candidates = (m, m, m)
             if stretches > 1:
                 candidates = self._page_tops(step, tail_inputs, constants, pairs, stretches, common)
+            if tail.attend_exact:  # each head's attention over E, merged into the local heads' by the combine
+                extra = ExtraAttention(torch.empty(b, H, **f32), torch.empty(b, H, **f32),
+                                       torch.empty(b, H, d, **f32), flags[1])
             _triton_kernel.run(_fused_tail_kernel.qada_tail_fused_split_kernel, grid, *inputs, *tail_inputs,
-                               *candidates, *outputs, log_ratio, n_exact, *strides, *tail.kernel_strides(), *sizes,
-                               tail.heavy.shape[2], n_pages, stretches, CANDIDATES=stretches > 1,
+                               *candidates, *supers, *outputs, log_ratio, n_exact,
+                               *((extra.m, extra.l, extra.acc) if extra is not None else (m, m, m)), *strides,
+                               *tail.kernel_strides(), *sizes, tail.heavy.shape[2], n_pages, stretches,
+                               tail.n_super(), CANDIDATES=stretches > 1,
                                SCORE=budget is not None,  # SCORE: the heads' scores, the budget decides
-                               ATTEND=not apart, **common, **constants,
+                               ATTEND=not apart, **common, **constants, **tail.split_constants(),
                                **pdl_launch_options(pdl and stretches == 1))  # (not after the page-top launch)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)
-        tail_reads = None if tail is None else (tail.page_size, tail.heavy.shape[2] if tail.heavy_reads is None
-                                                else tail.heavy_reads, tail.pages)
+        tail_reads = None if tail is None else tail.reads()
         row = torch.empty(5, dtype=torch.float64, device=device)
         statistics = StepStatistics(flags[1], read, flags[2], start, end, C, window.t_local, row, tail_reads, add_to)
         if apart:  # the triton executor's two launches on the decision just made
-            done = self.launch(step, GroupDecision(flags[1], read), statistics, pdl)
+            done = self.launch(step, GroupDecision(flags[1], read), statistics, pdl, extra)
             return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts,
                                log_ratio, n_exact, row)
-        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl)
+        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)
         return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read, flags[2], counts, log_ratio, n_exact, row)
 
     def _decided_in_estimate(self, step: DecodeStep, tau: float, policy: str,
@@ -468,7 +540,7 @@ class FusedTritonExecutor(TritonExecutor):
         or by default whether the tail index has more than :attr:`pages_per_program` pages)."""
         if self.decide_once is not None:
             return self.decide_once
-        return tail is not None and tail.kmin.shape[2] > self.pages_per_program
+        return tail is not None and tail.bounded_pages() > self.pages_per_program
 
     def _rank(self, step: DecodeStep, score: torch.Tensor, budget: FusedBudget, flags: tuple[torch.Tensor, ...],
               read: torch.Tensor, policy: str) -> None:

@@ -25,7 +25,7 @@ import torch
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
 from qada.step import DecodeStep
 
-__all__ = ["StepStatistics", "TritonExecutor", "TritonLaunch", "check_triton_runtime"]
+__all__ = ["ExtraAttention", "StepStatistics", "TailReads", "TritonExecutor", "TritonLaunch", "check_triton_runtime"]
 
 _LOG2E = 1.4426950408889634  # the kernel works in base 2: exp(x) = exp2(x * log2(e))
 
@@ -124,11 +124,12 @@ class TritonExecutor(AttentionExecutor):
         launch = self.launch(step, decision)
         return launch.output, launch.bulk_blocks
 
-    def launch(self, step: DecodeStep, decision: GroupDecision,
-               statistics: StepStatistics | None = None, pdl: bool = False) -> TritonLaunch:
+    def launch(self, step: DecodeStep, decision: GroupDecision, statistics: StepStatistics | None = None,
+               pdl: bool = False, extra: ExtraAttention | None = None) -> TritonLaunch:
         """Run both kernels on ``step`` (reads ``query``, ``keys``, ``values``, ``start``, ``end``, the window and
         ``decision.local``) and return every buffer they wrote (:class:`TritonLaunch`); with ``statistics``, the
-        combine launch writes the step's statistics row too (:func:`combine`). ``pdl``: both as programmatic
+        combine launch writes the step's statistics row too, and with ``extra`` the local heads attend over their
+        extra set too (:func:`combine`). ``pdl``: both as programmatic
         dependent launches (sm_90+: each may start while the launch before it runs, and waits for it before
         reading what it wrote; the caller's launch right before wrote ``decision.local`` and nothing else the split
         reads)."""
@@ -166,7 +167,7 @@ class TritonExecutor(AttentionExecutor):
             DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
             num_warps=self.num_warps, num_stages=self.num_stages, **pdl_launch_options(pdl),
         )  # fmt: skip
-        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl)
+        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)
         return TritonLaunch(output, bulk_blocks, acc, m, l, counts)
 
 
@@ -181,7 +182,7 @@ class StepStatistics(NamedTuple):
         start, end: the rows' bounds ``[b]`` (``None``: 0, and the cache's ``length``).
         length: the cache's slots ``C``; ``t_local``: the window's size.
         row: ``[5]`` float64, written: sparsity, kv_sparsity, 1, heads forced dense, kv_read.
-        tail_reads: ``(P, heavy, pages)`` of a ``qada_tail`` criterion (one level, window-only), whose reads
+        tail_reads: the sizes of a tail-aware criterion's exact set (:class:`TailReads`), whose reads
             :func:`~qada.criteria.tail.exact_set_reads` counts in kv_read; ``None``: no extra reads.
         add_to: ``(sums [L, 5] float64, layer)`` with ``layer`` a 0-d or ``[1]`` int64 index: the row is also added
             to ``sums[layer]`` (a run's :attr:`~qada.models.statistics.DecodeStatistics.sums`); ``None``: not.
@@ -195,8 +196,34 @@ class StepStatistics(NamedTuple):
     length: int
     t_local: int
     row: torch.Tensor
-    tail_reads: tuple[int, int, int] | None = None
+    tail_reads: TailReads | None = None
     add_to: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class TailReads(NamedTuple):
+    """The sizes :func:`~qada.criteria.tail.exact_set_reads` counts a tail-aware criterion's reads by: pages of
+    ``page_size`` slots, ``heavy`` heavy tokens per KV head, ``pages`` top pages per query head, a hierarchy of
+    ``super_page`` pages per super-page (0: one level) with ``super_pages`` bounded per KV group, and whether
+    local heads attend over the exact set (``attend_exact``: its values are read too)."""
+
+    page_size: int
+    heavy: int
+    pages: int
+    super_page: int = 0
+    super_pages: int = 0
+    attend_exact: bool = False
+
+
+class ExtraAttention(NamedTuple):
+    """Each head's attention over an extra set of bulk tokens, for the combine launch to merge into the local heads'
+    output (:func:`combine`'s ``extra``): ``m, l [b, H]`` and ``acc [b, H, d]`` float32, contiguous, one more split
+    of each head (log2 domain, unnormalised: ``m = -inf, l = 0, acc = 0`` for an empty set), and ``local [b, H]``
+    bool, contiguous: the heads that take it (a dense head's bulk holds the set already)."""
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741 - the split's name
+    acc: torch.Tensor
+    local: torch.Tensor
 
 
 def pdl_launch_options(pdl: bool) -> dict[str, bool]:
@@ -208,11 +235,12 @@ def pdl_launch_options(pdl: bool) -> dict[str, bool]:
 
 def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, counts: torch.Tensor,
             sinks: torch.Tensor | None, statistics: StepStatistics | None = None,
-            pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            pdl: bool = False, extra: ExtraAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The combine launch: the splits ``acc [pairs, S, G, d]``, ``m, l [pairs, S, G]``, ``counts [pairs, S, 2]``
     of a split kernel for ``query [b, H, d]`` (and the sink logits ``[H]`` or ``None``) merged into ``(output [b,
-    H, 1, d]`` in the query dtype, ``bulk_blocks`` 0-d int64); with ``statistics``, its ``row`` written too.
-    ``pdl``: as a programmatic dependent launch right after the split launch (it waits for it first)."""
+    H, 1, d]`` in the query dtype, ``bulk_blocks`` 0-d int64); with ``statistics``, its ``row`` written too; with
+    ``extra``, the local heads also attend over their extra set (:class:`ExtraAttention`). ``pdl``: as a
+    programmatic dependent launch right after the split launch (it waits for it first)."""
     from qada.attention import _triton_kernel
 
     b, H, d = query.shape
@@ -237,20 +265,29 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
                 raise ValueError(f"expected add_to as (contiguous float64 sums [L, 5], one int64 layer index) on the "
                                  f"query's device {query.device} but got {sums.dtype} {tuple(sums.shape)} on "
                                  f"{sums.device} and {layer.dtype} {tuple(layer.shape)} on {layer.device}")
+    if extra is not None:
+        for name, tensor, shape, dtype in (("m", extra.m, (b, H), torch.float32), ("l", extra.l, (b, H), torch.float32),
+                                           ("acc", extra.acc, (b, H, d), torch.float32),
+                                           ("local", extra.local, (b, H), torch.bool)):
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
+                raise ValueError(f"expected the extra set's {name} as a contiguous {dtype} tensor of shape "
+                                 f"{list(shape)} but got {tensor.dtype} {tuple(tensor.shape)}")
     flags = (stats.local, stats.read, stats.broken)  # bool read as bytes (a dtype view would not lower in Inductor)
-    page_size, heavy, pages = stats.tail_reads or (1, 0, 0)
+    reads = stats.tail_reads or TailReads(1, 0, 0)
     sums, layer = stats.add_to or (stats.row, stats.row)
+    extras = (extra.m, extra.l, extra.acc, extra.local) if extra is not None else (m, m, m, m)
     _triton_kernel.run(
         _triton_kernel.qada_decode_combine_kernel, (b * H + 1,),
         acc, m, l, counts, output, bulk_blocks, m if sinks is None else sinks.contiguous(),
         *flags, m if stats.start is None else stats.start, m if stats.end is None else stats.end, stats.row, sums,
-        layer,
+        layer, *extras,
         output.stride(0), output.stride(1), output.stride(3),
-        H, S, pairs * S, stats.length, stats.t_local, page_size, heavy, pages,
+        H, S, pairs * S, stats.length, stats.t_local, reads.page_size, reads.heavy, reads.pages, reads.super_page,
+        reads.super_pages, 2 if reads.attend_exact else 1,
         G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=max(16, _next_pow2(d)), BLOCK_C=256,
         HAS_SINKS=sinks is not None, STATS=statistics is not None, HAS_START=stats.start is not None,
         HAS_END=stats.end is not None, TAIL_READS=stats.tail_reads is not None, ADD=stats.add_to is not None,
-        **pdl_launch_options(pdl),
+        EXTRA=extra is not None, **pdl_launch_options(pdl),
     )  # fmt: skip
     return output, bulk_blocks
 

@@ -35,26 +35,15 @@ def check_fusable(criterion: HeadCriterion, moments: MomentSource | None, execut
     """Raise ``ValueError`` unless ``executor`` can make ``criterion``'s decision with a moment source: the plain
     ``qada`` criterion (not a subclass, which may change the estimate), or the tail-aware ``qada_tail``
     (:class:`~qada.criteria.TailCriterion`) or ``qada_tail_budget`` (:class:`~qada.criteria.TailBudgetCriterion`),
-    not subclasses, with one-level pages and window-only local heads (``attend_exact``, ``super_page`` and
-    ``scale_exact`` unset)."""
+    not subclasses, with any of their settings (a page hierarchy, ``attend_exact``, ``scale_exact``)."""
     from qada.criteria.qada import QAdACriterion
     from qada.criteria.tail import TailBudgetCriterion, TailCriterion
 
     name = getattr(executor, "registry_name", "") or type(executor).__name__
-    what = ("the plain 'qada' criterion, or of 'qada_tail' or 'qada_tail_budget' with one-level pages and window-only "
-            "local heads (attend_exact, super_page and scale_exact unset),")
-    if type(criterion) in (TailCriterion, TailBudgetCriterion):
-        unfused = [f"{field}={getattr(criterion, field)!r}" for field in ("attend_exact", "super_page", "scale_exact")
-                   if getattr(criterion, field)]
-        if unfused:
-            raise ValueError(
-                f"the {name!r} executor makes the decision of {what} in its kernel, but the run's "
-                f"{criterion.registry_name!r} criterion has {', '.join(unfused)}: use the 'triton' executor, which "
-                "attends for any criterion"
-            )
-    elif type(criterion) is not QAdACriterion:
+    if type(criterion) not in (QAdACriterion, TailCriterion, TailBudgetCriterion):
         raise ValueError(
-            f"the {name!r} executor makes the decision of {what} in its kernel, but the run's criterion is "
+            f"the {name!r} executor makes the decision of the plain 'qada' criterion, or of 'qada_tail' or "
+            f"'qada_tail_budget', in its kernel, but the run's criterion is "
             f"{criterion.registry_name or type(criterion).__name__!r}: use the 'triton' executor, which attends "
             "for any criterion"
         )
@@ -72,8 +61,11 @@ def fused_tail(criterion: HeadCriterion, step: DecodeStep) -> Any:
     if not isinstance(criterion, TailEstimate):
         return None
     state = criterion.state(step)
+    heavy, pages, super_pages = criterion.read_sizes(step)  # (scale_exact: the sizes of this cache)
     return FusedTail(state["heavy"], state["heavy_valid"], state["member"], state["kmin"], state["kmax"],
-                     state["halves"], criterion.page_size, criterion.pages, criterion.read_sizes(step)[0])
+                     state["halves"], criterion.page_size, pages, heavy, state.get("super_kmin"),
+                     state.get("super_kmax"), state.get("super_halves"), criterion.super_page,
+                     super_pages if criterion.super_page else 0, criterion.attend_exact)
 
 
 def fused_budget(criterion: HeadCriterion, step: DecodeStep) -> Any:

@@ -272,8 +272,8 @@ class LayerStep:
         """Make the decision with ``executor`` (one that ``fuses_decision``, e.g. ``triton_fused``): every step is
         then :func:`~qada.models.fused_step.fused_layer_step`, whose result carries the attention ``output`` (the run
         does not call the executor again). Raises ``ValueError`` unless the criterion is one the executor fuses
-        (:func:`~qada.models.fused_step.check_fusable`: plain ``qada``, or ``qada_tail`` with its default window-only,
-        one-level settings) with a moment source. Under Triton's interpreter the step runs eagerly
+        (:func:`~qada.models.fused_step.check_fusable`: plain ``qada``, ``qada_tail`` or ``qada_tail_budget``, with
+        any of their settings) with a moment source. Under Triton's interpreter the step runs eagerly
         (``torch.compile`` does not trace the interpreter); on a GPU it is compiled with the kernels' launches where
         the executor's ``compile_step`` says so (:attr:`~qada.attention.FusedTritonExecutor.compile_step`), else
         eagerly."""

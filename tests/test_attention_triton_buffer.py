@@ -201,8 +201,8 @@ COMPILE = textwrap.dedent(
                    SINKS="*" + dtype, LOCAL="*u8", READ="*u8", BROKEN="*u8", ROW="*fp64", SUMS="*fp64",
                    LAYER="*i64", EXTRA_M="*fp32", EXTRA_L="*fp32", EXTRA_ACC="*fp32", EXTRA_LOCAL="*u8", **ints),
               dict(G=4, D=128, BLOCK_S=64, CHUNK_S=16, BLOCK_D=128, BLOCK_C=256, HAS_SINKS=features, STATS=features,
-                   HAS_START=has_rows, HAS_END=has_rows, TAIL_READS=features, ADD=features, EXTRA=features, PDL=features),
-              {})
+                   HAS_START=has_rows, HAS_END=has_rows, TAIL_READS=features, ADD=features, EXTRA=features,
+                   PDL=features), {})
     print("compiled")
     """
 )

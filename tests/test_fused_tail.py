@@ -26,8 +26,8 @@ from qada.attention.base import GroupDecision  # noqa: E402
 from qada.attention.fused import FusedTail  # noqa: E402
 from qada.criteria import TailCriterion  # noqa: E402
 from qada.functional import local_ratio  # noqa: E402
-from qada.models import attach  # noqa: E402
 from qada.functional.extra_set import attend_extra, merge_extra  # noqa: E402
+from qada.models import attach  # noqa: E402
 from qada.models.fused_step import fused_tail  # noqa: E402
 from qada.models.layer_step import LayerStep, statistics_row  # noqa: E402
 from qada.step import DecodeStep  # noqa: E402

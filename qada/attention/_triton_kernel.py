@@ -314,8 +314,9 @@ def statistics_row(
     (heavy + G min(n_c, pages) P) + bounds``, ``exact_reads`` 2 where local heads attend over ``E`` (its values
     too), else 1; one level (``super_page`` 0): ``n_c = n_p``, ``bounds = 2 n_p``; a hierarchy of ``S = super_page``
     pages per super-page: ``n_c = min(n_p, super_pages S)``, ``bounds = 2 ceil(n_p / S) + 2 n_c``; ``n_p =
-    ceil(filled / P)``, ``filled`` the row's end), over ``2 T`` per (row, KV head). Sums of integers in float64: exact, as the torch row's. With ``ADD``, the row
-    is also added to ``SUMS [L, 5]`` float64 at the layer index ``LAYER`` (int64, the run's statistics sums)."""
+    ceil(filled / P)``, ``filled`` the row's end), over ``2 T`` per (row, KV head). Sums of integers in float64:
+    exact, as the torch row's. With ``ADD``, the row is also added to ``SUMS [L, 5]`` float64 at the layer index
+    ``LAYER`` (int64, the run's statistics sums)."""
     offs = tl.arange(0, BLOCK_C)
     H_kv = H // G
     n_pairs = n_heads // G

@@ -282,10 +282,10 @@ class FusedTritonExecutor(TritonExecutor):
 
     In a run it applies when the criterion is the plain ``qada`` one (:class:`~qada.criteria.QAdACriterion`, any
     ``tau``), ``qada_tail`` or ``qada_tail_budget`` (:class:`~qada.criteria.TailCriterion`,
-    :class:`~qada.criteria.TailBudgetCriterion`, any settings) with a moment source (``stored``, ``current``, ...); any other criterion is an error when the
-    run is built (``triton`` decodes for every criterion). Its decisions, statistics and output are those of the
-    criterion with the ``triton`` executor, up to float32 rounding (and ``qada_tail``'s tail index after each step
-    too). Arguments as for :class:`~qada.attention.TritonExecutor`.
+    :class:`~qada.criteria.TailBudgetCriterion`, any settings) with a moment source (``stored``, ``current``, ...);
+    any other criterion is an error when the run is built (``triton`` decodes for every criterion). Its decisions,
+    statistics and output are those of the criterion with the ``triton`` executor, up to float32 rounding (and
+    ``qada_tail``'s tail index after each step too). Arguments as for :class:`~qada.attention.TritonExecutor`.
     """
 
     fuses_decision = True

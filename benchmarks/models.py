@@ -154,7 +154,7 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     made in the kernels, ``triton_fused``, and the first two's ``once`` twins with ``decide_once``: the decision
     made once per group, by the moment step's launch for ``qada``, in a launch of its own for ``qada_tail``, then
     the split; the rows of :data:`FUSED_VARIANTS` where ``workload.compiled`` names them), the rows of
-    :data:`~benchmarks.suites.LEAN_ROWS` (the accurate read-lean configuration) where it names them, the
+    :data:`~benchmarks.suites.LEAN_ROWS` (the accurate read-lean configuration) if ``workload.lean``, the
     tail-aware rows of :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded
     prompt queries), ``static rho_kv=...`` (whole KV groups forced local): every qada row on the run's default path
     (its layer step compiled on the static cache); with ``workload.eager`` also ``<name> eager`` for ``qada`` and
@@ -191,11 +191,9 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
                 configs[name] = DecodeConfig(kind, lambda criterion=criteria[criterion], executor=executor: prepare_run(
                     build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer),
                     count_events=True)
-    for name, (criterion, executor) in LEAN_ROWS.items():  # the accurate configuration, where a workload names it
-        if name in workload.compiled:
-            configs[name] = DecodeConfig(kind, lambda criterion=criterion, executor=executor: prepare_run(
-                build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer),
-                count_events=True)
+    for name, (criterion, executor) in (LEAN_ROWS if workload.lean else {}).items():  # the accurate configuration
+        configs[name] = DecodeConfig(kind, lambda criterion=criterion, executor=executor: prepare_run(
+            build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer), count_events=True)
     for rho in suite.static_rho_kv:
         mask = group_static_mask(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, rho)
         configs[f"static rho_kv={rho}"] = DecodeConfig(kind, lambda mask=mask: static_run(mask, suite.e2e_executor))

@@ -28,6 +28,7 @@ class Workload:
         eager: also decode ``<name> eager`` for ``qada`` and the tail rows: the same run with ``compile=False`` (its
             layer step eagerly; the default rows compile it on the static cache).
         tail: also decode the tail-aware rows (``qada_tail`` at tau 0.3, ``qada_tail_budget`` at sparsity 0.85).
+        lean: also decode the :data:`LEAN_ROWS` (the accurate read-lean configuration, unfused and fused).
         moments: the moment source of the qada rows (``None``: the suite's ``e2e_moments``). A model without a
             tokenizer (random weights) cannot build a stored reference: its workloads say ``"current"``.
     """
@@ -41,6 +42,7 @@ class Workload:
     eager: bool = False
     tail: bool = False
     moments: str | None = None
+    lean: bool = False
 
 
 @dataclass
@@ -107,9 +109,9 @@ LEAN_ROWS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qada_tail+E/lean": (LEAN_TAIL, {"name": "triton"}),
     "qada_tail+E/lean fused": (LEAN_TAIL, {"name": "triton_fused"}),
 }
-"""Rows built only where a workload's compiled rows name them (the GPU suite and its dry run): name -> (criterion,
-executor). The accurate configuration decided by its torch layer step (compiled on the static cache) and in the
-``triton_fused`` kernels (moment step, split, combine)."""
+"""Rows of a workload with ``lean`` (the GPU suite and its dry run): name -> (criterion, executor). The accurate
+configuration decided by its torch layer step (compiled on the static cache) and in the ``triton_fused`` kernels
+(moment step, split, combine)."""
 
 # stored moments, as the CPU suites: the same decisions as there (the GPU runs of 2026-11-24 used current moments,
 # which on the same prompts decide sparsity .30-.33 against stored's .69, on the CPU as on the GPU)
@@ -118,11 +120,13 @@ SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32),
                                  "qada fused inductor", "qada fused pdl", "qada_tail", "qada_tail fused",
                                  "qada_tail fused once", "qada_tail fused pdl", "qada_tail fused spread",
                                  "qada_tail_budget", "qada_tail_budget fused", *LEAN_ROWS),
-                       eager=True, tail=True,
+                       eager=True, tail=True, lean=True,
                        moments="stored")  # fmt: skip
 
-DRY_RUN_COMPILED = tuple(name for name in SMOLLM2_GPU.compiled if name not in FUSED_VARIANTS)
-"""The GPU suite's compiled rows in its dry run: not the fused variants (:data:`FUSED_VARIANTS`),
+DRY_RUN_COMPILED = tuple(name for name in SMOLLM2_GPU.compiled if name not in {*FUSED_VARIANTS, *LEAN_ROWS})
+"""The GPU suite's compiled rows in its dry run: not the :data:`LEAN_ROWS` (decoded, but not also through a compiled
+model step: that is the other rows' path, minutes of Inductor on the CPU for no new code), not the fused variants
+(:data:`FUSED_VARIANTS`),
 each of which is its plain ``fused`` row again there: under Triton's interpreter a layer step with Triton launches
 runs eagerly and launches are ordinary, and at the dry run's 256 tokens (16 pages) no page bounds are spread (each
 variant's own path is tested: ``tests/test_fused_decision.py``, ``tests/test_fused_tail.py``)."""
@@ -154,7 +158,7 @@ SUITES = {
     "gpu-dryrun": Suite(
         "gpu-dryrun", "cpu", [TINY_BF16], [1024], ["sdpa", "flex", "triton"], 1, 1, False, [TINY_BF16], [1024], 1, 1,
         [Workload("smollm2", (256,), batches=(2,), layers=2, compiled=DRY_RUN_COMPILED, eager=True,
-                  tail=True, moments=SMOLLM2_GPU.moments),
+                  tail=True, lean=True, moments=SMOLLM2_GPU.moments),
          Workload("tiny-random", (600,), compiled=LLAMA8B_CASES.compiled, tail=True, moments="current")],
         1, 1, "triton", "current",  # (two decode steps per row: the first compiles, the second reuses it)
         e2e_warmup=1, e2e_count_steps=2, copy_bytes=4 * 2**20, static_rho_kv=[0.875], dtype=torch.bfloat16,

@@ -154,16 +154,18 @@ def test_fused_tail_bounds_pages_from_extrema_in_the_cache_dtype(decide_once, pa
     with ByteRecorder().recording() as recorder:
         check_tail(criterion, step, state, tau, policy, block, splits, decide_once, pages_per_program)
     kernels = summarise(recorder.launches)
-    reads = collections.Counter()
-    for entry in kernels.values():
+    reads = collections.Counter()  # by argument name (a tensor passed twice is "KMIN=SUPER_KMIN": one level passes
+    for entry in kernels.values():  # the page extrema as the super-pages' placeholders, which it does not read)
         for name, counts in entry["read"].items():
-            reads[name] += counts["unique"]
+            for part in name.split("="):
+                reads[part] += counts["unique"]
     assert reads["HALVES"] == 0
     if decide_once:  # the page bounds spread over programs of their own
-        assert kernels["qada_tail_page_top_kernel"]["read"]["KMIN"]["unique"] > 0
+        assert argument(kernels["qada_tail_page_top_kernel"]["read"], "KMIN")["unique"] > 0
     pages = state["kmin"].shape[2]
     assert 0 < reads["KMIN"] == reads["KMAX"] <= b * H_kv * pages * d * 2
-    written = sum(entry["written"].get("HALVES", {"unique": 0})["unique"] for entry in kernels.values())
+    written = sum(counts["unique"] for entry in kernels.values() for name, counts in entry["written"].items()
+                  if "HALVES" in name.split("="))
     assert written == b * H_kv * 2 * d * 4  # one page per (row, KV head)
 
 

@@ -453,12 +453,14 @@ def qada_tail_fused_split_kernel(
             s = cap(s, softcap)
         valid = g_ok[:, None] & h_valid[None, :]
         m_e, total_e, n_exact, bad_e, p, alpha = fold_scores(m_e, total_e, n_exact, bad_e, s, valid)
-        if EXACT:  # the heavy tokens' values, for the local heads' attention over E
-            v = tl.load(v_base + h_slot[:, None].to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
-                        mask=h_valid[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-            if DOT_FP32:
-                v = v.to(tl.float32)
-            acc_e = acc_e * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION).to(tl.float32)
+        if EXACT:  # the heavy tokens' values, for the local heads' attention over E (split 0 stores it)
+            if split == 0:
+                v = tl.load(v_base + h_slot[:, None].to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
+                            mask=h_valid[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+                if DOT_FP32:
+                    v = v.to(tl.float32)
+                acc_e = acc_e * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                                        input_precision=INPUT_PRECISION).to(tl.float32)
 
     # --- the exact set E: each query head's TOP pages by bound (top_pages), by tiles of BLOCK_P pages ----------
     offs_m = tl.arange(0, BLOCK_M)
@@ -514,10 +516,11 @@ def qada_tail_fused_split_kernel(
             s_rows = tl.where(rows, s[None, :], float("-inf"))
             m_e, total_e, n_exact, bad_e, p, alpha = fold_scores(m_e, total_e, n_exact, bad_e, s_rows, rows)
             if EXACT:  # (the other heads' sums keep their scale: alpha is 1 there, or 0 on an empty sum)
-                v = tl.load(v_base + slots[:, None].to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
-                            mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-                head_sum = tl.sum(tl.sum(tl.where(is_g[:, None], p, 0.0), axis=0)[:, None] * v, axis=0)
-                acc_e = acc_e * alpha[:, None] + tl.where(is_g[:, None], head_sum[None, :], 0.0)
+                if split == 0:  # (only split 0 stores it: the others read no values)
+                    v = tl.load(v_base + slots[:, None].to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
+                                mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                    head_sum = tl.sum(tl.sum(tl.where(is_g[:, None], p, 0.0), axis=0)[:, None] * v, axis=0)
+                    acc_e = acc_e * alpha[:, None] + tl.where(is_g[:, None], head_sum[None, :], 0.0)
     log_exact = tl.where(total_e > 0, m_e + tl.log(total_e), float("-inf"))
 
     # --- eqs. 5-7 on the rest of the bulk: log Â_bulk = logaddexp(log A_E, log(T_bulk - |E|) + log E[exp(s)]) ----

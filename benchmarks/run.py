@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = suite_name(args)
     if name == "gpu-dryrun":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported: the kernel runs on CPU
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter without its repeated patching (same results)
+        from qada.attention.interpreter import skip_repeated_patching
+
+        skip_repeated_patching()
     import torch
 
     from benchmarks import attention, end_to_end, models, overhead, report

@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
 # compiled step (tests/test_layer_step.py and friends) ask for compiling explicitly.
 os.environ.setdefault("QADA_COMPILE", "0")
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter without its repeated patching (same results)
+    from qada.attention.interpreter import skip_repeated_patching
+
+    skip_repeated_patching()
+
 settings.register_profile(
     "qada",
     deadline=None,

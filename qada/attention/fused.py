@@ -190,6 +190,10 @@ class FusedTail(NamedTuple):
         return (*self.heavy.stride(), *self.member.stride(), *self.kmin.stride(), *self.halves.stride(),
                 *supers.stride(), *super_halves.stride())
 
+    def super_top(self) -> int:
+        """The super-pages per KV group whose pages are bounded (0: one level)."""
+        return self.super_pages if self.super_page else 0
+
     def n_super(self) -> int:
         """The super-pages of the hierarchy (0: one level)."""
         return self.super_kmin.shape[2] if self.super_page else 0
@@ -208,15 +212,15 @@ class FusedTail(NamedTuple):
 
     def split_constants(self) -> dict[str, Any]:
         """The split kernel's hierarchy and exact-set constants: ``SUPER``, ``SUPER_TOP``, ``BLOCK_SM``, ``EXACT``."""
-        return dict(SUPER=self.super_page, SUPER_TOP=self.super_pages if self.super_page else 1,
-                    BLOCK_SM=max(2, _next_pow2(self.super_pages if self.super_page else 1)),
+        return dict(SUPER=self.super_page, SUPER_TOP=max(1, self.super_top()),
+                    BLOCK_SM=max(2, _next_pow2(max(1, self.super_top()))),
                     EXACT=bool(self.attend_exact))
 
     def reads(self) -> TailReads:
         """What the step's ``kv_read`` counts of the exact set (:class:`~qada.attention.triton_decode.TailReads`)."""
         heavy = self.heavy.shape[2] if self.heavy_reads is None else self.heavy_reads
-        return TailReads(self.page_size, heavy, self.pages, self.super_page,
-                         self.super_pages if self.super_page else 0, bool(self.attend_exact))
+        return TailReads(self.page_size, heavy, self.pages, self.super_page, self.super_top(),
+                         bool(self.attend_exact))
 
 
 def page_tiles(page_size: int, pages: int, head_dim: int) -> dict[str, int]:

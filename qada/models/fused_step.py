@@ -65,7 +65,7 @@ def fused_tail(criterion: HeadCriterion, step: DecodeStep) -> Any:
     return FusedTail(state["heavy"], state["heavy_valid"], state["member"], state["kmin"], state["kmax"],
                      state["halves"], criterion.page_size, pages, heavy, state.get("super_kmin"),
                      state.get("super_kmax"), state.get("super_halves"), criterion.super_page,
-                     super_pages if criterion.super_page else 0, criterion.attend_exact)
+                     super_pages, criterion.attend_exact)
 
 
 def fused_budget(criterion: HeadCriterion, step: DecodeStep) -> Any:

@@ -29,6 +29,10 @@ if str(ROOT) not in sys.path:  # ``python benchmarks/run.py`` from anywhere
     sys.path.insert(0, str(ROOT))
 
 
+SECTIONS = ("attention", "bandwidth", "overhead", "end_to_end")
+"""What ``--only`` may name (``bandwidth``: the part of ``attention`` that issue 33's dense-at-bandwidth goal reads)."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="qada speed benchmarks", formatter_class=argparse.RawTextHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
@@ -38,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="with --gpu: the GPU suite's code on CPU, tiny shapes")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--only", default="attention,overhead,end_to_end", help="comma-separated sections")
+    parser.add_argument("--only", default="attention,overhead,end_to_end",
+                        help="comma-separated sections: attention, overhead, end_to_end, and bandwidth (the triton "
+                             "executor's dense path and its launch settings against copy bandwidth, at T >= 32k)")
     parser.add_argument("--models", default=None,
                         help="end-to-end: comma-separated models of the suite to decode (default: all)")
     parser.add_argument("--lengths", default=None, help="end-to-end: only these context lengths (comma-separated)")
@@ -114,6 +120,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
     device = torch.device(suite.device)
     sections = set(args.only.split(","))
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"--only: {sorted(unknown)} not among the sections {list(SECTIONS)}")
+    if {"attention", "bandwidth"} <= sections:
+        raise SystemExit("--only: bandwidth is a part of attention (its dense rows and launch sweep): name one of them")
     info = machine_info(device)
     argv_used = sys.argv[1:] if argv is None else argv
     results: dict[str, Any] = {
@@ -171,6 +182,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     suite.attention_shapes, suite.attention_lengths, device, suite.attention_reps,
                     suite.attention_inner, log)
 
+        def run_bandwidth() -> None:  # issue 33's dense at bandwidth alone: minutes less than the attention section
+            reps = max(3, suite.attention_reps)
+            results["copy_bandwidth"] = attention.copy_bandwidth(device, suite.copy_bytes, reps=reps)
+            log(f"  copy bandwidth {results['copy_bandwidth']['bandwidth_gbs']:.1f} GB/s")
+            lengths = [t for t in suite.attention_lengths if t >= 32768] or suite.attention_lengths[-1:]  # (dry run)
+            results["attention"] = attention.run_attention(
+                suite.attention_shapes, lengths, ["triton"], device, suite.attention_reps, suite.attention_inner,
+                suite.flex_compile, log, local_groups=[0])
+            results["dense_sweep"] = attention.dense_launch_sweep(
+                suite.attention_shapes, lengths, device, suite.attention_reps, suite.attention_inner, log)
+
         def run_overhead() -> None:
             results["overhead"] = overhead.run_overhead(
                 suite.overhead_shapes, suite.overhead_lengths, device, suite.overhead_reps, suite.overhead_inner, log
@@ -213,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 save()
 
         section("attention", run_attention)
+        section("bandwidth", run_bandwidth)
         section("overhead", run_overhead)
         section("end_to_end", run_end_to_end)
     save()

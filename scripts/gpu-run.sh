@@ -17,12 +17,31 @@
 #   bash scripts/gpu-run.sh goals-smollm2-b1            # the same SmolLM2 rows at one batch size (b1 or b32): each
 #                                                       # compiled row compiles ~35 s on an H200, so both at once may
 #                                                       # not fit one 10-minute call
+#   bash scripts/gpu-run.sh lean-b1 lean-b32            # the accurate read-lean configuration (qada_tail+E/lean), its
+#                                                       # torch layer step and fused (triton_fused), beside dense and
+#                                                       # qada fused: one batch size per stage (~3.5 min each)
+#
+# A session lent 15 minutes of device time (the start, every call and idle wait counted; ~30 s idle gives the machine
+# back): three calls back to back, the model's three parts (scripts/gpu-bundle.sh) carried one a call, each call's
+# stages chosen to end inside its share (seconds measured on an H200: goals-llama 155, a goals-smollm2 stage 180-240):
+#   run(command="source .gpu/p0/setup.sh && LIMIT_goals_llama=220 bash scripts/gpu-run.sh env goals-llama",
+#       carry=[".gpu/p0"], timeout_s=300)
+#   run(command="source .gpu/p1/setup.sh && LIMIT_bandwidth=200 bash scripts/gpu-run.sh bandwidth", carry=[".gpu/p1"],
+#       timeout_s=240)
+#   run(command="source .gpu/p2/setup.sh && LIMIT_lean_b1=300 bash scripts/gpu-run.sh lean-b1", carry=[".gpu/p2"],
+#       timeout_s=340)
+# then give_back, and commit $OUT's files as benchmarks/results/gpu-<kind>-<date>-*. The first two need no model
+# (random weights, random K/V); the third needs every part ("model ready"). Where fewer parts are packed, move lean-b1
+# to the call that carries the last part and run tail-b1 or parity in the freed call.
 # Stages: env, tests, fused (the triton_fused tests, on CUDA), graphs (triton_fused inside a model's CUDA graph, and
 # its layer step compiled by Inductor, against eager, over a decode, call by call and launch by launch on the same
 # inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
 # model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
 # smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, dense packed, qada, qada fused, qada_tail fused
-# and qada_tail_budget fused, graph-captured), goals-llama (128k, B = 1: dense, dense packed, qada's all-dense path,
+# and qada_tail_budget fused, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, dense packed, qada
+# fused, qada_tail fused once, qada_tail+E/lean with its layer step compiled and fused, graph-captured), bandwidth
+# (the triton executor's dense path and its launch settings against copy bandwidth, Llama-3-8B layer shapes at 32k and
+# 128k, B = 1 and 8: no model, no flex), goals-llama (128k, B = 1: dense, dense packed, qada's all-dense path,
 # the budget fused, graph-captured), llama, llama-32k, llama-128k.
 # Each stage's limit (seconds) can be changed with LIMIT_<stage>=..., e.g. LIMIT_smollm2=300.
 set -u
@@ -31,6 +50,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 smollm2_goal_rows="dense compiled,dense packed compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled"
 pdl_rows="dense compiled,qada fused compiled,qada fused pdl compiled,qada_tail fused compiled,qada_tail fused pdl compiled"
+lean_rows="dense compiled,dense packed compiled,qada fused compiled,qada_tail fused once compiled,qada_tail+E/lean compiled,\
+qada_tail+E/lean fused compiled"
 tail_rows="dense compiled,qada fused compiled,qada fused once compiled,qada fused inductor compiled,qada_tail fused compiled,\
 qada_tail fused once compiled,qada_tail fused spread compiled,qada_tail_budget fused compiled"
 
@@ -53,6 +74,7 @@ for s in "$@"; do
     graphs) stage graphs 360 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_decision.py \
              tests/test_buffer_decode.py -k "cuda_graphs or compiles_and_decides or same_inputs or each_fused_launch or programmatic" ;;
     parity) stage parity 540 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;
+    bandwidth) stage bandwidth 300 "$py" benchmarks/run.py --gpu --out "$out" --only bandwidth ;;
     attention) stage attention 300 "$py" benchmarks/run.py --gpu --out "$out" --only attention,overhead ;;
     smollm2) stage smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 ;;
     smollm2-b1) stage smollm2-b1 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 --batches 1 ;;
@@ -68,6 +90,8 @@ for s in "$@"; do
              --batches "${s#pdl-b}" --configs "$pdl_rows" ;;
     tail-b1|tail-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#tail-b}" --configs "$tail_rows" ;;
+    lean-b1|lean-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
+             --batches "${s#lean-b}" --configs "$lean_rows" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \
              --lengths 131072 --batches 1 --configs "dense compiled,dense packed compiled,qada dense compiled,qada_tail_budget fused compiled" ;;
     llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;

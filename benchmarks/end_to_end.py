@@ -392,40 +392,50 @@ def run_end_to_end(
                 errors[name] = repr(exc)[:400]
                 log(f"    {name} FAILED: {errors[name]}")
         results: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
-        for rep in range(reps):
-            for name, config in cases.items():
-                if name in errors:
-                    continue
-                try:
-                    if config.cache == "static":
-                        if static_cache is None:
-                            static_cache = fresh_cache(model, base, "static", capacity, B)
+        interrupted = None
+        try:  # a stage's time limit interrupts (SIGINT): the rows measured so far are kept, then it stops
+            for rep in range(reps):
+                for name, config in cases.items():
+                    if name in errors:
+                        continue
+                    try:
+                        if config.cache == "static":
+                            if static_cache is None:
+                                static_cache = fresh_cache(model, base, "static", capacity, B)
+                            else:
+                                refill_cache(static_cache, base, B)
+                            cache = static_cache
                         else:
-                            refill_cache(static_cache, base, B)
-                        cache = static_cache
-                    else:
-                        cache = fresh_cache(model, base, config.cache, capacity, B)
-                    packed = packed_attention(model) if config.packed else contextlib.nullcontext()
-                    with _no_silent_fallback(), packed:
-                        done = _decode(model, cache, T, first, runs[name], forwards.get(name), warmup, steps, device,
-                                       cudagraphs and config.compiled,
-                                       count_steps if config.count_events and rep == reps - 1 else 0,
-                                       queries)  # fmt: skip
-                    del cache
-                except Exception as exc:
-                    errors[name] = repr(exc)[:400]
-                    log(f"    rep {rep} {name} FAILED: {errors[name]}")
-                    if torch.device(device).type == "cuda":
-                        torch.cuda.empty_cache()
-                    continue
-                results[name].append(done)
-                median = Timing.of(done["step_s"])["median"]
-                log(f"    rep {rep} {name}: {B / median:.2f} tok/s (median step), first step "
-                    f"{done['first_s'] * 1e3:.0f} ms, warm-up {done['warmup_s']:.2f} s")
+                            cache = fresh_cache(model, base, config.cache, capacity, B)
+                        packed = packed_attention(model) if config.packed else contextlib.nullcontext()
+                        with _no_silent_fallback(), packed:
+                            done = _decode(model, cache, T, first, runs[name], forwards.get(name), warmup, steps,
+                                           device, cudagraphs and config.compiled,
+                                           count_steps if config.count_events and rep == reps - 1 else 0,
+                                           queries)  # fmt: skip
+                        del cache
+                    except Exception as exc:
+                        errors[name] = repr(exc)[:400]
+                        log(f"    rep {rep} {name} FAILED: {errors[name]}")
+                        if torch.device(device).type == "cuda":
+                            torch.cuda.empty_cache()
+                        continue
+                    results[name].append(done)
+                    median = Timing.of(done["step_s"])["median"]
+                    log(f"    rep {rep} {name}: {B / median:.2f} tok/s (median step), first step "
+                        f"{done['first_s'] * 1e3:.0f} ms, warm-up {done['warmup_s']:.2f} s")
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+            for name, done_reps in results.items():  # (each row says it; the report, after how many)
+                if len(done_reps) < reps:
+                    errors.setdefault(name, "interrupted (KeyboardInterrupt, e.g. a stage's time limit)")
+            log(f"  end-to-end T={T} B={B}: interrupted, keeping the repetitions done")
         case = _rows(model, T, B, cases, results, errors, steps, reps, warmup, bandwidth_gbs, t_local, model_name, log)
         rows += case
         if on_case is not None:
             on_case(case)
+        if interrupted is not None:
+            raise interrupted
         del base, runs, forwards, results, static_cache
         torch._dynamo.reset()  # compiled graphs hold the model and the cache: let them go with the case
         if torch.device(device).type == "cuda":

@@ -255,6 +255,42 @@ def test_a_configuration_failing_at_a_later_repetition_keeps_what_it_measured(ti
     assert "FAILED" not in text and " x1 |" in text
 
 
+def test_an_interrupted_case_saves_the_repetitions_done_then_stops(tiny):
+    """A stage's time limit (``timeout --signal=INT``: a KeyboardInterrupt) in the second repetition: the case's rows
+    are built from the first repetition of every configuration and handed to ``on_case`` (saved), each row saying
+    it was interrupted, and the interrupt goes on (the run stops)."""
+    from qada.models import build_run
+
+    calls = []
+
+    def interrupted_run():
+        run = build_run("dense", "none", "sdpa")
+        reset = run.reset_stats
+
+        def reset_stats():
+            calls.append(1)
+            if len(calls) > 1:
+                raise KeyboardInterrupt
+            reset()
+
+        run.reset_stats = reset_stats
+        return run
+
+    def make():
+        return [(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)) for _ in range(2)], [3]
+
+    configs = {"dense": DecodeConfig(), "cut": DecodeConfig(make_run=interrupted_run)}
+    saved = []
+    with pytest.raises(KeyboardInterrupt):
+        run_end_to_end(tiny, {(40, 1): make, (48, 1): make}, lambda B: configs, steps=2, reps=3, device="cpu",
+                       log=lambda *a: None, model_name="tiny", on_case=saved.append)  # fmt: skip
+    assert len(saved) == 1  # the first case, not the second
+    by = {r["config"]: r for r in saved[0]}
+    assert by["cut"]["reps"] == 1 and by["cut"]["tokens_per_s_median"] > 0
+    assert by["cut"]["error"].startswith("failed after 1 of 3 repetitions: interrupted (KeyboardInterrupt")
+    assert by["dense"]["reps"] == 2 and by["dense"]["error"].startswith("failed after 2 of 3 repetitions")
+
+
 def test_a_layer_step_that_fell_back_to_eager_is_said_in_its_row(tiny):
     """A configuration asked to compile whose layer step cannot (here: streaming moments in blocks read the host)
     runs eagerly; its row says so, with the reason, and the report marks it."""

@@ -82,11 +82,13 @@ def run_attention(
     flex_compile: bool | None = None,
     log=print,
     local_groups: list[int] | None = None,
+    rows: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (shape, T, executor, local groups): time per call, ratio to dense SDPA, bytes, bandwidth.
-    ``local_groups``: the numbers of KV groups forced local (default: none, about half, 7/8 and all of them)."""
+    ``local_groups``: the numbers of KV groups forced local (default: none, about half, 7/8 and all of them).
+    ``rows``: a list the rows are appended to as they are measured (an interrupted run keeps them), returned."""
     window = Window()
-    rows = []
+    rows = [] if rows is None else rows
     built = {name: build_executor(name, flex_compile) for name in executors}
     for shape in shapes:
         for T in lengths:
@@ -140,16 +142,17 @@ def run_attention(
 
 
 def dense_launch_sweep(shapes: list[Shape], lengths: list[int], device: torch.device | str, reps: int,
-                       inner: int = 1, log=print) -> list[dict[str, Any]]:
+                       inner: int = 1, log=print, rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """CUDA only: the ``triton`` executor with every KV group dense, graph-captured, over its launch parameters
     (``block_size`` 64 / 128, ``num_splits`` auto / ~4 / ~8 programs per SM, ``num_warps`` 4 / 8, ``num_stages`` 2 /
     3), at every ``T >= 32768`` of ``lengths``: one row per setting with its bandwidth, so that a GPU run shows how
-    close the executor's dense path gets to copy bandwidth and which setting gets there. Empty on the CPU."""
+    close the executor's dense path gets to copy bandwidth and which setting gets there. Empty on the CPU. ``rows``:
+    as :func:`run_attention`'s."""
     if torch.device(device).type != "cuda":
         return []
     window = Window()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    rows = []
+    rows = [] if rows is None else rows
     for shape in shapes:
         for T in [t for t in lengths if t >= 32768]:
             g = torch.Generator(device="cpu").manual_seed(0)

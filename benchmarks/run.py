@@ -164,6 +164,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except Exception as exc:  # keep going: a failed section must not lose the others
             results["errors"].append(f"{key}: {exc!r}"[:500])
             log(traceback.format_exc())
+        except KeyboardInterrupt:  # (a stage's time limit): what the section measured so far is saved, then stop
+            results["errors"].append(f"{key}: interrupted (KeyboardInterrupt)")
+            save()
+            raise
         save()
 
     log(f"suite {name} on {info.get('gpu') or info['cpu']} ({info['cores']} cores, {info['torch_threads']} threads)")
@@ -187,11 +191,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["copy_bandwidth"] = attention.copy_bandwidth(device, suite.copy_bytes, reps=reps)
             log(f"  copy bandwidth {results['copy_bandwidth']['bandwidth_gbs']:.1f} GB/s")
             lengths = [t for t in suite.attention_lengths if t >= 32768] or suite.attention_lengths[-1:]  # (dry run)
-            results["attention"] = attention.run_attention(
-                suite.attention_shapes, lengths, ["triton"], device, suite.attention_reps, suite.attention_inner,
-                suite.flex_compile, log, local_groups=[0])
-            results["dense_sweep"] = attention.dense_launch_sweep(
-                suite.attention_shapes, lengths, device, suite.attention_reps, suite.attention_inner, log)
+            attention.run_attention(suite.attention_shapes, lengths, ["triton"], device, suite.attention_reps,
+                                    suite.attention_inner, suite.flex_compile, log, local_groups=[0],
+                                    rows=results.setdefault("attention", []))  # fmt: skip
+            attention.dense_launch_sweep(suite.attention_shapes, lengths, device, suite.attention_reps,
+                                         suite.attention_inner, log, rows=results.setdefault("dense_sweep", []))
 
         def run_overhead() -> None:
             results["overhead"] = overhead.run_overhead(

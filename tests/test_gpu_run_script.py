@@ -127,3 +127,22 @@ def test_the_bandwidth_section_dry_run_times_the_triton_dense_path(tmp_path):
     assert {(r["executor"], r["local_groups"]) for r in data["attention"]} == {("dense_sdpa", 0), ("triton", 0)}
     assert all(r["max_abs_err_vs_reference"] < 1e-2 for r in data["attention"] if r["executor"] == "triton")
     assert data["dense_sweep"] == [] and "end_to_end" not in data
+
+
+def test_an_interrupted_bandwidth_section_saves_the_rows_it_measured(tmp_path, monkeypatch):
+    """The stage's time limit (SIGINT) during the launch sweep: the JSON keeps the dense rows already timed and says
+    the section was interrupted; the interrupt goes on."""
+    import json
+
+    from benchmarks import attention
+    from benchmarks.run import main
+
+    def interrupted_sweep(*args, rows=None, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attention, "dense_launch_sweep", interrupted_sweep)
+    with pytest.raises(KeyboardInterrupt):
+        main(["--gpu", "--dry-run", "--only", "bandwidth", "--out", str(tmp_path), "--quiet"])
+    data = json.loads((tmp_path / "gpu-dryrun-cpu-bandwidth.json").read_text())
+    assert data["errors"] == ["bandwidth: interrupted (KeyboardInterrupt)"]
+    assert {r["executor"] for r in data["attention"]} == {"dense_sdpa", "triton"}

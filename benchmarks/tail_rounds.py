@@ -18,7 +18,10 @@ eager criterion ranks at a real decode step (every layer, SmolLM2's real weights
 It simulates both on the bounds (the kernels' tie rules), checks that insertion keeps the pages ``topk`` keeps,
 and reports per layer the longest program's rounds (a launch waits for its longest program) and the chains of
 dependent loads for the pages' tokens (``G x TOP`` one page at a time, ``G x TOP / ENTRIES`` now), for each layout
-of :data:`SCENARIOS`. It counts rounds, not time: the GPU suite (``benchmarks/run.py --gpu``) times the launches.
+of :data:`SCENARIOS`, and the serial tiles of page extrema the longest program loads: Triton's pipeliner leaves
+that loop alone, so each tile waits one memory round trip (with 16-page tiles everywhere, and now with
+:func:`~qada.attention.fused.decision_page_tile`'s wider ones where a launch only decides). It counts rounds and
+tiles, not time: the GPU suite (``benchmarks/run.py --gpu``) times the launches.
 
 Writes ``<out>/tail-rounds-cpu.{json,md}``.
 """
@@ -65,25 +68,34 @@ def program_rounds(lists: list[tuple[list[float], list[int]]], tiles: list[list[
     return total
 
 
-def simulate_pair(bounds: Any, p_lo: int, p_hi: int, top: int, block_p: int, pages_per_program: int) -> dict:
+def simulate_pair(bounds: Any, p_lo: int, p_hi: int, top: int, block_p: int, pages_per_program: int,
+                  decision_block_p: int | None = None, page_top_block_p: int | None = None) -> dict:
     """Both ways of choosing the ``top`` pages of ``[p_lo, p_hi)`` for one (row, KV head): ``bounds [G, n_pages]``
-    (float, NaN ranks first as ``+inf``). Returns the page-top programs' and the decision's longest rounds each way
-    and the heads' chosen pages (insertion)."""
+    (float, NaN ranks first as ``+inf``), in tiles of ``block_p`` pages where the decision attends too
+    (``pages_per_program`` ``1 << 30``: the decision in every split), of ``decision_block_p`` where the decision is
+    launched apart and bounds its pages itself, and of ``page_top_block_p`` in the page-top programs (both default
+    ``block_p``). Returns the page-top programs' and the decision's longest rounds each way (max-extraction with
+    tiles of ``block_p``, as the kernels until 2026-11-28; insertion with the tiles given), their serial tile loads
+    (``*_tiles``: each tile's page extrema wait one memory round trip) and the heads' chosen pages (insertion)."""
     import torch
 
     rank = torch.where(torch.isnan(bounds), torch.full_like(bounds, math.inf), bounds).tolist()
     G = len(rank)
     n = p_hi - p_lo
     apart = n > pages_per_program
+    in_splits = pages_per_program >= 1 << 30
+    deciding_tile = block_p if in_splits or apart else decision_block_p or block_p  # (the decision bounding pages)
+    deciding_tile = page_top_block_p or block_p if apart else deciding_tile  # (the page-top programs bounding them)
     stretches = [(b, min(b + pages_per_program, p_hi)) for b in range(p_lo, p_hi, pages_per_program)] if apart \
         else [(p_lo, p_hi)]  # fmt: skip
-    stretch_lists, page_top_new, page_top_old = [], [], []
+    stretch_lists, page_top_new, page_top_old, page_top_tiles = [], [], [], []
     for begin, end in stretches:
         lists = [([-math.inf] * top, [0] * top) for _ in range(G)]
-        tiles = [[[(rank[g][p], p) for p in range(t, min(t + block_p, end))] for g in range(G)]
-                 for t in range(begin, end, block_p)]  # fmt: skip
+        tiles = [[[(rank[g][p], p) for p in range(t, min(t + deciding_tile, end))] for g in range(G)]
+                 for t in range(begin, end, deciding_tile)]  # fmt: skip
         page_top_new.append(program_rounds(lists, tiles))
-        page_top_old.append(top * len(tiles))
+        page_top_old.append(top * len(range(begin, end, block_p)))
+        page_top_tiles.append(len(tiles))
         stretch_lists.append(lists)
     if apart:  # the decision merges the stretches' lists, CANDIDATE_LISTS_PER_TILE per tile
         merged = [([-math.inf] * top, [0] * top) for _ in range(G)]
@@ -92,13 +104,16 @@ def simulate_pair(bounds: Any, p_lo: int, p_hi: int, top: int, block_p: int, pag
             chunk = stretch_lists[c:c + CANDIDATE_LISTS_PER_TILE]
             tiles.append([[(v, i) for lists in chunk for v, i in zip(*lists[g], strict=True)] for g in range(G)])
         decision_new, decision_old = program_rounds(merged, tiles), top * len(stretch_lists)
+        decision_tiles = 0  # (the lists, not page extrema)
         chosen = merged
     else:
         decision_new, decision_old = page_top_new[0], page_top_old[0]  # (the decision bounds its pages itself)
-        page_top_new, page_top_old = [], []
+        decision_tiles = page_top_tiles[0]
+        page_top_new, page_top_old, page_top_tiles = [], [], []
         chosen = stretch_lists[0]
     return {"page_top_new": page_top_new, "page_top_old": page_top_old, "decision_new": decision_new,
-            "decision_old": decision_old, "chosen": chosen, "rank": rank}
+            "decision_old": decision_old, "page_top_tiles": page_top_tiles, "decision_tiles": decision_tiles,
+            "chosen": chosen, "rank": rank}
 
 
 def same_as_topk(rank: list[list[float]], chosen: list[tuple[list[float], list[int]]], p_lo: int, p_hi: int,
@@ -147,7 +162,7 @@ def record_top_pages(model: Any, run: Any, ids: Any, steps: int = 2) -> list[dic
 def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_program: int) -> list[dict[str, Any]]:
     """Per layer: the longest program's rounds each way (page-top launch, decision launch), the token chains, and
     whether insertion kept ``topk``'s pages, from :func:`record_top_pages`' records."""
-    from qada.attention.fused import page_tiles
+    from qada.attention.fused import _PAGE_TOP_TILE_FEATURES, decision_page_tile, page_tiles
     from qada.functional.tail import bounds_from_halves
 
     layers = []
@@ -157,19 +172,30 @@ def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_pro
         G = H // num_kv_heads
         tiles = page_tiles(page, top, d)
         block_p, entries = tiles["BLOCK_P"], tiles["ENTRIES"]
+        wide = decision_page_tile(d)  # the decision launched apart; the page-top programs' tiles:
+        top_tile = decision_page_tile(d, _PAGE_TOP_TILE_FEATURES, min(pages_per_program, 1 << 20))
         bounds = bounds_from_halves(query, halves, r["scale"])  # [b, H, n_pages]
-        row = {"layer": layer, "pages": int(halves.shape[2]), "top": top, "block_p": block_p, "G": G,
-               "page_top_old": 0, "page_top_new": 0, "decision_old": 0, "decision_new": 0, "same_pages": True,
-               "token_chains_old": G * top, "token_chains_new": G * math.ceil(top / entries)}
+        row = {"layer": layer, "pages": int(halves.shape[2]), "top": top, "block_p": block_p, "decision_block_p": wide,
+               "page_top_block_p": top_tile,
+               "G": G, "page_top_old": 0, "page_top_new": 0, "decision_old": 0, "decision_new": 0, "same_pages": True,
+               "token_chains_old": G * top, "token_chains_new": G * math.ceil(top / entries),
+               "page_top_tiles_old": 0, "page_top_tiles_new": 0, "decision_tiles_old": 0, "decision_tiles_new": 0}
         for i in range(b):
             p_lo = int(r["first"][i]) // page
             p_hi = -(-int(r["last"][i]) // page) if int(r["last"][i]) > int(r["first"][i]) else p_lo
             for kv in range(num_kv_heads):
-                got = simulate_pair(bounds[i, kv * G:(kv + 1) * G], p_lo, p_hi, top, block_p, pages_per_program)
+                pair = bounds[i, kv * G:(kv + 1) * G]
+                got = simulate_pair(pair, p_lo, p_hi, top, block_p, pages_per_program, decision_block_p=wide,
+                                    page_top_block_p=top_tile)
+                narrow = simulate_pair(pair, p_lo, p_hi, top, block_p, pages_per_program)  # every tile of block_p
                 for key in ("page_top_old", "page_top_new"):
                     row[key] = max([row[key], *got[key]])
                 for key in ("decision_old", "decision_new"):
                     row[key] = max(row[key], got[key])
+                row["page_top_tiles_old"] = max([row["page_top_tiles_old"], *narrow["page_top_tiles"]])
+                row["page_top_tiles_new"] = max([row["page_top_tiles_new"], *got["page_top_tiles"]])
+                row["decision_tiles_old"] = max(row["decision_tiles_old"], narrow["decision_tiles"])
+                row["decision_tiles_new"] = max(row["decision_tiles_new"], got["decision_tiles"])
                 row["same_pages"] &= same_as_topk(got["rank"], got["chosen"], p_lo, p_hi, top)
         layers.append(row)
     return layers
@@ -188,12 +214,15 @@ def report(results: dict[str, Any]) -> str:
     """The markdown report of :func:`main`'s results."""
     from benchmarks.common import table
 
-    keys = ("page_top_old", "page_top_new", "decision_old", "decision_new", "token_chains_old", "token_chains_new")
+    keys = ("page_top_old", "page_top_new", "decision_old", "decision_new", "token_chains_old", "token_chains_new",
+            "page_top_tiles_old", "page_top_tiles_new", "decision_tiles_old", "decision_tiles_new")
     rows = []
     for name, layers in results["scenarios"].items():
-        total = {key: sum(row[key] for row in layers) for key in keys}
+        total = {key: sum(row.get(key, 0) for row in layers) for key in keys}
         rows.append([name, total["page_top_old"], total["page_top_new"], total["decision_old"],
                      total["decision_new"], total["token_chains_old"], total["token_chains_new"],
+                     f"{total['page_top_tiles_old']} / {total['decision_tiles_old']}",
+                     f"{total['page_top_tiles_new']} / {total['decision_tiles_new']}",
                      "every layer" if all(r["same_pages"] for r in layers) else "NOT every layer"])
     first = next(iter(results["scenarios"].values()))[0]
     lines = [f"# The serial rounds of the qada_tail top-page choice: {results['model']}", "",
@@ -204,8 +233,14 @@ def report(results: dict[str, Any]) -> str:
              "longest program's rounds of each launch (a launch waits for its longest program): `old` by "
              "max-extraction (TOP rounds per tile of pages or stretch list), `new` by insertion (a round per page "
              "that enters a list; the decision merges 4 stretch lists per tile); token chains: the chains of "
-             "dependent loads per program that read the top pages' tokens. Rounds counted, not timed.", "",
+             "dependent loads per program that read the top pages' tokens; tile loads: the serial tiles of page "
+             "extrema the longest page-top / decision program loads (not pipelined: each waits one "
+             f"memory round trip), with tiles of {first['block_p']} pages everywhere, and now, where a launch only "
+             f"decides, of {first['page_top_block_p']} in a page-top program and {first['decision_block_p']} in the "
+             f"decision launched apart (the attending split keeps {first['block_p']}). Rounds and tiles counted, "
+             "not timed.", "",
              table(["layout", "page-top launch old", "new", "decision launch old", "new", "token chains old", "new",
+                    f"tile loads page-top / decision, {first['block_p']}-page tiles", "now",
                     "insertion kept topk's pages"], rows)]
     return "\n".join(lines) + "\n"
 

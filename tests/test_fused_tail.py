@@ -227,6 +227,48 @@ def test_page_bounds_spread_over_programs_decide_alike(monkeypatch, case, pages_
     assert_same_state(spread_state, one_state)
 
 
+@pytest.mark.parametrize("features", [None, 64], ids=["wide", "narrow"])
+def test_launches_that_only_decide_bound_wider_tiles_and_decide_alike(monkeypatch, features):
+    """The page-top launch and the decision launched apart bound their pages in tiles of
+    :func:`~qada.attention.fused.decision_page_tile` (the attending split in tiles of ``page_tiles``' ``BLOCK_P``),
+    and any tile size decides alike: with ``features=64`` (4 pages of 16 features a tile) each program takes several
+    tiles, and the decisions, state and output equal the eager criterion's and the one-program launch's."""
+    from qada.attention import _triton_kernel
+    from qada.attention import fused as fused_module
+
+    if features is not None:
+        monkeypatch.setattr(fused_module, "_DECISION_TILE_FEATURES", features)
+        monkeypatch.setattr(fused_module, "_PAGE_TOP_TILE_FEATURES", features)
+    tiles = []
+    run = _triton_kernel.run
+
+    def recording(kernel, grid, *args, **kwargs):
+        if "BLOCK_P" in kwargs:
+            tiles.append((kernel.fn.__name__, kwargs.get("ATTEND"), kwargs["BLOCK_P"]))
+        return run(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_triton_kernel, "run", recording)
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits, sizes = CASES[0]  # 38 pages, d 16
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C, softcap=softcap, sinks=sinks)
+    criterion, state = prepared(step, C, **sizes)
+    tau = tail_tau(criterion, step, state, H // H_kv, policy)
+    spread, _, spread_state = check_tail(criterion, step, state, tau, policy, block, splits, decide_once=True,
+                                         pages_per_program=16)
+    wide = fused_module.decision_page_tile(d)
+    assert wide == (128 if features is None else 8)  # (at least 8 pages)
+    top = fused_module.decision_page_tile(d, fused_module._PAGE_TOP_TILE_FEATURES, 16)  # (at most the stretch)
+    assert top == (16 if features is None else 8)
+    assert tiles[:2] == [("qada_tail_page_top_kernel", None, top), ("qada_tail_fused_split_kernel", False, wide)]
+    tiles.clear()
+    attending, _ = fused_tail_launch(criterion, step, state, tau, policy, block, splits)  # the decision in the splits
+    assert tiles == [("qada_tail_fused_split_kernel", True, fused_module.page_tiles(16, 8, d)["BLOCK_P"])]
+    one, one_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once=True)
+    for name in ("decided", "local", "read", "broken", "counts", "n_exact", "log_ratio"):
+        assert torch.equal(getattr(spread, name), getattr(one, name)), name
+        assert torch.equal(getattr(attending, name), getattr(one, name)), name
+    assert_same_state(spread_state, one_state)
+
+
 @pytest.mark.parametrize(("pages_per_program", "apart"), [(5, True), (256, False)], ids=["long", "short"])
 def test_decide_once_by_default_where_the_pages_are_many(monkeypatch, pages_per_program, apart):
     """``decide_once=None`` (the default): a decision over more pages than ``pages_per_program`` is a launch of its

@@ -20,7 +20,7 @@ and reports per layer the longest program's rounds (a launch waits for its longe
 dependent loads for the pages' tokens (``G x TOP`` one page at a time, ``G x TOP / ENTRIES`` now), for each layout
 of :data:`SCENARIOS`, and the serial tiles of page extrema the longest program loads: Triton's pipeliner leaves
 that loop alone, so each tile waits one memory round trip (with 16-page tiles everywhere, and now with
-:func:`~qada.attention.fused.decision_page_tile`'s wider ones where a launch only decides). It counts rounds and
+:func:`~qada.attention.fused.page_top_tile`'s wider ones in the page-top programs). It counts rounds and
 tiles, not time: the GPU suite (``benchmarks/run.py --gpu``) times the launches.
 
 Writes ``<out>/tail-rounds-cpu.{json,md}``.
@@ -69,23 +69,20 @@ def program_rounds(lists: list[tuple[list[float], list[int]]], tiles: list[list[
 
 
 def simulate_pair(bounds: Any, p_lo: int, p_hi: int, top: int, block_p: int, pages_per_program: int,
-                  decision_block_p: int | None = None, page_top_block_p: int | None = None) -> dict:
+                  page_top_block_p: int | None = None) -> dict:
     """Both ways of choosing the ``top`` pages of ``[p_lo, p_hi)`` for one (row, KV head): ``bounds [G, n_pages]``
-    (float, NaN ranks first as ``+inf``), in tiles of ``block_p`` pages where the decision attends too
-    (``pages_per_program`` ``1 << 30``: the decision in every split), of ``decision_block_p`` where the decision is
-    launched apart and bounds its pages itself, and of ``page_top_block_p`` in the page-top programs (both default
-    ``block_p``). Returns the page-top programs' and the decision's longest rounds each way (max-extraction with
-    tiles of ``block_p``, as the kernels until 2026-11-28; insertion with the tiles given), their serial tile loads
-    (``*_tiles``: each tile's page extrema wait one memory round trip) and the heads' chosen pages (insertion)."""
+    (float, NaN ranks first as ``+inf``), in tiles of ``block_p`` pages where the decision bounds them (in the splits,
+    or launched apart) and of ``page_top_block_p`` (default ``block_p``) in the page-top programs. Returns the
+    page-top programs' and the decision's longest rounds each way (max-extraction with tiles of ``block_p``, as the
+    kernels until 2026-11-28; insertion with the tiles given), their serial tile loads (``*_tiles``: each tile's page
+    extrema wait one memory round trip) and the heads' chosen pages (insertion)."""
     import torch
 
     rank = torch.where(torch.isnan(bounds), torch.full_like(bounds, math.inf), bounds).tolist()
     G = len(rank)
     n = p_hi - p_lo
     apart = n > pages_per_program
-    in_splits = pages_per_program >= 1 << 30
-    deciding_tile = block_p if in_splits or apart else decision_block_p or block_p  # (the decision bounding pages)
-    deciding_tile = page_top_block_p or block_p if apart else deciding_tile  # (the page-top programs bounding them)
+    deciding_tile = (page_top_block_p or block_p) if apart else block_p  # (page-top programs, else the decision)
     stretches = [(b, min(b + pages_per_program, p_hi)) for b in range(p_lo, p_hi, pages_per_program)] if apart \
         else [(p_lo, p_hi)]  # fmt: skip
     stretch_lists, page_top_new, page_top_old, page_top_tiles = [], [], [], []
@@ -162,7 +159,7 @@ def record_top_pages(model: Any, run: Any, ids: Any, steps: int = 2) -> list[dic
 def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_program: int) -> list[dict[str, Any]]:
     """Per layer: the longest program's rounds each way (page-top launch, decision launch), the token chains, and
     whether insertion kept ``topk``'s pages, from :func:`record_top_pages`' records."""
-    from qada.attention.fused import _PAGE_TOP_TILE_FEATURES, decision_page_tile, page_tiles
+    from qada.attention.fused import page_tiles, page_top_tile
     from qada.functional.tail import bounds_from_halves
 
     layers = []
@@ -172,10 +169,9 @@ def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_pro
         G = H // num_kv_heads
         tiles = page_tiles(page, top, d)
         block_p, entries = tiles["BLOCK_P"], tiles["ENTRIES"]
-        wide = decision_page_tile(d)  # the decision launched apart; the page-top programs' tiles:
-        top_tile = decision_page_tile(d, _PAGE_TOP_TILE_FEATURES, min(pages_per_program, 1 << 20))
+        top_tile = page_top_tile(d, min(pages_per_program, 1 << 20))  # (a page-top program's tiles)
         bounds = bounds_from_halves(query, halves, r["scale"])  # [b, H, n_pages]
-        row = {"layer": layer, "pages": int(halves.shape[2]), "top": top, "block_p": block_p, "decision_block_p": wide,
+        row = {"layer": layer, "pages": int(halves.shape[2]), "top": top, "block_p": block_p,
                "page_top_block_p": top_tile,
                "G": G, "page_top_old": 0, "page_top_new": 0, "decision_old": 0, "decision_new": 0, "same_pages": True,
                "token_chains_old": G * top, "token_chains_new": G * math.ceil(top / entries),
@@ -185,8 +181,7 @@ def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_pro
             p_hi = -(-int(r["last"][i]) // page) if int(r["last"][i]) > int(r["first"][i]) else p_lo
             for kv in range(num_kv_heads):
                 pair = bounds[i, kv * G:(kv + 1) * G]
-                got = simulate_pair(pair, p_lo, p_hi, top, block_p, pages_per_program, decision_block_p=wide,
-                                    page_top_block_p=top_tile)
+                got = simulate_pair(pair, p_lo, p_hi, top, block_p, pages_per_program, page_top_block_p=top_tile)
                 narrow = simulate_pair(pair, p_lo, p_hi, top, block_p, pages_per_program)  # every tile of block_p
                 for key in ("page_top_old", "page_top_new"):
                     row[key] = max([row[key], *got[key]])
@@ -235,10 +230,9 @@ def report(results: dict[str, Any]) -> str:
              "that enters a list; the decision merges 4 stretch lists per tile); token chains: the chains of "
              "dependent loads per program that read the top pages' tokens; tile loads: the serial tiles of page "
              "extrema the longest page-top / decision program loads (not pipelined: each waits one "
-             f"memory round trip), with tiles of {first['block_p']} pages everywhere, and now, where a launch only "
-             f"decides, of {first['page_top_block_p']} in a page-top program and {first['decision_block_p']} in the "
-             f"decision launched apart (the attending split keeps {first['block_p']}). Rounds and tiles counted, "
-             "not timed.", "",
+             f"memory round trip), with tiles of {first['block_p']} pages everywhere, and now, with a page-top "
+             f"program's tiles of {first['page_top_block_p']} (the decision keeps {first['block_p']}). Rounds and "
+             "tiles counted, not timed.", "",
              table(["layout", "page-top launch old", "new", "decision launch old", "new", "token chains old", "new",
                     f"tile loads page-top / decision, {first['block_p']}-page tiles", "now",
                     "insertion kept topk's pages"], rows)]

@@ -228,16 +228,15 @@ def test_page_bounds_spread_over_programs_decide_alike(monkeypatch, case, pages_
 
 
 @pytest.mark.parametrize("features", [None, 64], ids=["wide", "narrow"])
-def test_launches_that_only_decide_bound_wider_tiles_and_decide_alike(monkeypatch, features):
-    """The page-top launch and the decision launched apart bound their pages in tiles of
-    :func:`~qada.attention.fused.decision_page_tile` (the attending split in tiles of ``page_tiles``' ``BLOCK_P``),
-    and any tile size decides alike: with ``features=64`` (4 pages of 16 features a tile) each program takes several
-    tiles, and the decisions, state and output equal the eager criterion's and the one-program launch's."""
+def test_page_top_programs_bound_wider_tiles_and_decide_alike(monkeypatch, features):
+    """The page-top launch bounds its pages in tiles of :func:`~qada.attention.fused.page_top_tile` (the decision
+    launched apart and the attending split in tiles of ``page_tiles``' ``BLOCK_P``), and any tile size decides alike:
+    with ``features=64`` (4 pages of 16 features a tile, at least 8) each program takes several tiles, and the
+    decisions, state and output equal the eager criterion's and the one-program launch's."""
     from qada.attention import _triton_kernel
     from qada.attention import fused as fused_module
 
     if features is not None:
-        monkeypatch.setattr(fused_module, "_DECISION_TILE_FEATURES", features)
         monkeypatch.setattr(fused_module, "_PAGE_TOP_TILE_FEATURES", features)
     tiles = []
     run = _triton_kernel.run
@@ -253,19 +252,14 @@ def test_launches_that_only_decide_bound_wider_tiles_and_decide_alike(monkeypatc
     criterion, state = prepared(step, C, **sizes)
     tau = tail_tau(criterion, step, state, H // H_kv, policy)
     spread, _, spread_state = check_tail(criterion, step, state, tau, policy, block, splits, decide_once=True,
-                                         pages_per_program=16)
-    wide = fused_module.decision_page_tile(d)
-    assert wide == (128 if features is None else 8)  # (at least 8 pages)
-    top = fused_module.decision_page_tile(d, fused_module._PAGE_TOP_TILE_FEATURES, 16)  # (at most the stretch)
-    assert top == (16 if features is None else 8)
-    assert tiles[:2] == [("qada_tail_page_top_kernel", None, top), ("qada_tail_fused_split_kernel", False, wide)]
-    tiles.clear()
-    attending, _ = fused_tail_launch(criterion, step, state, tau, policy, block, splits)  # the decision in the splits
-    assert tiles == [("qada_tail_fused_split_kernel", True, fused_module.page_tiles(16, 8, d)["BLOCK_P"])]
+                                         pages_per_program=24)
+    top = fused_module.page_top_tile(d, 24)
+    assert top == (32 if features is None else 8)  # (at most the stretch's power of two; at least 8 pages)
+    narrow = fused_module.page_tiles(16, 8, d)["BLOCK_P"]  # (pages of 16 slots, 8 top pages: the defaults)
+    assert tiles[:2] == [("qada_tail_page_top_kernel", None, top), ("qada_tail_fused_split_kernel", False, narrow)]
     one, one_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once=True)
     for name in ("decided", "local", "read", "broken", "counts", "n_exact", "log_ratio"):
         assert torch.equal(getattr(spread, name), getattr(one, name)), name
-        assert torch.equal(getattr(attending, name), getattr(one, name)), name
     assert_same_state(spread_state, one_state)
 
 

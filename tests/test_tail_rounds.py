@@ -34,15 +34,12 @@ def test_simulated_choice_is_topk_and_takes_fewer_rounds(seed):
     assert got["decision_new"] <= got["decision_old"]
     assert all(new <= old for new, old in zip(got["page_top_new"], got["page_top_old"], strict=True))
     assert (p_hi - p_lo > 64) == bool(got["page_top_old"])  # page-top programs only where the range is spread
-    wide = simulate_pair(bounds, p_lo, p_hi, top, block_p=16, pages_per_program=64, decision_block_p=32,
-                         page_top_block_p=64)
+    wide = simulate_pair(bounds, p_lo, p_hi, top, block_p=16, pages_per_program=64, page_top_block_p=64)
     assert same_as_topk(wide["rank"], wide["chosen"], p_lo, p_hi, top)  # the tile size changes no page
     assert sorted(map(sorted, (v for v, _ in wide["chosen"]))) == sorted(map(sorted, (v for v, _ in got["chosen"])))
     stretches = range(p_lo, p_hi, 64) if p_hi - p_lo > 64 else []
     assert got["page_top_tiles"] == [-(-(min(b + 64, p_hi) - b) // 16) for b in stretches]
     assert wide["page_top_tiles"] == [1 for _ in stretches]  # a page-top program: one tile of 64 pages, not 4
-    if p_hi - p_lo <= 64:  # the decision launched apart bounds its pages itself, in tiles of 32
-        assert wide["decision_tiles"] == -(-(p_hi - p_lo) // 32)
-    every = simulate_pair(bounds, p_lo, p_hi, top, block_p=16, pages_per_program=1 << 30, decision_block_p=32,
-                          page_top_block_p=64)
+    assert wide["decision_tiles"] == (0 if stretches else -(-(p_hi - p_lo) // 16))  # (merges lists, or bounds)
+    every = simulate_pair(bounds, p_lo, p_hi, top, block_p=16, pages_per_program=1 << 30, page_top_block_p=64)
     assert every["decision_tiles"] == -(-(p_hi - p_lo) // 16)  # the attending split keeps its tiles

@@ -250,25 +250,18 @@ _PAGE_TOP_TILE_FEATURES = 4096
 """Page bounds per tile of the page-top launch, times the padded head dimension: 64 pages of 64 features, 32 of 128.
 Triton's pipeliner leaves a loop of page-extrema tiles alone: each tile is loaded in its own iteration and used at
 once (sm_90 PTX, Triton 3.9: no ``cp.async``, no load of the next tile ahead), so each tile waits one memory round
-trip. The launches that only decide have few programs (one per row, KV head and stretch of pages), so their
-time is that serial chain: a page-top program of 256 pages takes 4 tiles instead of 16 at ``d = 64``. Their
-registers do not limit a grid that small (sm_90, Triton 3.9: 120-128 registers, no spill, at d = 64 and 128)."""
-
-_DECISION_TILE_FEATURES = 2048
-"""Page bounds per tile of the decision launched apart (the split kernel deciding without attending, ``decide_once``
-or a budget), times the padded head dimension: 32 pages of 64 features, 16 of 128. Half the page-top launch's: the
-decision also holds the window's scores and the exact set in registers (with 4,096 it spilled 20 bytes per thread
-at d = 128 on sm_90). The attending split keeps :data:`_PAGE_TILE_FEATURES`."""
+trip. A page-top launch has few programs (one per row, KV head and stretch of pages), so its time is that serial
+chain: a program of 256 pages takes 4 tiles instead of 16 at ``d = 64``. Its registers do not limit a grid that
+small (sm_90: 113-128 registers with Triton 3.9, 122-150 with 3.6, no spill). The decision launched apart keeps
+:data:`_PAGE_TILE_FEATURES`: it also holds the window's scores and the exact set, and with twice the tile it spilled
+20-28 bytes per thread under Triton 3.6."""
 
 
-def decision_page_tile(head_dim: int, features: int | None = None, pages_per_program: int | None = None) -> int:
-    """``BLOCK_P`` of a ``qada_tail`` launch that decides without attending: ``features`` (default
-    :data:`_DECISION_TILE_FEATURES`; the page-top launch passes :data:`_PAGE_TOP_TILE_FEATURES`) over the padded
-    head dimension, at least 8 pages and at most ``pages_per_program`` rounded up to a power of two (a page-top
-    program's stretch)."""
-    features = _DECISION_TILE_FEATURES if features is None else features
-    tile = max(8, features // max(16, _next_pow2(head_dim)))
-    return tile if pages_per_program is None else min(tile, max(8, _next_pow2(pages_per_program)))
+def page_top_tile(head_dim: int, pages_per_program: int) -> int:
+    """``BLOCK_P`` of the page-top launch: :data:`_PAGE_TOP_TILE_FEATURES` over the padded head dimension, at least 8
+    pages and at most a program's ``pages_per_program`` rounded up to a power of two."""
+    tile = max(8, _PAGE_TOP_TILE_FEATURES // max(16, _next_pow2(head_dim)))
+    return min(tile, max(8, _next_pow2(pages_per_program)))
 
 
 class FusedBudget(NamedTuple):
@@ -513,8 +506,6 @@ class FusedTritonExecutor(TritonExecutor):
             # the page bounds spread out (one level: a hierarchy bounds few pages)
             stretches = -(-n_pages // self.pages_per_program) if apart and not tail.super_page else 1
             tail_inputs, constants = tail.kernel_inputs(b, H_kv, C, d), tail.kernel_constants(d)
-            if apart:  # a launch that decides without attending: wider page tiles, fewer serial loads
-                constants = constants | {"BLOCK_P": decision_page_tile(d)}
             supers = tail.super_inputs(b, H_kv, C, d)
             candidates = (m, m, m)
             if stretches > 1:
@@ -617,8 +608,8 @@ class FusedTritonExecutor(TritonExecutor):
             vals, ids, oks, *query.stride(), *key.stride(), *kmin.stride(),
             C, H_kv, step.window.t_sink, step.window.t_local, float(step.scale), kmin.shape[2], self.pages_per_program,
             G=H // H_kv, D=d, BLOCK_G=common["BLOCK_G"], BLOCK_D=common["BLOCK_D"],
-            BLOCK_P=decision_page_tile(d, _PAGE_TOP_TILE_FEATURES, self.pages_per_program), PAGE=constants["PAGE"],
-            TOP=constants["TOP"], BLOCK_M=constants["BLOCK_M"],
+            BLOCK_P=page_top_tile(d, self.pages_per_program), PAGE=constants["PAGE"], TOP=constants["TOP"],
+            BLOCK_M=constants["BLOCK_M"],
             HAS_START=start is not None, HAS_END=end is not None, num_warps=self.num_warps,
         )  # fmt: skip
         return vals, ids, oks

@@ -19,7 +19,8 @@
 #                                                       # not fit one 10-minute call
 #   bash scripts/gpu-run.sh lean-b1 lean-b32            # the accurate read-lean configuration (qada_tail+E/lean), its
 #                                                       # torch layer step and fused (triton_fused), beside dense and
-#                                                       # qada fused: one batch size per stage (~3.5 min each)
+#                                                       # qada fused: one batch size per stage (6 rows, as the
+#                                                       # goals-smollm2 stages, which took 180-240 s on an H200)
 #
 # A session lent 15 minutes of device time (the start, every call and idle wait counted; ~30 s idle gives the machine
 # back): three calls back to back, the model's three parts (scripts/gpu-bundle.sh) carried one a call, each call's

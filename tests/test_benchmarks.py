@@ -219,25 +219,32 @@ def test_a_failing_configuration_is_recorded_and_the_others_measured(tiny):
     assert "FAILED: RuntimeError('no such run')" in text and "skipped: needs ~146 GiB" in text
 
 
-def test_a_configuration_failing_at_a_later_repetition_keeps_what_it_measured(tiny):
-    """A failure at the second repetition (on a GPU a device error stops every configuration there) keeps the
-    first repetition's measurements in the row, and the row's error says after how many repetitions it failed."""
+def failing_at_second_repetition(error: BaseException):
+    """A ``make_run`` whose run raises ``error`` when its second repetition starts (its second ``reset_stats``)."""
     from qada.models import build_run
 
     calls = []
 
-    def flaky_run():
+    def make_run():
         run = build_run("dense", "none", "sdpa")
         reset = run.reset_stats
 
         def reset_stats():
             calls.append(1)
             if len(calls) > 1:
-                raise RuntimeError("device lost")
+                raise error
             reset()
 
         run.reset_stats = reset_stats
         return run
+
+    return make_run
+
+
+def test_a_configuration_failing_at_a_later_repetition_keeps_what_it_measured(tiny):
+    """A failure at the second repetition (on a GPU a device error stops every configuration there) keeps the
+    first repetition's measurements in the row, and the row's error says after how many repetitions it failed."""
+    flaky_run = failing_at_second_repetition(RuntimeError("device lost"))
 
     def make():
         return [(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)) for _ in range(2)], [3]
@@ -259,22 +266,7 @@ def test_an_interrupted_case_saves_the_repetitions_done_then_stops(tiny):
     """A stage's time limit (``timeout --signal=INT``: a KeyboardInterrupt) in the second repetition: the case's rows
     are built from the first repetition of every configuration and handed to ``on_case`` (saved), each row saying
     it was interrupted, and the interrupt goes on (the run stops)."""
-    from qada.models import build_run
-
-    calls = []
-
-    def interrupted_run():
-        run = build_run("dense", "none", "sdpa")
-        reset = run.reset_stats
-
-        def reset_stats():
-            calls.append(1)
-            if len(calls) > 1:
-                raise KeyboardInterrupt
-            reset()
-
-        run.reset_stats = reset_stats
-        return run
+    interrupted_run = failing_at_second_repetition(KeyboardInterrupt())
 
     def make():
         return [(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)) for _ in range(2)], [3]

@@ -173,10 +173,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log(f"suite {name} on {info.get('gpu') or info['cpu']} ({info['cores']} cores, {info['torch_threads']} threads)")
     with torch.no_grad():
 
-        def run_attention() -> None:
-            reps = max(3, suite.attention_reps)
-            results["copy_bandwidth"] = attention.copy_bandwidth(device, suite.copy_bytes, reps=reps)
+        def measure_copy_bandwidth() -> None:  # the reference of every bandwidth the attention sections give
+            results["copy_bandwidth"] = attention.copy_bandwidth(device, suite.copy_bytes,
+                                                                 reps=max(3, suite.attention_reps))
             log(f"  copy bandwidth {results['copy_bandwidth']['bandwidth_gbs']:.1f} GB/s")
+
+        def run_attention() -> None:
+            measure_copy_bandwidth()
             results["attention"] = attention.run_attention(
                 suite.attention_shapes, suite.attention_lengths, suite.executors, device,
                 suite.attention_reps, suite.attention_inner, suite.flex_compile, log,
@@ -187,9 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     suite.attention_inner, log)
 
         def run_bandwidth() -> None:  # issue 33's dense at bandwidth alone: minutes less than the attention section
-            reps = max(3, suite.attention_reps)
-            results["copy_bandwidth"] = attention.copy_bandwidth(device, suite.copy_bytes, reps=reps)
-            log(f"  copy bandwidth {results['copy_bandwidth']['bandwidth_gbs']:.1f} GB/s")
+            measure_copy_bandwidth()
             lengths = [t for t in suite.attention_lengths if t >= 32768] or suite.attention_lengths[-1:]  # (dry run)
             attention.run_attention(suite.attention_shapes, lengths, ["triton"], device, suite.attention_reps,
                                     suite.attention_inner, suite.flex_compile, log, local_groups=[0],

@@ -75,7 +75,8 @@ def simulate_pair(bounds: Any, p_lo: int, p_hi: int, top: int, block_p: int, pag
     or launched apart) and of ``page_top_block_p`` (default ``block_p``) in the page-top programs. Returns the
     page-top programs' and the decision's longest rounds each way (max-extraction with tiles of ``block_p``, as the
     kernels until 2026-11-28; insertion with the tiles given), their serial tile loads (``*_tiles``: each tile's page
-    extrema wait one memory round trip) and the heads' chosen pages (insertion)."""
+    extrema wait one memory round trip; ``page_top_tiles_old`` with tiles of ``block_p``) and the heads' chosen pages
+    (insertion)."""
     import torch
 
     rank = torch.where(torch.isnan(bounds), torch.full_like(bounds, math.inf), bounds).tolist()
@@ -85,13 +86,14 @@ def simulate_pair(bounds: Any, p_lo: int, p_hi: int, top: int, block_p: int, pag
     deciding_tile = (page_top_block_p or block_p) if apart else block_p  # (page-top programs, else the decision)
     stretches = [(b, min(b + pages_per_program, p_hi)) for b in range(p_lo, p_hi, pages_per_program)] if apart \
         else [(p_lo, p_hi)]  # fmt: skip
-    stretch_lists, page_top_new, page_top_old, page_top_tiles = [], [], [], []
+    stretch_lists, page_top_new, page_top_old, page_top_tiles, page_top_tiles_old = [], [], [], [], []
     for begin, end in stretches:
         lists = [([-math.inf] * top, [0] * top) for _ in range(G)]
         tiles = [[[(rank[g][p], p) for p in range(t, min(t + deciding_tile, end))] for g in range(G)]
                  for t in range(begin, end, deciding_tile)]  # fmt: skip
         page_top_new.append(program_rounds(lists, tiles))
-        page_top_old.append(top * len(range(begin, end, block_p)))
+        page_top_tiles_old.append(len(range(begin, end, block_p)))
+        page_top_old.append(top * page_top_tiles_old[-1])
         page_top_tiles.append(len(tiles))
         stretch_lists.append(lists)
     if apart:  # the decision merges the stretches' lists, CANDIDATE_LISTS_PER_TILE per tile
@@ -106,10 +108,11 @@ def simulate_pair(bounds: Any, p_lo: int, p_hi: int, top: int, block_p: int, pag
     else:
         decision_new, decision_old = page_top_new[0], page_top_old[0]  # (the decision bounds its pages itself)
         decision_tiles = page_top_tiles[0]
-        page_top_new, page_top_old, page_top_tiles = [], [], []
+        page_top_new, page_top_old, page_top_tiles, page_top_tiles_old = [], [], [], []
         chosen = stretch_lists[0]
     return {"page_top_new": page_top_new, "page_top_old": page_top_old, "decision_new": decision_new,
-            "decision_old": decision_old, "page_top_tiles": page_top_tiles, "decision_tiles": decision_tiles,
+            "decision_old": decision_old, "page_top_tiles": page_top_tiles, "page_top_tiles_old": page_top_tiles_old,
+            "decision_tiles": decision_tiles,
             "chosen": chosen, "rank": rank}
 
 
@@ -169,28 +172,26 @@ def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_pro
         G = H // num_kv_heads
         tiles = page_tiles(page, top, d)
         block_p, entries = tiles["BLOCK_P"], tiles["ENTRIES"]
-        top_tile = page_top_tile(d, min(pages_per_program, 1 << 20))  # (a page-top program's tiles)
+        top_tile = page_top_tile(d, pages_per_program)  # (a page-top program's tiles)
         bounds = bounds_from_halves(query, halves, r["scale"])  # [b, H, n_pages]
         row = {"layer": layer, "pages": int(halves.shape[2]), "top": top, "block_p": block_p,
                "page_top_block_p": top_tile,
                "G": G, "page_top_old": 0, "page_top_new": 0, "decision_old": 0, "decision_new": 0, "same_pages": True,
                "token_chains_old": G * top, "token_chains_new": G * math.ceil(top / entries),
-               "page_top_tiles_old": 0, "page_top_tiles_new": 0, "decision_tiles_old": 0, "decision_tiles_new": 0}
+               "page_top_tiles_old": 0, "page_top_tiles_new": 0, "decision_tiles": 0}
         for i in range(b):
             p_lo = int(r["first"][i]) // page
             p_hi = -(-int(r["last"][i]) // page) if int(r["last"][i]) > int(r["first"][i]) else p_lo
             for kv in range(num_kv_heads):
                 pair = bounds[i, kv * G:(kv + 1) * G]
                 got = simulate_pair(pair, p_lo, p_hi, top, block_p, pages_per_program, page_top_block_p=top_tile)
-                narrow = simulate_pair(pair, p_lo, p_hi, top, block_p, pages_per_program)  # every tile of block_p
                 for key in ("page_top_old", "page_top_new"):
                     row[key] = max([row[key], *got[key]])
                 for key in ("decision_old", "decision_new"):
                     row[key] = max(row[key], got[key])
-                row["page_top_tiles_old"] = max([row["page_top_tiles_old"], *narrow["page_top_tiles"]])
+                row["page_top_tiles_old"] = max([row["page_top_tiles_old"], *got["page_top_tiles_old"]])
                 row["page_top_tiles_new"] = max([row["page_top_tiles_new"], *got["page_top_tiles"]])
-                row["decision_tiles_old"] = max(row["decision_tiles_old"], narrow["decision_tiles"])
-                row["decision_tiles_new"] = max(row["decision_tiles_new"], got["decision_tiles"])
+                row["decision_tiles"] = max(row["decision_tiles"], got["decision_tiles"])  # (tiles of block_p)
                 row["same_pages"] &= same_as_topk(got["rank"], got["chosen"], p_lo, p_hi, top)
         layers.append(row)
     return layers
@@ -210,14 +211,14 @@ def report(results: dict[str, Any]) -> str:
     from benchmarks.common import table
 
     keys = ("page_top_old", "page_top_new", "decision_old", "decision_new", "token_chains_old", "token_chains_new",
-            "page_top_tiles_old", "page_top_tiles_new", "decision_tiles_old", "decision_tiles_new")
+            "page_top_tiles_old", "page_top_tiles_new", "decision_tiles")
     rows = []
     for name, layers in results["scenarios"].items():
-        total = {key: sum(row.get(key, 0) for row in layers) for key in keys}
+        total = {key: sum(row[key] for row in layers) for key in keys}
         rows.append([name, total["page_top_old"], total["page_top_new"], total["decision_old"],
                      total["decision_new"], total["token_chains_old"], total["token_chains_new"],
-                     f"{total['page_top_tiles_old']} / {total['decision_tiles_old']}",
-                     f"{total['page_top_tiles_new']} / {total['decision_tiles_new']}",
+                     f"{total['page_top_tiles_old']} / {total['decision_tiles']}",
+                     f"{total['page_top_tiles_new']} / {total['decision_tiles']}",
                      "every layer" if all(r["same_pages"] for r in layers) else "NOT every layer"])
     first = next(iter(results["scenarios"].values()))[0]
     lines = [f"# The serial rounds of the qada_tail top-page choice: {results['model']}", "",

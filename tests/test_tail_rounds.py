@@ -39,6 +39,7 @@ def test_simulated_choice_is_topk_and_takes_fewer_rounds(seed):
     assert sorted(map(sorted, (v for v, _ in wide["chosen"]))) == sorted(map(sorted, (v for v, _ in got["chosen"])))
     stretches = range(p_lo, p_hi, 64) if p_hi - p_lo > 64 else []
     assert got["page_top_tiles"] == [-(-(min(b + 64, p_hi) - b) // 16) for b in stretches]
+    assert wide["page_top_tiles_old"] == got["page_top_tiles"]  # (the tiles of block_p, whatever the page-top's)
     assert wide["page_top_tiles"] == [1 for _ in stretches]  # a page-top program: one tile of 64 pages, not 4
     assert wide["decision_tiles"] == (0 if stretches else -(-(p_hi - p_lo) // 16))  # (merges lists, or bounds)
     every = simulate_pair(bounds, p_lo, p_hi, top, block_p=16, pages_per_program=1 << 30, page_top_block_p=64)

@@ -56,6 +56,10 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments, the GPU sui
                              "executor": {"name": "triton_fused", "decide_once": True}},
     "qada_tail_budget fused": {"criterion": {"name": "qada_tail_budget", "sparsity": 0.85},
                                "executor": {"name": "triton_fused"}},
+    "qada_tail+E/lean fused": {"criterion": {"name": "qada_tail", "tau": 0.3, "attend_exact": True, "super_page": 16,
+                                             "super_pages": 4, "pages": 4, "heavy": 16, "scale_exact": 8192,
+                                             "shrink_exact": False},  # (qada.criteria.READ_LEAN)
+                               "executor": {"name": "triton_fused"}},
     "qada fused pdl": {"criterion": {"name": "qada", "tau": 0.6}, "executor": {"name": "triton_fused", "pdl": True}},
     "qada_tail fused pdl": {"criterion": {"name": "qada_tail", "tau": 0.3},
                             "executor": {"name": "triton_fused", "pdl": True}},

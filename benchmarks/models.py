@@ -188,7 +188,8 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     if suite.e2e_executor == "triton":  # the variants a workload names among its compiled rows (the GPU suite's)
         for name, (criterion, executor) in FUSED_VARIANTS.items():
             if name in workload.compiled:
-                configs[name] = DecodeConfig(kind, lambda criterion=criteria[criterion], executor=executor: prepare_run(
+                criterion = criterion if isinstance(criterion, dict) else criteria[criterion]
+                configs[name] = DecodeConfig(kind, lambda criterion=criterion, executor=executor: prepare_run(
                     build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer),
                     count_events=True)
     for name, (criterion, executor) in (LEAN_ROWS if workload.lean else {}).items():  # the accurate configuration

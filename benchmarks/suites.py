@@ -78,7 +78,7 @@ TINY_BF16 = Shape("tiny-bf16", 1, 8, 2, 64, torch.bfloat16)
 LLAMA8B_CASES = Workload("llama3-8b-random", (32768, 131072), batches=(1, 8),
                          compiled=("dense", "dense packed", "qada dense", "qada", "qada fused", "qada_tail fused",
                                    "qada_tail fused once", "qada_tail_budget", "qada_tail_budget fused",
-                                   "static rho_kv=0.875"),
+                                   "qada_tail_budget/group fused", "static rho_kv=0.875"),
                          tail=True, moments="current")  # fmt: skip
 
 SPREAD_PAGES = 32
@@ -87,18 +87,21 @@ SPREAD_PAGES = 32
 programs take 16 tiles each; the decision launch then merges 16 lists per query head instead of 2."""
 
 
-FUSED_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     "qada fused inductor": ("qada", {"name": "triton_fused", "decide_once": False, "compile_step": True}),
     "qada fused pdl": ("qada", {"name": "triton_fused", "decide_once": False, "pdl": True}),
     "qada_tail fused pdl": ("qada_tail", {"name": "triton_fused", "decide_once": False, "pdl": True}),
     "qada_tail fused spread": ("qada_tail", {"name": "triton_fused", "decide_once": True,
                                              "pages_per_program": SPREAD_PAGES}),
+    "qada_tail_budget/group fused": ({"name": "qada_tail_budget", "sparsity": 0.85, "per_group": True},
+                                     {"name": "triton_fused"}),
 }  # fmt: skip
 """Rows built only where a workload's compiled rows name them (the GPU suite's; on the CPU, under Triton's
 interpreter, each would be its plain ``fused`` row again): name -> (``qada`` or a criterion of
 :data:`~benchmarks.models.TAIL_CONFIGS`, executor). ``inductor``: the layer step compiled by Inductor
 (``compile_step``); ``pdl``: programmatic dependent launches; ``spread``: ``qada_tail``'s page bounds over programs
-of :data:`SPREAD_PAGES` pages."""
+of :data:`SPREAD_PAGES` pages; ``qada_tail_budget/group``: the budget rule over whole KV groups (``per_group``: 85%
+of each row's groups local, so that a budget skips whole groups' bytes; a criterion given as its arguments)."""
 
 LEAN_TAIL = {"name": "qada_tail", "tau": 0.3, "attend_exact": True, "super_page": 16, "super_pages": 4, "pages": 4,
              "heavy": 16, "scale_exact": 8192, "shrink_exact": False}

@@ -159,6 +159,41 @@ def record_top_pages(model: Any, run: Any, ids: Any, steps: int = 2) -> list[dic
     return list(seen)
 
 
+PAGE_TOP_TILE_FEATURES_BEFORE = 4096
+"""The page-top launch's tile (pages times the padded head dimension) before its tiles were loaded a tile ahead
+(2026-12-04): 64 pages at ``d = 64``, each tile loaded in its own iteration and waited for."""
+
+
+def round_trips(n_pages: int, pages_per_program: int, G: int, top: int, entries: int, block_p: int,
+                head_dim: int) -> dict[str, int]:
+    """The memory round trips one (row, KV head)'s longest page-top program and its decision wait for (a load not
+    issued ahead of the work before it), for a bulk of ``n_pages`` pages, by the kernels' structure (no data):
+
+    * page-top program, ``before``: each of its tiles of :data:`PAGE_TOP_TILE_FEATURES_BEFORE` features; ``now``:
+      the first tile only (:func:`~qada.attention._fused_tail_kernel.page_top`'s ``AHEAD``: the next tile loads
+      while the tile before is bounded and inserted);
+    * decision: its tiles of page extrema (bounding pages itself: in every split, which loads no tile ahead) or of
+      stretch lists (launched apart: 4 lists a tile), then the top pages' tokens, ``G x ceil(TOP / ENTRIES)``
+      chunks: ``before`` two dependent loads each (heavy flags, then keys); ``now`` one each in a split that
+      attends (flags and keys together), and in a launch that only decides the first chunk alone (the keys
+      through the loop's software pipeline, the flags loaded by the chunk before).
+
+    Counted, not timed: a load issued ahead is still waited for when the work it overlaps is shorter."""
+    from qada.attention.fused import _next_pow2
+
+    apart = n_pages > pages_per_program
+    chunks = G * math.ceil(top / entries)
+    longest = min(n_pages, pages_per_program)
+    tile_before = max(8, PAGE_TOP_TILE_FEATURES_BEFORE // max(16, _next_pow2(head_dim)))
+    if apart:
+        merges = math.ceil(math.ceil(n_pages / pages_per_program) / CANDIDATE_LISTS_PER_TILE)
+        return {"page_top_waits_before": math.ceil(longest / tile_before), "page_top_waits_now": 1 if longest else 0,
+                "decision_waits_before": merges + 2 * chunks, "decision_waits_now": merges + (1 if chunks else 0)}
+    tiles = math.ceil(n_pages / block_p)
+    return {"page_top_waits_before": 0, "page_top_waits_now": 0, "decision_waits_before": tiles + 2 * chunks,
+            "decision_waits_now": tiles + chunks}
+
+
 def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_program: int) -> list[dict[str, Any]]:
     """Per layer: the longest program's rounds each way (page-top launch, decision launch), the token chains, and
     whether insertion kept ``topk``'s pages, from :func:`record_top_pages`' records."""
@@ -178,7 +213,9 @@ def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_pro
                "page_top_block_p": top_tile,
                "G": G, "page_top_old": 0, "page_top_new": 0, "decision_old": 0, "decision_new": 0, "same_pages": True,
                "token_chains_old": G * top, "token_chains_new": G * math.ceil(top / entries),
-               "page_top_tiles_old": 0, "page_top_tiles_new": 0, "decision_tiles": 0}
+               "page_top_tiles_old": 0, "page_top_tiles_new": 0, "decision_tiles": 0,
+               "page_top_waits_before": 0, "page_top_waits_now": 0, "decision_waits_before": 0,
+               "decision_waits_now": 0}
         for i in range(b):
             p_lo = int(r["first"][i]) // page
             p_hi = -(-int(r["last"][i]) // page) if int(r["last"][i]) > int(r["first"][i]) else p_lo
@@ -193,6 +230,9 @@ def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_pro
                 row["page_top_tiles_new"] = max([row["page_top_tiles_new"], *got["page_top_tiles"]])
                 row["decision_tiles"] = max(row["decision_tiles"], got["decision_tiles"])  # (tiles of block_p)
                 row["same_pages"] &= same_as_topk(got["rank"], got["chosen"], p_lo, p_hi, top)
+                waits = round_trips(p_hi - p_lo, pages_per_program, G, top, entries, block_p, d)
+                for key, value in waits.items():
+                    row[key] = max(row[key], value)
         layers.append(row)
     return layers
 
@@ -211,7 +251,8 @@ def report(results: dict[str, Any]) -> str:
     from benchmarks.common import table
 
     keys = ("page_top_old", "page_top_new", "decision_old", "decision_new", "token_chains_old", "token_chains_new",
-            "page_top_tiles_old", "page_top_tiles_new", "decision_tiles")
+            "page_top_tiles_old", "page_top_tiles_new", "decision_tiles", "page_top_waits_before",
+            "page_top_waits_now", "decision_waits_before", "decision_waits_now")
     rows = []
     for name, layers in results["scenarios"].items():
         total = {key: sum(row[key] for row in layers) for key in keys}
@@ -219,6 +260,8 @@ def report(results: dict[str, Any]) -> str:
                      total["decision_new"], total["token_chains_old"], total["token_chains_new"],
                      f"{total['page_top_tiles_old']} / {total['decision_tiles']}",
                      f"{total['page_top_tiles_new']} / {total['decision_tiles']}",
+                     f"{total['page_top_waits_before']} / {total['decision_waits_before']}",
+                     f"{total['page_top_waits_now']} / {total['decision_waits_now']}",
                      "every layer" if all(r["same_pages"] for r in layers) else "NOT every layer"])
     first = next(iter(results["scenarios"].values()))[0]
     lines = [f"# The serial rounds of the qada_tail top-page choice: {results['model']}", "",
@@ -232,10 +275,14 @@ def report(results: dict[str, Any]) -> str:
              "dependent loads per program that read the top pages' tokens; tile loads: the serial tiles of page "
              "extrema the longest page-top / decision program loads (not pipelined: each waits one "
              f"memory round trip), with tiles of {first['block_p']} pages everywhere, and now, with a page-top "
-             f"program's tiles of {first['page_top_block_p']} (the decision keeps {first['block_p']}). Rounds and "
-             "tiles counted, not timed.", "",
+             f"program's tiles of {first['page_top_block_p']} (the decision keeps {first['block_p']}); round trips "
+             "waited: the loads the longest page-top / decision program waits for, not issued ahead of the work "
+             "before them (`round_trips`: page extrema tiles, stretch-list tiles, token chunks), before the "
+             "page-top tiles were loaded a tile ahead and the token chunks pipelined (2026-12-04) and now. Rounds, "
+             "tiles and round trips counted from the kernels' structure, not timed.", "",
              table(["layout", "page-top launch old", "new", "decision launch old", "new", "token chains old", "new",
                     f"tile loads page-top / decision, {first['block_p']}-page tiles", "now",
+                    "round trips waited page-top / decision, before", "now",
                     "insertion kept topk's pages"], rows)]
     return "\n".join(lines) + "\n"
 

@@ -24,7 +24,8 @@
 #
 # A session lent 15 minutes of device time (the start, every call and idle wait counted; ~30 s idle gives the machine
 # back): three calls back to back, the model's three parts (scripts/gpu-bundle.sh) carried one a call, each call's
-# stages chosen to end inside its share (seconds measured on an H200: goals-llama 155, a goals-smollm2 stage 180-240):
+# stages chosen to end inside its share (seconds measured on an H200: goals-llama 155 with 4 rows as now, a goals-smollm2
+# stage 180-240):
 #   run(command="source .gpu/p0/setup.sh && LIMIT_goals_llama=220 bash scripts/gpu-run.sh env goals-llama",
 #       carry=[".gpu/p0"], timeout_s=300)
 #   run(command="source .gpu/p1/setup.sh && LIMIT_bandwidth=200 bash scripts/gpu-run.sh bandwidth", carry=[".gpu/p1"],
@@ -42,8 +43,8 @@
 # and qada_tail_budget fused, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, dense packed, qada
 # fused, qada_tail fused once, qada_tail+E/lean with its layer step compiled and fused, graph-captured), bandwidth
 # (the triton executor's dense path and its launch settings against copy bandwidth, Llama-3-8B layer shapes at 32k and
-# 128k, B = 1 and 8: no model, no flex), goals-llama (128k, B = 1: dense, dense packed, qada's all-dense path,
-# the budget fused, graph-captured), llama, llama-32k, llama-128k.
+# 128k, B = 1 and 8: no model, no flex), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused
+# over heads and over whole KV groups, graph-captured), llama, llama-32k, llama-128k.
 # Each stage's limit (seconds) can be changed with LIMIT_<stage>=..., e.g. LIMIT_smollm2=300.
 set -u
 out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
@@ -94,7 +95,7 @@ for s in "$@"; do
     lean-b1|lean-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#lean-b}" --configs "$lean_rows" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \
-             --lengths 131072 --batches 1 --configs "dense compiled,dense packed compiled,qada dense compiled,qada_tail_budget fused compiled" ;;
+             --lengths 131072 --batches 1 --configs "dense compiled,qada dense compiled,qada_tail_budget fused compiled,qada_tail_budget/group fused compiled" ;;
     llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;
     llama-32k) stage llama-32k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 32768 ;;
     llama-128k) stage llama-128k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 131072 ;;

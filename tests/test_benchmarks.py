@@ -430,8 +430,11 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
                "qada_tail_budget fused compiled"} | lean} == {k for k in rows if k[0] == "smollm2"}
     random_rows = eager | fused | graphed | {"dense dynamic cache", "qada_tail fused compiled",
                                              "qada_tail fused once compiled", "qada_tail_budget compiled",
-                                             "qada_tail_budget fused compiled", "static rho_kv=0.875 compiled"}
+                                             "qada_tail_budget fused compiled", "static rho_kv=0.875 compiled",
+                                             "qada_tail_budget/group fused", "qada_tail_budget/group fused compiled"}
     assert {("tiny-random", 1, c) for c in random_rows} == {k for k in rows if k[0] == "tiny-random"}
+    group = rows[("tiny-random", 1, "qada_tail_budget/group fused")]  # whole KV groups local: every local head's
+    assert group["kv_sparsity"] == pytest.approx(group["sparsity"]) and group["sparsity"] > 0  # group skips its bulk
     for name in ("qada", "qada_tail", "qada_tail_budget"):  # the same decisions in the kernel
         for fused_name in {f"{name} fused", f"{name} fused once"} & fused:
             fused_sparsity = rows[("smollm2", 2, fused_name)]["sparsity"]
@@ -485,17 +488,26 @@ def test_a_row_says_when_its_layer_step_ran_eagerly():
 
 
 @pytest.mark.parametrize("name", ["qada fused inductor", "qada fused pdl", "qada_tail fused pdl",
-                                  "qada_tail fused spread"])
+                                  "qada_tail fused spread", "qada_tail_budget/group fused"])
 def test_fused_variant_rows_only_where_a_workload_names_them(name):
     """The fused variants (``inductor``: ``compile_step=True``; ``pdl``: programmatic dependent launches; ``spread``:
-    narrow page-top programs), built only where the workload's compiled rows name them: the GPU suite, not its dry
-    run, where each would be its plain ``fused`` row again."""
+    narrow page-top programs; ``/group``: the budget over whole KV groups), built only where the workload's compiled
+    rows name them: the GPU suite (SmolLM2's, or the Llama-3-8B shapes' for the group budget), not its dry run, where
+    each would be its plain ``fused`` row again."""
     from dataclasses import replace
 
     from tiny_models import tiny_model
 
     from benchmarks.models import build_configs
-    from benchmarks.suites import DRY_RUN_COMPILED, FUSED_VARIANTS, SMOLLM2_GPU, SPREAD_PAGES, SUITES, Workload
+    from benchmarks.suites import (
+        DRY_RUN_COMPILED,
+        FUSED_VARIANTS,
+        LLAMA8B_CASES,
+        SMOLLM2_GPU,
+        SPREAD_PAGES,
+        SUITES,
+        Workload,
+    )
 
     suite = replace(SUITES["gpu-dryrun"], e2e_executor="triton")
     model = tiny_model("llama")
@@ -504,12 +516,14 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
     assert {name, f"{name} compiled"} <= set(configs)
     run = configs[name].make_run()
     criterion, executor = FUSED_VARIANTS[name]
+    criterion = criterion if isinstance(criterion, str) else criterion["name"]
     assert run.criterion.registry_name == criterion and run.executor.registry_name == "triton_fused"
     assert run.executor.compile_step is name.endswith("inductor") and run.executor.pdl is name.endswith("pdl")
-    assert run.executor.decide_once is name.endswith("spread")
+    assert run.executor.decide_once is (None if "/group" in name else name.endswith("spread"))
     assert run.executor.pages_per_program == (SPREAD_PAGES if name.endswith("spread") else 256)
+    assert getattr(run.criterion, "per_group", False) is ("/group" in name)
     assert name not in build_configs(suite, replace(named, compiled=()), model, None, 1)
-    assert name in SMOLLM2_GPU.compiled and name not in DRY_RUN_COMPILED
+    assert name in (LLAMA8B_CASES if "/group" in name else SMOLLM2_GPU).compiled and name not in DRY_RUN_COMPILED
 
 
 def test_interleaved_configurations_parse():
@@ -561,12 +575,14 @@ def test_interleaved_steps_write_their_ratios(tmp_path):
 
 
 def test_lean_configurations_are_read_lean_with_attend_exact():
-    """``benchmarks/dispatch_count.py`` (no torch import at its top) and the GPU suite spell the accurate
-    configuration out: it must stay ``READ_LEAN`` with ``attend_exact``, as ``benchmarks/interleaved.py`` builds it."""
+    """``benchmarks/dispatch_count.py``, ``benchmarks/kernel_resources.py`` (no torch import at their top) and the GPU
+    suite spell the accurate configuration out: it must stay ``READ_LEAN`` with ``attend_exact``, as
+    ``benchmarks/interleaved.py`` builds it."""
     from benchmarks.dispatch_count import LEAN
     from benchmarks.interleaved import CRITERIA
+    from benchmarks.kernel_resources import CONFIGS
     from benchmarks.suites import LEAN_TAIL
     from qada.criteria import READ_LEAN
 
-    assert LEAN == LEAN_TAIL == CRITERIA["qada_tail+E/lean"] == {"name": "qada_tail", "tau": 0.3,
-                                                                   "attend_exact": True, **READ_LEAN}
+    assert LEAN == LEAN_TAIL == CRITERIA["qada_tail+E/lean"] == CONFIGS["qada_tail+E/lean fused"]["criterion"] == {
+        "name": "qada_tail", "tau": 0.3, "attend_exact": True, **READ_LEAN}

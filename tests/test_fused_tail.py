@@ -515,7 +515,7 @@ COMPILE = textwrap.dedent(
                          HAS_SINKS=features, PROMOTE=features, INPUT_PRECISION="ieee" if dtype == "fp32" else None,
                          DOT_FP32=False, SOFTCAP=features, ATTEND=not features, SCORE=features,
                          CANDIDATES=features, PDL=not features, SUPER=16 if lean else 0, SUPER_TOP=4 if lean else 1,
-                         BLOCK_SM=4 if lean else 2, EXACT=lean)
+                         BLOCK_SM=4 if lean else 2, EXACT=lean, TOKEN_STAGES=2)
         floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
         for kernel in (K.qada_tail_fused_split_kernel, K.qada_tail_page_top_kernel):
             names = kernel.arg_names

@@ -25,11 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MAX_SPILL_BYTES = 64
 MIN_PROGRAMS_PER_SM = 3  # at head size 128 and below; at 256 (Gemma-2, Gemma-3) 2: twice the registers per tile
-ROW_HEAD_KERNELS = {"current_moment_step_kernel": 2, "stored_moment_step_kernel": 2}
-"""Kernels of one program per (row, KV head), never split: the moment step's, whose grid fills two programs per SM of
-a 132-SM GPU only beyond 264 (row, KV head) pairs (SmolLM2 at batch 88, Llama-3-8B at 33). They spend registers on
-32 x 32 block pairs of their float64 state instead (three block pairs at d = 64 where blocks of 16 took ten, each a
-round of dependent loads: what a launch of few programs waits for), and need two programs per SM."""
+ROW_HEAD_KERNELS = {"current_moment_step_kernel": 2, "stored_moment_step_kernel": 2, "qada_tail_page_top_kernel": 2}
+"""Kernels of few programs, whose time is a chain of dependent loads rather than their grid's occupancy: the moment
+step's, one program per (row, KV head), never split, whose grid fills two programs per SM of a 132-SM GPU only
+beyond 264 (row, KV head) pairs (SmolLM2 at batch 88, Llama-3-8B at 33). They spend registers on 32 x 32 block pairs
+of their float64 state instead (three block pairs at d = 64 where blocks of 16 took ten, each a round of dependent
+loads: what a launch of few programs waits for), and need two programs per SM. And the page-top launch's, one
+program per (row, KV head, stretch of 256 pages: two at 7.68k, 32 at 128k), which holds two tiles of page extrema
+(the next one loads while the current one is bounded: one round trip a program instead of one a tile)."""
 
 SCRIPT = textwrap.dedent(
     """

@@ -44,3 +44,22 @@ def test_simulated_choice_is_topk_and_takes_fewer_rounds(seed):
     assert wide["decision_tiles"] == (0 if stretches else -(-(p_hi - p_lo) // 16))  # (merges lists, or bounds)
     every = simulate_pair(bounds, p_lo, p_hi, top, block_p=16, pages_per_program=1 << 30, page_top_block_p=64)
     assert every["decision_tiles"] == -(-(p_hi - p_lo) // 16)  # the attending split keeps its tiles
+
+
+def test_round_trips_waited_follow_the_kernels_structure():
+    """A page-top program waits for its first tile only (the next ones load a tile ahead), where before it waited for
+    each of its tiles of 4,096 features; a decision launched apart waits for its stretch-list tiles and its first
+    token chunk only (each chunk was two dependent loads); a split that attends waits for each chunk once."""
+    from benchmarks.tail_rounds import round_trips
+
+    # SmolLM2 at 7.68k: 481 pages, 256 per page-top program, G = 3, TOP = 8, 4 pages a chunk (d = 64)
+    apart = round_trips(481, 256, G=3, top=8, entries=4, block_p=16, head_dim=64)
+    assert apart == {"page_top_waits_before": 4, "page_top_waits_now": 1, "decision_waits_before": 1 + 2 * 6,
+                     "decision_waits_now": 1 + 1}
+    # Llama-3-8B at 128k: 8,192 pages in 32 stretches (8 tiles of 4 lists), G = 4, 2 pages a chunk (d = 128)
+    llama = round_trips(8192, 256, G=4, top=8, entries=2, block_p=8, head_dim=128)
+    assert llama == {"page_top_waits_before": 8, "page_top_waits_now": 1, "decision_waits_before": 8 + 2 * 16,
+                     "decision_waits_now": 8 + 1}
+    every = round_trips(100, 256, G=3, top=8, entries=4, block_p=16, head_dim=64)  # bounded in every split
+    assert every == {"page_top_waits_before": 0, "page_top_waits_now": 0, "decision_waits_before": 7 + 2 * 6,
+                     "decision_waits_now": 7 + 6}

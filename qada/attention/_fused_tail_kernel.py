@@ -170,25 +170,35 @@ def empty_top(BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def tile_bounds(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stride_ed, pages, p_ok, new_page,
-                low_new, high_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_D: tl.constexpr):  # fmt: skip
-    """Each query head's bound ``scale [q, |q|]·[c, r]`` on the scores of the pages ``pages [BLOCK_P]`` (where
-    ``p_ok``): ``[BLOCK_G, BLOCK_P]`` float32 (:func:`~qada.functional.tail.page_bounds`; the step key's page with
-    its new extrema ``low_new, high_new`` from registers). ``q_head``: the group's first query head (the others
-    ``stride_qh`` apart), read one head at a time. The centre ``c = (kmin + kmax) / 2`` and radius ``r = (kmax -
-    kmin) / 2`` are made in float32 from the extrema at ``kmin_base`` / ``kmax_base`` (one page ``stride_ep``
-    apart), as :func:`~qada.functional.tail.page_halves` makes the float32 halves the eager criterion reads: the same
+def tile_extrema(kmin_base, kmax_base, stride_ep, stride_ed, p0, p_end, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_P: tl.constexpr):  # fmt: skip
+    """The stored extrema ``(low, high) [BLOCK_P, BLOCK_D]`` (their dtype) of the pages ``p0 + [0, BLOCK_P)`` below
+    ``p_end`` at ``kmin_base`` / ``kmax_base`` (one page ``stride_ep`` apart; 0 elsewhere): one tile's loads, issued
+    a tile ahead of their use by the loops that bound pages (:func:`page_top`, :func:`super_top`)."""
+    pages = p0 + tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    at = pages[:, None].to(tl.int64) * stride_ep + offs_d[None, :] * stride_ed
+    both = (pages < p_end)[:, None] & (offs_d < D)[None, :]
+    return tl.load(kmin_base + at, mask=both, other=0.0), tl.load(kmax_base + at, mask=both, other=0.0)
+
+
+@triton.jit
+def tile_bounds(q_head, stride_qh, stride_qd, low, high, pages, new_page, low_new, high_new, scale, G: tl.constexpr,
+                D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Each query head's bound ``scale [q, |q|]·[c, r]`` on the scores of the pages ``pages [BLOCK_P]`` whose stored
+    extrema are ``low, high [BLOCK_P, BLOCK_D]`` (:func:`tile_extrema`): ``[BLOCK_G, BLOCK_P]`` float32
+    (:func:`~qada.functional.tail.page_bounds`; the step key's page with its new extrema ``low_new, high_new`` from
+    registers). ``q_head``: the group's first query head (the others ``stride_qh`` apart), read one head at a time.
+    The centre ``c = (kmin + kmax) / 2`` and radius ``r = (kmax - kmin) / 2`` are made in float32 from the extrema,
+    as :func:`~qada.functional.tail.page_halves` makes the float32 halves the eager criterion reads: the same
     values, from half their bytes in a 16-bit cache's dtype. The bounds are float32 sums, one query head at a time
     (not a float32 ``ieee`` dot: that holds whole rows of both tiles per thread, hundreds of registers on a GPU)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    at = pages[:, None].to(tl.int64) * stride_ep + offs_d[None, :] * stride_ed
-    both = p_ok[:, None] & d_ok[None, :]
     is_new = (pages == new_page)[:, None]  # the step key's page: its new extrema, from registers
-    low = tl.where(is_new, low_new[None, :], tl.load(kmin_base + at, mask=both, other=0.0).to(tl.float32))
-    high = tl.where(is_new, high_new[None, :], tl.load(kmax_base + at, mask=both, other=0.0).to(tl.float32))
+    low = tl.where(is_new, low_new[None, :], low.to(tl.float32))
+    high = tl.where(is_new, high_new[None, :], high.to(tl.float32))
     bound = tl.zeros([BLOCK_G, pages.shape[0]], dtype=tl.float32)
     for g in tl.static_range(G):
         is_g = offs_g == g
@@ -202,16 +212,28 @@ def tile_bounds(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, s
 @triton.jit
 def page_top(vals, ids, oks, q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stride_ed, p_begin,
              p_end, new_page, low_new, high_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-             BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+             BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr,
+             AHEAD: tl.constexpr):  # fmt: skip
     """Each query head's running list ``(vals, ids, oks) [BLOCK_G, BLOCK_M]`` of its ``TOP`` best pages with the
     pages of ``[p_begin, p_end)`` inserted by bound (:func:`tile_bounds`, by tiles of ``BLOCK_P``;
-    :func:`insert_top`; a NaN bound ranks first and marks its page invalid, as ``topk`` does)."""
+    :func:`insert_top`; a NaN bound ranks first and marks its page invalid, as ``topk`` does). With ``AHEAD`` each
+    tile's extrema load while the tile before is bounded and inserted (twice a tile's registers)."""
     offs_g = tl.arange(0, BLOCK_G)
+    if AHEAD:
+        low_next, high_next = tile_extrema(kmin_base, kmax_base, stride_ep, stride_ed, p_begin, p_end, D, BLOCK_D,
+                                           BLOCK_P)  # fmt: skip
     for p0 in range(p_begin, p_end, BLOCK_P):
         pages = p0 + tl.arange(0, BLOCK_P)
         p_ok = pages < p_end
-        bound = tile_bounds(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep, stride_ed, pages, p_ok,
-                            new_page, low_new, high_new, scale, G, D, BLOCK_G, BLOCK_D)  # [BLOCK_G, BLOCK_P]
+        if AHEAD:  # the next tile's loads, in flight while this tile is bounded and inserted (Triton pipelines no
+            # loop with a loop inside: each tile would wait one memory round trip)
+            low, high = low_next, high_next
+            low_next, high_next = tile_extrema(kmin_base, kmax_base, stride_ep, stride_ed, p0 + BLOCK_P, p_end, D,
+                                               BLOCK_D, BLOCK_P)  # fmt: skip
+        else:
+            low, high = tile_extrema(kmin_base, kmax_base, stride_ep, stride_ed, p0, p_end, D, BLOCK_D, BLOCK_P)
+        bound = tile_bounds(q_head, stride_qh, stride_qd, low, high, pages, new_page, low_new, high_new, scale, G, D,
+                            BLOCK_G, BLOCK_D)  # [BLOCK_G, BLOCK_P]
         rank = tl.where(p_ok[None, :] & (offs_g < G)[:, None], tl.where(bound != bound, float("inf"), bound),
                         float("-inf"))  # (padding heads rank nothing: no insertion rounds of their own)
         page_ok = tl.where(p_ok[None, :] & (tl.abs(bound) < float("inf")), 1, 0)
@@ -222,7 +244,8 @@ def page_top(vals, ids, oks, q_head, stride_qh, stride_qd, kmin_base, kmax_base,
 @triton.jit
 def super_top(q_head, stride_qh, stride_qd, smin_base, smax_base, stride_sp, stride_sd, s_begin, s_end, new_super,
               low_new, high_new, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+              BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr,
+              AHEAD: tl.constexpr):  # fmt: skip
     """The first level of :func:`~qada.functional.tail.top_pages_hierarchical`: the KV group's ``TOP`` super-pages
     of ``[s_begin, s_end)`` by their bound's maximum over the group's query heads (a NaN bound of any head ranks
     the super-page first, as ``amax`` then ``topk`` do), from the super-pages' extrema (:func:`tile_bounds`; the
@@ -230,11 +253,20 @@ def super_top(q_head, stride_qh, stride_qd, smin_base, smax_base, stride_sp, str
     (``-inf``: an empty entry)."""
     offs_g = tl.arange(0, BLOCK_G)
     vals, ids, oks = empty_top(BLOCK_G, BLOCK_M)
+    if AHEAD:
+        low_next, high_next = tile_extrema(smin_base, smax_base, stride_sp, stride_sd, s_begin, s_end, D, BLOCK_D,
+                                           BLOCK_P)  # fmt: skip
     for p0 in range(s_begin, s_end, BLOCK_P):
         pages = p0 + tl.arange(0, BLOCK_P)
         p_ok = pages < s_end
-        bound = tile_bounds(q_head, stride_qh, stride_qd, smin_base, smax_base, stride_sp, stride_sd, pages, p_ok,
-                            new_super, low_new, high_new, scale, G, D, BLOCK_G, BLOCK_D)  # fmt: skip
+        if AHEAD:  # (a tile ahead, as page_top)
+            low, high = low_next, high_next
+            low_next, high_next = tile_extrema(smin_base, smax_base, stride_sp, stride_sd, p0 + BLOCK_P, s_end, D,
+                                               BLOCK_D, BLOCK_P)  # fmt: skip
+        else:
+            low, high = tile_extrema(smin_base, smax_base, stride_sp, stride_sd, p0, s_end, D, BLOCK_D, BLOCK_P)
+        bound = tile_bounds(q_head, stride_qh, stride_qd, low, high, pages, new_super, low_new, high_new, scale, G,
+                            D, BLOCK_G, BLOCK_D)  # fmt: skip
         rank = tl.where((offs_g < G)[:, None], tl.where(bound != bound, float("inf"), bound), float("-inf"))
         group = tl.where(p_ok, tl.max(rank, axis=0), float("-inf"))  # [BLOCK_P]
         rank = tl.zeros([BLOCK_G, BLOCK_P], dtype=tl.float32) + group[None, :]
@@ -248,16 +280,16 @@ def hierarchical_top(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_
                      stride_sp, stride_sd, p_lo, p_hi, new_page, low, high, new_super, super_low, super_high, scale,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_P: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, SUPER: tl.constexpr,
-                     SUPER_TOP: tl.constexpr, BLOCK_SM: tl.constexpr):  # fmt: skip
+                     SUPER_TOP: tl.constexpr, BLOCK_SM: tl.constexpr, AHEAD: tl.constexpr):  # fmt: skip
     """Each query head's ``TOP`` pages of the bulk's pages ``[p_lo, p_hi)`` through a hierarchy of ``SUPER`` pages
     per super-page (:func:`~qada.functional.tail.top_pages_hierarchical`): the group's ``SUPER_TOP`` best
     super-pages (:func:`super_top`), then the pages of the bulk inside them (:func:`page_top`), one super-page
-    after the other: ``(vals, ids, oks) [BLOCK_G, BLOCK_M]``."""
+    after the other: ``(vals, ids, oks) [BLOCK_G, BLOCK_M]``. ``AHEAD``: as :func:`page_top`'s."""
     s_lo = p_lo // SUPER
     s_hi = tl.where(p_hi > p_lo, tl.cdiv(p_hi, SUPER), s_lo)
     s_vals, s_ids = super_top(q_head, stride_qh, stride_qd, smin_base, smax_base, stride_sp, stride_sd, s_lo, s_hi,
                               new_super, super_low, super_high, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P, SUPER_TOP,
-                              BLOCK_SM)  # fmt: skip
+                              BLOCK_SM, AHEAD)  # fmt: skip
     offs_g = tl.arange(0, BLOCK_G)
     offs_sm = tl.arange(0, BLOCK_SM)
     vals, ids, oks = empty_top(BLOCK_G, BLOCK_M)
@@ -269,8 +301,32 @@ def hierarchical_top(q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_
         end = tl.where(chosen, tl.maximum(tl.minimum(first_page + SUPER, p_hi), begin), begin)
         vals, ids, oks = page_top(vals, ids, oks, q_head, stride_qh, stride_qd, kmin_base, kmax_base, stride_ep,
                                   stride_ed, begin, end, new_page, low, high, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P,
-                                  TOP, BLOCK_M)  # fmt: skip
+                                  TOP, BLOCK_M, AHEAD)  # fmt: skip
     return vals, ids, oks
+
+
+@triton.jit
+def list_chunk(i, ids, oks, bulk_lo, bulk_hi, CHUNKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_S: tl.constexpr, ENTRIES: tl.constexpr, PAGE: tl.constexpr, TOP: tl.constexpr):  # fmt: skip
+    """Chunk ``i`` of the loop over each query head's top pages, ``CHUNKS`` chunks of ``ENTRIES`` pages per head:
+    ``(g, slots, valid)``, the head ``g = i // CHUNKS`` and the slots ``[ENTRIES * BLOCK_S]`` (entry-major) of its
+    list's pages ``(i % CHUNKS) * ENTRIES, ...`` in ``ids, oks [BLOCK_G, BLOCK_M]``, valid where the page is and the
+    slot lies in the bulk ``[bulk_lo, bulk_hi)``. Past the last head nothing is valid."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_j = tl.arange(0, ENTRIES * BLOCK_S)  # [entry, slot] flattened
+    j_slot = offs_j % BLOCK_S
+    g = i // CHUNKS
+    is_g = offs_g == g
+    ids_g = tl.sum(tl.where(is_g[:, None], ids, 0), axis=0)  # [BLOCK_M]: head g's list
+    oks_g = tl.max(tl.where(is_g[:, None], oks, 0), axis=0)
+    entry = (i % CHUNKS) * ENTRIES + offs_j // BLOCK_S
+    pick = offs_m[None, :] == entry[:, None]  # [ENTRIES * BLOCK_S, BLOCK_M]
+    page = tl.sum(tl.where(pick, ids_g[None, :], 0), axis=1)
+    ok = tl.max(tl.where(pick, oks_g[None, :], 0), axis=1) != 0
+    slots = page * PAGE + j_slot
+    valid = ok & (entry < TOP) & (j_slot < PAGE) & (slots >= bulk_lo) & (slots < bulk_hi)
+    return g, slots, valid
 
 
 @triton.jit
@@ -316,7 +372,7 @@ def qada_tail_page_top_kernel(
     vals, ids, oks = empty_top(BLOCK_G, BLOCK_M)
     vals, ids, oks = page_top(vals, ids, oks, q_head, stride_qh, stride_qd, KMIN + extrema, KMAX + extrema, stride_ep,
                               stride_ed, p_begin, p_end, new_page, low, high, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P,
-                              TOP, BLOCK_M)  # fmt: skip
+                              TOP, BLOCK_M, True)  # fmt: skip
     at = ((pair.to(tl.int64) * tl.num_programs(1) + stretch) * BLOCK_G + offs_g[:, None]) * BLOCK_M \
         + tl.arange(0, BLOCK_M)[None, :]
     tl.store(CAND_VALS + at, vals)
@@ -345,6 +401,7 @@ def qada_tail_fused_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_S: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES: tl.constexpr,
     SUPER: tl.constexpr, SUPER_TOP: tl.constexpr, BLOCK_SM: tl.constexpr, EXACT: tl.constexpr,
+    TOKEN_STAGES: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     ATTEND: tl.constexpr, SCORE: tl.constexpr, CANDIDATES: tl.constexpr, PDL: tl.constexpr,
@@ -463,7 +520,6 @@ def qada_tail_fused_split_kernel(
                                                         input_precision=INPUT_PRECISION).to(tl.float32)
 
     # --- the exact set E: each query head's TOP pages by bound (top_pages), by tiles of BLOCK_P pages ----------
-    offs_m = tl.arange(0, BLOCK_M)
     p_lo, p_hi = page_range(bulk_lo, bulk_hi, has_bulk, PAGE)
     extrema = row64 * stride_eb + kv64 * stride_eh
     vals, ids, oks = empty_top(BLOCK_G, BLOCK_M)
@@ -473,7 +529,7 @@ def qada_tail_fused_split_kernel(
                                           stride_ed, SUPER_KMIN + supers, SUPER_KMAX + supers, stride_sp, stride_sd,
                                           p_lo, p_hi, new_page, low, high, new_super, super_low, super_high, scale, G,
                                           D, BLOCK_G, BLOCK_D, BLOCK_P, TOP, BLOCK_M, SUPER, SUPER_TOP,
-                                          BLOCK_SM)  # fmt: skip
+                                          BLOCK_SM, not ATTEND)  # fmt: skip
     elif CANDIDATES:  # merged from the stretches' lists, 4 lists per tile (ties: the lower page, as one pass would)
         offs_c = tl.arange(0, 4 * BLOCK_M)  # [list, entry] flattened
         for c0 in range(0, n_stretches, 4):
@@ -487,40 +543,49 @@ def qada_tail_fused_split_kernel(
     else:
         vals, ids, oks = page_top(vals, ids, oks, q_head, stride_qh, stride_qd, KMIN + extrema, KMAX + extrema,
                                   stride_ep, stride_ed, p_lo, p_hi, new_page, low, high, scale, G, D, BLOCK_G,
-                                  BLOCK_D, BLOCK_P, TOP, BLOCK_M)  # fmt: skip
+                                  BLOCK_D, BLOCK_P, TOP, BLOCK_M, not ATTEND)  # fmt: skip
 
     # --- the top pages' tokens: in the bulk, not heavy (one query head and ENTRIES of its pages at a time) ------
-    offs_j = tl.arange(0, ENTRIES * BLOCK_S)  # [entry, slot] flattened
-    j_slot = offs_j % BLOCK_S
+    # One loop over (head, chunk of its list). A chunk's keys and heavy flags load together (the keys of its heavy
+    # tokens too, masked out after): one round trip, not two. A launch that only decides (not ATTEND) overlaps it
+    # with the chunk before: the keys through the loop's software pipeline (TOKEN_STAGES), the heavy flags loaded by
+    # the chunk before (cp.async takes no single bytes); an attending split keeps its registers for the attention.
+    CHUNKS: tl.constexpr = (TOP + ENTRIES - 1) // ENTRIES
     member_base = MEMBER + row64 * stride_ub + kv64 * stride_uh
-    for g in range(G):
+    heavy_next = tl.zeros([ENTRIES * BLOCK_S], dtype=tl.int8)
+    if not ATTEND:
+        _, slots, valid = list_chunk(0, ids, oks, bulk_lo, bulk_hi, CHUNKS, BLOCK_G, BLOCK_M, BLOCK_S, ENTRIES,
+                                     PAGE, TOP)  # fmt: skip
+        heavy_next = tl.load(member_base + slots.to(tl.int64) * stride_ut, mask=valid, other=0).to(tl.int8)
+    for i in tl.range(0, G * CHUNKS, num_stages=TOKEN_STAGES):
+        g, slots, valid = list_chunk(i, ids, oks, bulk_lo, bulk_hi, CHUNKS, BLOCK_G, BLOCK_M, BLOCK_S, ENTRIES, PAGE,
+                                     TOP)  # fmt: skip
+        if ATTEND:
+            heavy = tl.load(member_base + slots.to(tl.int64) * stride_ut, mask=valid, other=0).to(tl.int8)
+        else:
+            heavy = heavy_next
+            _, slots_next, valid_next = list_chunk(i + 1, ids, oks, bulk_lo, bulk_hi, CHUNKS, BLOCK_G, BLOCK_M,
+                                                   BLOCK_S, ENTRIES, PAGE, TOP)  # fmt: skip
+            heavy_next = tl.load(member_base + slots_next.to(tl.int64) * stride_ut, mask=valid_next,
+                                 other=0).to(tl.int8)  # fmt: skip
         is_g = offs_g == g
         q_g = head_query(q_head, g, stride_qh, stride_qd, offs_d, d_ok)
-        ids_g = tl.sum(tl.where(is_g[:, None], ids, 0), axis=0)  # [BLOCK_M]: head g's list
-        oks_g = tl.max(tl.where(is_g[:, None], oks, 0), axis=0)
-        for r0 in range(0, TOP, ENTRIES):
-            entry = r0 + offs_j // BLOCK_S
-            pick = offs_m[None, :] == entry[:, None]  # [ENTRIES * BLOCK_S, BLOCK_M]
-            page = tl.sum(tl.where(pick, ids_g[None, :], 0), axis=1)
-            ok = tl.max(tl.where(pick, oks_g[None, :], 0), axis=1) != 0
-            slots = page * PAGE + j_slot
-            valid = ok & (entry < TOP) & (j_slot < PAGE) & (slots >= bulk_lo) & (slots < bulk_hi)
-            heavy = tl.load(member_base + slots.to(tl.int64) * stride_ut, mask=valid, other=0)
-            valid = valid & (heavy == 0)
-            k = tl.load(k_base + slots[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
-                        mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-            s = tl.sum(k * q_g[None, :], axis=1) * scale  # [ENTRIES * BLOCK_S]
-            if SOFTCAP:
-                s = cap(s, softcap)
-            rows = is_g[:, None] & valid[None, :]  # head g's row only
-            s_rows = tl.where(rows, s[None, :], float("-inf"))
-            m_e, total_e, n_exact, bad_e, p, alpha = fold_scores(m_e, total_e, n_exact, bad_e, s_rows, rows)
-            if EXACT:  # (the other heads' sums keep their scale: alpha is 1 there, or 0 on an empty sum)
-                if split == 0:  # (only split 0 stores it: the others read no values)
-                    v = tl.load(v_base + slots[:, None].to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
-                                mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-                    head_sum = tl.sum(tl.sum(tl.where(is_g[:, None], p, 0.0), axis=0)[:, None] * v, axis=0)
-                    acc_e = acc_e * alpha[:, None] + tl.where(is_g[:, None], head_sum[None, :], 0.0)
+        k = tl.load(k_base + slots[:, None].to(tl.int64) * stride_kt + offs_d[None, :] * stride_kd,
+                    mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        if EXACT:  # their values too, in split 0 only (the others store no attention over E and read none)
+            v = tl.load(v_base + slots[:, None].to(tl.int64) * stride_vt + offs_d[None, :] * stride_vd,
+                        mask=tl.where(split == 0, valid, False)[:, None] & d_ok[None, :],
+                        other=0.0).to(tl.float32)  # fmt: skip
+        valid = valid & (heavy == 0)
+        s = tl.sum(k * q_g[None, :], axis=1) * scale  # [ENTRIES * BLOCK_S]
+        if SOFTCAP:
+            s = cap(s, softcap)
+        rows = is_g[:, None] & valid[None, :]  # head g's row only
+        s_rows = tl.where(rows, s[None, :], float("-inf"))
+        m_e, total_e, n_exact, bad_e, p, alpha = fold_scores(m_e, total_e, n_exact, bad_e, s_rows, rows)
+        if EXACT:  # (the other heads' sums keep their scale: alpha is 1 there, or 0 on an empty sum)
+            head_sum = tl.sum(tl.sum(tl.where(is_g[:, None], p, 0.0), axis=0)[:, None] * v, axis=0)
+            acc_e = acc_e * alpha[:, None] + tl.where(is_g[:, None], head_sum[None, :], 0.0)
     log_exact = tl.where(total_e > 0, m_e + tl.log(total_e), float("-inf"))
 
     # --- eqs. 5-7 on the rest of the bulk: log Â_bulk = logaddexp(log A_E, log(T_bulk - |E|) + log E[exp(s)]) ----

@@ -233,6 +233,11 @@ def page_tiles(page_size: int, pages: int, head_dim: int) -> dict[str, int]:
                 ENTRIES=max(1, min(_next_pow2(pages), _TOKEN_TILE_FEATURES // (block_s * block_d))))
 
 
+TOKEN_STAGES = 2
+"""Pipeline stages of the ``qada_tail`` decision's loop over its top pages' tokens (``tl.range``'s ``num_stages``) in
+a launch that only decides: the next chunk's keys load while the current chunk is scored. A split that attends too
+takes 1 (its registers go to the attention)."""
+
 _TOKEN_TILE_FEATURES = 4096
 """Tokens of the top pages read per tile of the ``qada_tail`` split kernel (``ENTRIES`` pages of one query head's
 list at a time), times the padded head dimension: 4 pages of 16 tokens of 64 features, 2 of 128. Each tile is one
@@ -248,13 +253,13 @@ programs per SM); 8 pages, at 91 and 168."""
 
 _PAGE_TOP_TILE_FEATURES = 4096
 """Page bounds per tile of the page-top launch, times the padded head dimension: 64 pages of 64 features, 32 of 128.
-Triton's pipeliner leaves a loop of page-extrema tiles alone: each tile is loaded in its own iteration and used at
-once (sm_90 PTX, Triton 3.9: no ``cp.async``, no load of the next tile ahead), so each tile waits one memory round
-trip. A page-top launch has few programs (one per row, KV head and stretch of pages), so its time is that serial
-chain: a program of 256 pages takes 4 tiles instead of 16 at ``d = 64``. Its registers do not limit a grid that
-small (sm_90: 113-128 registers with Triton 3.9, 122-150 with 3.6, no spill). The decision launched apart keeps
-:data:`_PAGE_TILE_FEATURES`: it also holds the window's scores and the exact set, and with twice the tile it spilled
-20-28 bytes per thread under Triton 3.6."""
+Triton's pipeliner leaves a loop of page-extrema tiles alone (a loop with the insertion's ``while`` inside: sm_90
+PTX, no ``cp.async``), so each tile loads a tile ahead by hand (:func:`~qada.attention._fused_tail_kernel.page_top`'s
+``AHEAD``) and a program of 256 pages waits for the first of its 4 tiles only (16 at 1,024 features, each waited
+for). Two tiles' registers (168 with Triton 3.6, 196-230 with 3.9, no spill) do not limit a grid that small; tiles of
+2,048 features loaded ahead took 1,204 insertion rounds instead of 826 on SmolLM2 at 7.68k
+(``benchmarks/tail_rounds.py``). The decision launched apart keeps :data:`_PAGE_TILE_FEATURES`: it also holds the
+window's scores and the exact set, and with twice the tile it spilled 20-28 bytes per thread under Triton 3.6."""
 
 
 def page_top_tile(head_dim: int, pages_per_program: int) -> int:
@@ -519,7 +524,8 @@ class FusedTritonExecutor(TritonExecutor):
                                *tail.kernel_strides(), *sizes, tail.heavy.shape[2], n_pages, stretches,
                                tail.n_super(), CANDIDATES=stretches > 1,
                                SCORE=budget is not None,  # SCORE: the heads' scores, the budget decides
-                               ATTEND=not apart, **common, **constants, **tail.split_constants(),
+                               ATTEND=not apart, TOKEN_STAGES=TOKEN_STAGES if apart else 1, **common,
+                               **constants, **tail.split_constants(),
                                **pdl_launch_options(pdl and stretches == 1))  # (not after the page-top launch)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)

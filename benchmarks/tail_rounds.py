@@ -19,9 +19,11 @@ It simulates both on the bounds (the kernels' tie rules), checks that insertion 
 and reports per layer the longest program's rounds (a launch waits for its longest program) and the chains of
 dependent loads for the pages' tokens (``G x TOP`` one page at a time, ``G x TOP / ENTRIES`` now), for each layout
 of :data:`SCENARIOS`, and the serial tiles of page extrema the longest program loads: Triton's pipeliner leaves
-that loop alone, so each tile waits one memory round trip (with 16-page tiles everywhere, and now with
-:func:`~qada.attention.fused.page_top_tile`'s wider ones in the page-top programs). It counts rounds and
-tiles, not time: the GPU suite (``benchmarks/run.py --gpu``) times the launches.
+that loop alone, so each tile loaded in its own iteration waits one memory round trip (with 16-page tiles
+everywhere, and now with :func:`~qada.attention.fused.page_top_tile`'s wider ones in the page-top programs); and the
+round trips each launch's longest program waits for, by the kernels' structure (:func:`round_trips`), before and
+after the page-top tiles were loaded a tile ahead and the token chunks pipelined. It counts rounds, tiles and round
+trips, not time: the GPU suite (``benchmarks/run.py --gpu``) times the launches.
 
 Writes ``<out>/tail-rounds-cpu.{json,md}``.
 """

@@ -254,12 +254,13 @@ programs per SM); 8 pages, at 91 and 168."""
 _PAGE_TOP_TILE_FEATURES = 4096
 """Page bounds per tile of the page-top launch, times the padded head dimension: 64 pages of 64 features, 32 of 128.
 Triton's pipeliner leaves a loop of page-extrema tiles alone (a loop with the insertion's ``while`` inside: sm_90
-PTX, no ``cp.async``), so each tile loads a tile ahead by hand (:func:`~qada.attention._fused_tail_kernel.page_top`'s
-``AHEAD``) and a program of 256 pages waits for the first of its 4 tiles only (16 at 1,024 features, each waited
-for). Two tiles' registers (168 with Triton 3.6, 196-230 with 3.9, no spill) do not limit a grid that small; tiles of
-2,048 features loaded ahead took 1,204 insertion rounds instead of 826 on SmolLM2 at 7.68k
-(``benchmarks/tail_rounds.py``). The decision launched apart keeps :data:`_PAGE_TILE_FEATURES`: it also holds the
-window's scores and the exact set, and with twice the tile it spilled 20-28 bytes per thread under Triton 3.6."""
+PTX, no ``cp.async``), so a program loads each tile while it bounds and inserts the one before
+(:func:`~qada.attention._fused_tail_kernel.page_top`'s ``AHEAD``): a program of 256 pages waits for the first of its
+4 tiles only (of 16 at 1,024 features, each waited for). It holds two tiles (168 registers with Triton 3.6, 196-230
+with 3.9, no spill: two or three programs per SM, for a launch of a few hundred); tiles of 2,048 features loaded
+ahead took 1,204 insertion rounds instead of 826 on SmolLM2 at 7.68k (``benchmarks/tail_rounds.py``). The decision
+launched apart keeps :data:`_PAGE_TILE_FEATURES`: it also holds the window's scores and the exact set, and with twice
+the tile it spilled 20-28 bytes per thread under Triton 3.6."""
 
 
 def page_top_tile(head_dim: int, pages_per_program: int) -> int:

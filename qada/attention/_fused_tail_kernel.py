@@ -584,6 +584,7 @@ def qada_tail_fused_split_kernel(
         s_rows = tl.where(rows, s[None, :], float("-inf"))
         m_e, total_e, n_exact, bad_e, p, alpha = fold_scores(m_e, total_e, n_exact, bad_e, s_rows, rows)
         if EXACT:  # (the other heads' sums keep their scale: alpha is 1 there, or 0 on an empty sum)
+            v = tl.where(valid[:, None], v, 0.0)  # (a heavy token's values, loaded with the chunk: never summed)
             head_sum = tl.sum(tl.sum(tl.where(is_g[:, None], p, 0.0), axis=0)[:, None] * v, axis=0)
             acc_e = acc_e * alpha[:, None] + tl.where(is_g[:, None], head_sum[None, :], 0.0)
     log_exact = tl.where(total_e > 0, m_e + tl.log(total_e), float("-inf"))

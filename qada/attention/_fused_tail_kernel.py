@@ -552,7 +552,6 @@ def qada_tail_fused_split_kernel(
     # the chunk before (cp.async takes no single bytes); an attending split keeps its registers for the attention.
     CHUNKS: tl.constexpr = (TOP + ENTRIES - 1) // ENTRIES
     member_base = MEMBER + row64 * stride_ub + kv64 * stride_uh
-    heavy_next = tl.zeros([ENTRIES * BLOCK_S], dtype=tl.int8)
     if not ATTEND:
         _, slots, valid = list_chunk(0, ids, oks, bulk_lo, bulk_hi, CHUNKS, BLOCK_G, BLOCK_M, BLOCK_S, ENTRIES,
                                      PAGE, TOP)  # fmt: skip

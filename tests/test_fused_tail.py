@@ -204,10 +204,11 @@ def test_decide_once_decides_updates_and_attends_alike(case):
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=["defaults", "bf16-two-tiles", "no-heavy"])
 @pytest.mark.parametrize("pages_per_program", [5, 16])
-def test_page_bounds_spread_over_programs_decide_alike(monkeypatch, case, pages_per_program):
-    """With the decision a launch of its own and the pages spread over programs of ``pages_per_program`` pages (a
-    page-top launch first, its lists merged by the decision): the eager decisions, the state after the step, the
-    unfused output; and bit for bit what one program per (row, KV head) decides."""
+@pytest.mark.parametrize("decide_once", [True, False], ids=["apart", "in-splits"])
+def test_page_bounds_spread_over_programs_decide_alike(monkeypatch, case, pages_per_program, decide_once):
+    """With the pages spread over programs of ``pages_per_program`` pages (a page-top launch first), its lists merged
+    by the decision launched apart or by every split: the eager decisions, the state after the step, the unfused
+    output; and bit for bit what one program per (row, KV head) bounding every page decides."""
     from tests.triton_launches import LaunchRecorder
 
     b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits, sizes = case
@@ -215,12 +216,13 @@ def test_page_bounds_spread_over_programs_decide_alike(monkeypatch, case, pages_
     criterion, state = prepared(step, C, **sizes)
     tau = tail_tau(criterion, step, state, H // H_kv, policy)
     record = LaunchRecorder(monkeypatch)
-    spread, _, spread_state = check_tail(criterion, step, state, tau, policy, block, splits, decide_once=True,
-                                         pages_per_program=pages_per_program)
+    spread, _, spread_state = check_tail(criterion, step, state, tau, policy, block, splits,
+                                         decide_once=decide_once, pages_per_program=pages_per_program)
     stretches = -(-state["kmin"].shape[2] // pages_per_program)
-    assert record.launches[0] == ("bulk_estimate_kernel", (b * H_kv,))  # (called without log E[exp(s)])
-    assert stretches > 1 and record.launches[1] == ("qada_tail_page_top_kernel", (b * H_kv, stretches))
-    one, one_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once=True)
+    # (called without log E[exp(s)]: its launch, which runs the page-top programs too, then the decision)
+    assert stretches > 1 and record.launches[0] == ("bulk_estimate_kernel", (b * H_kv, 1 + stretches))
+    assert record.launches[1] == ("qada_tail_fused_split_kernel", (b * H_kv, 1 if decide_once else splits))
+    one, one_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once=decide_once)
     for name in ("decided", "local", "read", "broken", "counts", "n_exact", "log_ratio"):
         assert torch.equal(getattr(spread, name), getattr(one, name)), name
     torch.testing.assert_close(spread.output, one.output, atol=0, rtol=0)
@@ -244,6 +246,8 @@ def test_page_top_programs_bound_wider_tiles_and_decide_alike(monkeypatch, featu
     def recording(kernel, grid, *args, **kwargs):
         if "BLOCK_P" in kwargs:
             tiles.append((kernel.fn.__name__, kwargs.get("ATTEND"), kwargs["BLOCK_P"]))
+        if kwargs.get("PAGE_TOPS"):  # (the page-top programs the estimate's launch runs)
+            tiles.append((kernel.fn.__name__, None, kwargs["PT_BLOCK_P"]))
         return run(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(_triton_kernel, "run", recording)
@@ -256,7 +260,7 @@ def test_page_top_programs_bound_wider_tiles_and_decide_alike(monkeypatch, featu
     top = fused_module.page_top_tile(d, 24)
     assert top == (32 if features is None else 8)  # (at most the stretch's power of two; at least 8 pages)
     narrow = fused_module.page_tiles(16, 8, d)["BLOCK_P"]  # (pages of 16 slots, 8 top pages: the defaults)
-    assert tiles[:2] == [("qada_tail_page_top_kernel", None, top), ("qada_tail_fused_split_kernel", False, narrow)]
+    assert tiles[:2] == [("bulk_estimate_kernel", None, top), ("qada_tail_fused_split_kernel", False, narrow)]
     one, one_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once=True)
     for name in ("decided", "local", "read", "broken", "counts", "n_exact", "log_ratio"):
         assert torch.equal(getattr(spread, name), getattr(one, name)), name
@@ -277,11 +281,11 @@ def test_decide_once_by_default_where_the_pages_are_many(monkeypatch, pages_per_
     check_tail(criterion, step, state, tau, policy, block, splits, decide_once=None,
                pages_per_program=pages_per_program)
     # (called without log E[exp(s)]: its launch first; then check_tail's unfused executor)
-    names = [name for name, _ in record.launches][: 5 if apart else 3]
-    if apart:
-        assert names == ["bulk_estimate_kernel", "qada_tail_page_top_kernel", "qada_tail_fused_split_kernel",
-                         "qada_decode_split_kernel", "qada_decode_combine_kernel"]
-        assert record.launches[2][1] == (b * H_kv, 1)
+    names = [name for name, _ in record.launches][: 4 if apart else 3]
+    if apart:  # (the estimate's launch runs the page-top programs too)
+        assert names == ["bulk_estimate_kernel", "qada_tail_fused_split_kernel", "qada_decode_split_kernel",
+                         "qada_decode_combine_kernel"]
+        assert record.launches[1][1] == (b * H_kv, 1)
     else:
         assert names == ["bulk_estimate_kernel", "qada_tail_fused_split_kernel", "qada_decode_combine_kernel"]
         assert record.launches[1][1] == (b * H_kv, splits)
@@ -446,20 +450,37 @@ SMALL_LEAN = {**SMALL, "super_page": 2, "super_pages": 2, "attend_exact": True, 
 BUDGET_LEAN = {**BUDGET, **{k: v for k, v in SMALL_LEAN.items() if k not in SMALL}}
 
 
-@pytest.mark.parametrize(("criterion", "source", "cache"), [(SMALL, "stored", "static"), (SMALL, "current", "dynamic"),
-                                                             ({"name": "qada_tail", "tau": 0.3}, "stored", "static"),
-                                                             (BUDGET, "stored", "static"),
-                                                             ({**BUDGET, "per_group": True}, "current", "dynamic"),
-                                                             (SMALL_LEAN, "stored", "static"),
-                                                             ({**SMALL_LEAN, "tau": 0.8}, "current", "dynamic"),
-                                                             (BUDGET_LEAN, "stored", "static")],
-                         ids=["small-stored-static", "small-current-dynamic", "defaults-stored-static",
-                              "budget-stored-static", "budget-per-group-current-dynamic", "lean-stored-static",
-                              "lean-current-dynamic", "budget-lean-stored-static"])
-def test_model_fused_tail_run_equals_triton_run(model, reference, criterion, source, cache):
+SPREAD = {"pages_per_program": 2}  # (8 pages of 4 slots at 32 slots: 4 page-top programs per (row, KV head))
+
+
+@pytest.mark.parametrize(("criterion", "source", "cache", "options"), [
+    (SMALL, "stored", "static", {}), (SMALL, "current", "dynamic", {}),
+    ({"name": "qada_tail", "tau": 0.3}, "stored", "static", {}), (BUDGET, "stored", "static", {}),
+    ({**BUDGET, "per_group": True}, "current", "dynamic", {}), (SMALL_LEAN, "stored", "static", {}),
+    ({**SMALL_LEAN, "tau": 0.8}, "current", "dynamic", {}), (BUDGET_LEAN, "stored", "static", {}),
+    (SMALL, "stored", "static", SPREAD), (SMALL, "current", "dynamic", {**SPREAD, "decide_once": True}),
+    (BUDGET, "stored", "static", SPREAD)],
+    ids=["small-stored-static", "small-current-dynamic", "defaults-stored-static", "budget-stored-static",
+         "budget-per-group-current-dynamic", "lean-stored-static", "lean-current-dynamic",
+         "budget-lean-stored-static", "spread-stored-static", "spread-once-current-dynamic",
+         "spread-budget-stored-static"])
+def test_model_fused_tail_run_equals_triton_run(monkeypatch, model, reference, criterion, source, cache, options):
+    """The fused run decodes as the unfused one: tokens, statistics, the tail index after every layer step. With
+    ``options`` spreading the page bounds over page-top programs, the moment step's launch runs them (grid
+    ``(pairs, 1 + stretches)``) and no page-top launch of their own is made."""
+    from tests.triton_launches import LaunchRecorder
+
     unfused = greedy_states(model, make_run(source, {"name": "triton", "block_size": 16}, reference, criterion), cache)
-    fused = greedy_states(model, make_run(source, {"name": "triton_fused", "block_size": 16}, reference, criterion),
-                          cache)
+    record = LaunchRecorder(monkeypatch)
+    fused = greedy_states(model, make_run(source, {"name": "triton_fused", "block_size": 16, **options}, reference,
+                                          criterion), cache)  # fmt: skip
+    moment_grids = {grid for name, grid in record.launches if name.endswith("moment_step_kernel")}
+    assert "qada_tail_page_top_kernel" not in {name for name, _ in record.launches}
+    pairs = 2 * model.config.num_key_value_heads
+    if options:  # (1 + the tail index's pages over 2: 8 or more pages)
+        assert moment_grids and all(len(grid) == 2 and grid[0] == pairs and grid[1] >= 5 for grid in moment_grids)
+    else:
+        assert moment_grids == {(pairs,)}
     assert fused[3] and all(fused[3]) and not any(unfused[3])  # every decode step decided in the kernel
     assert torch.equal(fused[0], unfused[0])
     for key in ("sparsity", "kv_sparsity", "kv_read"):

@@ -251,8 +251,7 @@ def test_compiled_fused_step_launches_what_the_eager_step_launches(measured, cas
     more at a second cache size (symbolic sizes), the same kernels."""
     source, criterion, executor = CASES[case]
     row = measured[case]
-    expected = fused_step_launches(source, criterion["name"], executor.get("decide_once", False),
-                                   page_tops=executor.get("pages_per_program") == 1)
+    expected = fused_step_launches(source, criterion["name"], executor.get("decide_once", False))
     assert [k["name"] for k in row["kernels"]] == expected
     assert (row["inductor"], row["extern"], row["fallback"]) == (0, 0, 0)
     assert row["differences"] == []

@@ -124,8 +124,9 @@ def test_other_sources_step_in_torch(monkeypatch, make):
 
 
 def test_moment_kernels_compile_for_the_gpu():
-    """Both kernels, without the estimate, with it (soft-capped) and with the decision too, and the estimate's own
-    kernel lower to PTX for sm_90 (no GPU needed): what runs on an H100."""
+    """Both kernels, without the estimate, with it (soft-capped), with the decision too and with a ``qada_tail``
+    step's page-top programs, and the estimate's own kernel lower to PTX for sm_90 (no GPU needed): what runs on an
+    H100."""
     import subprocess
     import sys
     import textwrap
@@ -140,13 +141,18 @@ def test_moment_kernels_compile_for_the_gpu():
                     "JUMP_N": "*i64", "JUMP_COUNT": "*fp64", "JUMP_S1": "*fp64", "JUMP_S2": "*fp64", "COV": "*fp32",
                     "REF": "*fp32", "SHIFT": "*fp64", "Q": "*bf16", "LME": "*fp32", "GH_X": "*fp32",
                     "GH_LOGW": "*fp32", "K": "*bf16", "SINKS": "*fp32", "DECIDED": "*u8", "LOCAL": "*u8",
-                    "READ": "*u8", "BROKEN": "*u8"}
-        floats = {"scale": "fp32", "softcap": "fp32", "log_tau": "fp32"}
-        for estimate, decide in ((False, False), (True, False), (True, True)):
+                    "READ": "*u8", "BROKEN": "*u8", "PT_Q": "*bf16", "PT_K": "*bf16", "PT_START": "*i64",
+                    "PT_END": "*i64", "PT_KMIN": "*bf16", "PT_KMAX": "*bf16", "PT_VALS": "*fp32", "PT_IDS": "*i32",
+                    "PT_OKS": "*i32"}
+        floats = {"scale": "fp32", "softcap": "fp32", "log_tau": "fp32", "pt_scale": "fp32"}
+        for estimate, decide, tops in ((False, False, False), (True, False, False), (True, True, False),
+                                       (True, False, True)):
             constants = {"D": 128, "BLOCK_T": 32, "BLOCK_D": 128, "HAS_START": True, "ESTIMATE": estimate, "G": 4,
                          "BLOCK_G": 16, "BLOCK_E": 4, "BLOCK_X": 32, "SOFTCAP": estimate, "DECIDE": decide,
                          "BLOCK_N": 64, "END_GIVEN": decide, "HAS_SINKS": decide, "PROMOTE": decide, "PDL": decide,
-                         "INPUT_PRECISION": None, "DOT_FP32": False}
+                         "INPUT_PRECISION": None, "DOT_FP32": False, "PAGE_TOPS": tops, "PT_G": 4, "PT_D": 128,
+                         "PT_BLOCK_G": 16, "PT_BLOCK_D": 128, "PT_BLOCK_P": 32, "PT_PAGE": 16, "PT_TOP": 8,
+                         "PT_BLOCK_M": 8, "PT_HAS_START": True, "PT_HAS_END": True}
             for kernel in (K.current_moment_step_kernel, K.stored_moment_step_kernel, E.bulk_estimate_kernel):
                 names = kernel.arg_names
                 kinds = dict(pointers, MEAN="*fp64" if "M2" in names else "*fp32")
@@ -227,6 +233,57 @@ def test_sources_without_a_kernel_step_get_the_estimate_in_one_launch(monkeypatc
     assert [name for name, _ in record.launches] == ["bulk_estimate_kernel"]
     torch.testing.assert_close(estimate.out, eager_log_mean_exp(query, got, None), rtol=1e-5, atol=1e-5)
 
+
+
+def page_tops_of(query, keys, ends, pages_per_program=3, page=4, top=2, seed=8):
+    """A :class:`~qada.attention.page_tops.PageTops` over random page extrema of ``keys [b, H_kv, C, d]`` (pages of
+    ``page`` slots) with new lists, for the launch that writes ``log E[exp(s)]`` to carry."""
+    from qada.attention.fused import _next_pow2, page_top_tile
+    from qada.attention.page_tops import PageTops
+
+    b, H_kv, C, d = keys.shape
+    n_pages = -(-C // page)
+    g = torch.Generator().manual_seed(seed)
+    kmin = torch.randn(b, H_kv, n_pages, d, generator=g).to(DEVICE)
+    kmax = kmin + torch.rand(b, H_kv, n_pages, d, generator=g).to(DEVICE)
+    shape = (b * H_kv, -(-n_pages // pages_per_program), max(16, _next_pow2(query.shape[1] // H_kv)), _next_pow2(top))
+    lists = [torch.full(shape, -7, dtype=dtype, device=DEVICE) for dtype in (torch.float32, torch.int32, torch.int32)]
+    return PageTops(query, keys, STARTS.to(DEVICE), ends, kmin, kmax, *lists, 0.25, WINDOW.t_sink, WINDOW.t_local,
+                    pages_per_program, page, top, page_top_tile(d, pages_per_program))
+
+
+@pytest.mark.parametrize("make", [lambda: source("current", 16), lambda: source("stored", 16),
+                                  lambda: CurrentMoments(update_every=2)], ids=["current", "stored", "torch-step"])
+def test_the_estimate_launch_runs_the_page_top_programs_too(monkeypatch, make):
+    """A ``qada_tail`` step's page-top programs ride in the launch that writes ``log E[exp(s)]`` (the moment step's
+    kernel, or the estimate's own after a torch step): one launch, grid ``(pairs, 1 + stretches)``; the state, the
+    moments and ``log E[exp(s)]`` bit for bit those of the launch without them, the lists bit for bit those of the
+    page-top launch of their own."""
+    from qada.attention.fused import FusedTritonExecutor
+    from tests.triton_launches import LaunchRecorder
+
+    keys = torch.randn(2, 2, 40, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE) * 2 + 1
+    query = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    ends = torch.tensor([30, 27], device=DEVICE)
+    plain, riding = make(), make()
+    for moments in (plain, riding):
+        moments.prefill(0, keys[:, :, :26], STARTS.to(DEVICE), WINDOW, capacity=40)
+    tops, alone = page_tops_of(query, keys, ends), page_tops_of(query, keys, ends)
+    assert tops.stretches == 4  # 10 pages of 4 slots, 3 a program
+    expected = estimate_of(query)
+    without = fused_moment_step(plain, plain.step_state(0), keys, STARTS.to(DEVICE), ends, WINDOW, expected)
+    estimate = FusedTritonExecutor().bulk_estimate(query, 0.25, None, page_tops=tops)
+    record = LaunchRecorder(monkeypatch)
+    got = fused_moment_step(riding, riding.step_state(0), keys, STARTS.to(DEVICE), ends, WINDOW, estimate)
+    assert [grid for _, grid in record.launches] == [(4, 5)]
+    assert torch.equal(estimate.out, expected.out)
+    assert torch.equal(got.mean, without.mean) and torch.equal(got.cov, without.cov)
+    for name, tensor in plain.step_state(0).items():
+        assert torch.equal(riding.step_state(0)[name], tensor), name
+    FusedTritonExecutor()._launch_page_tops(alone)
+    for got_list, expected_list in zip(tops.lists(), alone.lists(), strict=True):
+        assert torch.equal(got_list, expected_list)
+    assert (tops.ids[..., :3, :2] != -7).all() and (tops.oks[..., :3, :2] == 1).any()  # every list written
 
 def test_block_sizes():
     """The block pairs' side: 32 where the estimate's running sum allows it (``BLOCK_E BLOCK_T^2 <= 4096``), never

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from qada.attention._fused_kernel import cap, decide_group_and_store
+from qada.attention._fused_tail_kernel import page_top_program
 from qada.attention._triton_kernel import as_float32, let_next_start
 
 
@@ -88,10 +89,17 @@ def bulk_estimate_kernel(
     stride_mb, stride_mh, stride_md, stride_cb, stride_ch, stride_ci, stride_cj,
     stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
     H_kv, t_local, scale, softcap, n_nodes, C, t_sink, log_tau,
+    PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS,
+    pt_stride_qb, pt_stride_qh, pt_stride_qd, pt_stride_kb, pt_stride_kh, pt_stride_kt, pt_stride_kd,
+    pt_stride_eb, pt_stride_eh, pt_stride_ep, pt_stride_ed,
+    pt_C, pt_H_kv, pt_t_sink, pt_t_local, pt_scale, pt_n_pages, pt_pages_per_program, pt_n_stretches,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_START: tl.constexpr, END_GIVEN: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    PAGE_TOPS: tl.constexpr, PT_G: tl.constexpr, PT_D: tl.constexpr, PT_BLOCK_G: tl.constexpr,
+    PT_BLOCK_D: tl.constexpr, PT_BLOCK_P: tl.constexpr, PT_PAGE: tl.constexpr, PT_TOP: tl.constexpr,
+    PT_BLOCK_M: tl.constexpr, PT_HAS_START: tl.constexpr, PT_HAS_END: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head): ``LME [b, H]`` float32 ``log E[exp(s)]`` of its query heads (``Q [b, H,
     d]``) from the bulk moments ``MEAN [b, H_kv, d]``, ``COV [b, H_kv, d, d]`` (any strides and float dtype), under
@@ -101,9 +109,22 @@ def bulk_estimate_kernel(
 
     ``q^T cov q`` is summed ``BLOCK_T x BLOCK_T`` block pair by block pair (:func:`add_block_pair`), as the moment
     step's kernels sum it from the covariance they compute (:mod:`qada.attention._moment_kernel`): from a symmetric
-    covariance both give the same float32 value (bit for bit where the two kernels contract alike)."""
+    covariance both give the same float32 value (bit for bit where the two kernels contract alike).
+
+    With ``PAGE_TOPS`` the launch also carries a ``qada_tail`` step's page-top programs
+    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, 1 + stretches)``, program ``(pair, 1 +
+    s)`` runs :func:`~qada.attention._fused_tail_kernel.page_top_program` for stretch ``s`` and nothing else."""
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     let_next_start(PDL)  # (with PDL: the split launch may start; it waits before reading what this one writes)
+    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, 1 + stretches)): not a moment step
+        if tl.program_id(1) > 0:
+            page_top_program(PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS, pt_stride_qb,
+                             pt_stride_qh, pt_stride_qd, pt_stride_kb, pt_stride_kh, pt_stride_kt, pt_stride_kd,
+                             pt_stride_eb, pt_stride_eh, pt_stride_ep, pt_stride_ed, pt_C, pt_H_kv, pt_t_sink,
+                             pt_t_local, pt_scale, pt_n_pages, pt_pages_per_program, pt_n_stretches,
+                             tl.program_id(0), tl.program_id(1) - 1, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D, PT_BLOCK_P,
+                             PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
+            return
     pid = tl.program_id(0)
     row = pid // H_kv
     kv_head = pid % H_kv

@@ -338,22 +338,22 @@ def page_range(bulk_lo, bulk_hi, has_bulk, PAGE: tl.constexpr):
 
 
 @triton.jit
-def qada_tail_page_top_kernel(
+def page_top_program(
     Q, K, START, END, KMIN, KMAX, CAND_VALS, CAND_IDS, CAND_OKS,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_eb, stride_eh, stride_ep, stride_ed,
-    C, H_KV, t_sink, t_local, scale, n_pages, pages_per_program,
+    C, H_KV, t_sink, t_local, scale, n_pages, pages_per_program, n_stretches, pair, stretch,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
 ):  # fmt: skip
-    """One program = one (row, KV head) and one stretch of ``pages_per_program`` of the pages overlapping the row's
-    bulk: each query head's ``TOP`` pages of the stretch by bound (:func:`page_top`, the step key's page with its
-    new halves), stored at ``CAND_VALS, CAND_IDS, CAND_OKS [pairs, S_p, BLOCK_G, BLOCK_M]`` (float32, int32,
-    int32) for the decision launch to merge in stretch order. Reads only (the decision launch writes the page)."""
+    """The page-top work of one (row, KV head) ``pair`` and one ``stretch`` (of ``n_stretches``) of
+    ``pages_per_program`` of the pages overlapping the row's bulk: each query head's ``TOP`` pages of the stretch by
+    bound (:func:`page_top`, the step key's page with its new halves), stored at ``CAND_VALS, CAND_IDS, CAND_OKS
+    [pairs, n_stretches, BLOCK_G, BLOCK_M]`` (float32, int32, int32) for the decision to merge in stretch order.
+    Reads only (the decision writes the page). A program of :func:`qada_tail_page_top_kernel`, or one a moment
+    step's launch carries besides its own (:mod:`qada.attention.page_tops`)."""
     scale = as_float32(scale)  # (fp64 where torch.compile launches)
-    pair = tl.program_id(0)
-    stretch = tl.program_id(1)
     row = pair // H_KV
     kv_head = pair % H_KV
     offs_g = tl.arange(0, BLOCK_G)
@@ -373,11 +373,31 @@ def qada_tail_page_top_kernel(
     vals, ids, oks = page_top(vals, ids, oks, q_head, stride_qh, stride_qd, KMIN + extrema, KMAX + extrema, stride_ep,
                               stride_ed, p_begin, p_end, new_page, low, high, scale, G, D, BLOCK_G, BLOCK_D, BLOCK_P,
                               TOP, BLOCK_M, True)  # fmt: skip
-    at = ((pair.to(tl.int64) * tl.num_programs(1) + stretch) * BLOCK_G + offs_g[:, None]) * BLOCK_M \
+    at = ((pair.to(tl.int64) * n_stretches + stretch) * BLOCK_G + offs_g[:, None]) * BLOCK_M \
         + tl.arange(0, BLOCK_M)[None, :]
     tl.store(CAND_VALS + at, vals)
     tl.store(CAND_IDS + at, ids)
     tl.store(CAND_OKS + at, oks)
+
+
+@triton.jit
+def qada_tail_page_top_kernel(
+    Q, K, START, END, KMIN, KMAX, CAND_VALS, CAND_IDS, CAND_OKS,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_eb, stride_eh, stride_ep, stride_ed,
+    C, H_KV, t_sink, t_local, scale, n_pages, pages_per_program, n_stretches,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    PAGE: tl.constexpr, TOP: tl.constexpr, BLOCK_M: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
+):  # fmt: skip
+    """One program = one (row, KV head) and one of its ``n_stretches`` stretches of pages (grid ``(pairs,
+    n_stretches)``): :func:`page_top_program`. The launch of its own, for a step whose ``log E[exp(s)]`` launch
+    does not carry these programs."""
+    page_top_program(Q, K, START, END, KMIN, KMAX, CAND_VALS, CAND_IDS, CAND_OKS, stride_qb, stride_qh, stride_qd,
+                     stride_kb, stride_kh, stride_kt, stride_kd, stride_eb, stride_eh, stride_ep, stride_ed, C, H_KV,
+                     t_sink, t_local, scale, n_pages, pages_per_program, n_stretches, tl.program_id(0),
+                     tl.program_id(1), G, D, BLOCK_G, BLOCK_D, BLOCK_P, PAGE, TOP, BLOCK_M, HAS_START,
+                     HAS_END)  # fmt: skip
 
 
 @triton.jit

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from qada.attention._estimate_kernel import add_block_pair, decide_after_estimate, query_tile, store_log_mean_exp
+from qada.attention._fused_tail_kernel import page_top_program
 from qada.attention._triton_kernel import as_float32, let_next_start
 
 
@@ -106,11 +107,18 @@ def current_moment_step_kernel(
     Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN,
     H_kv, t_local, t_recent, stride_kb, stride_kh, stride_kt, stride_kd, stride_start, stride_end,
     stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau,
+    PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS,
+    pt_stride_qb, pt_stride_qh, pt_stride_qd, pt_stride_kb, pt_stride_kh, pt_stride_kt, pt_stride_kd,
+    pt_stride_eb, pt_stride_eh, pt_stride_ep, pt_stride_ed,
+    pt_C, pt_H_kv, pt_t_sink, pt_t_local, pt_scale, pt_n_pages, pt_pages_per_program, pt_n_stretches,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
     ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
     SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr,
     HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
+    PAGE_TOPS: tl.constexpr, PT_G: tl.constexpr, PT_D: tl.constexpr, PT_BLOCK_G: tl.constexpr,
+    PT_BLOCK_D: tl.constexpr, PT_BLOCK_P: tl.constexpr, PT_PAGE: tl.constexpr, PT_TOP: tl.constexpr,
+    PT_BLOCK_M: tl.constexpr, PT_HAS_START: tl.constexpr, PT_HAS_END: tl.constexpr,
 ):  # fmt: skip
     """:func:`~qada.moments.current.current_buffer_step` of one (row, KV head): the key at ``end - 1 - T_recent``
     (clamped at 0) of ``KEYS [b, H_kv, C, D]`` joins the float64 state (``COUNT [b, H_kv]``, ``MEAN [b, H_kv, D]``,
@@ -123,9 +131,22 @@ def current_moment_step_kernel(
     One pass over ``M2``, ``BLOCK_T x BLOCK_T`` block pair by block pair (``[I, J]`` and ``[J, I]``, ``I <= J``):
     each pair is read once, updated (``M2 += w (x - mean)(x - mean')ᵀ``), written back, and gives the covariance's
     two blocks ``½ (C + Cᵀ)``, ``C = M2 / max(n, 1)``, and their share of each head's ``q^T cov q``: no second pass
-    over ``M2``, no read of the covariance back."""
+    over ``M2``, no read of the covariance back.
+
+    With ``PAGE_TOPS`` the launch also carries a ``qada_tail`` step's page-top programs
+    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, 1 + stretches)``, program ``(pair, 1 +
+    s)`` runs :func:`~qada.attention._fused_tail_kernel.page_top_program` for stretch ``s`` and nothing else."""
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     let_next_start(PDL)  # (with PDL: the split launch may start; it waits before reading what this one writes)
+    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, 1 + stretches)): not a moment step
+        if tl.program_id(1) > 0:
+            page_top_program(PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS, pt_stride_qb,
+                             pt_stride_qh, pt_stride_qd, pt_stride_kb, pt_stride_kh, pt_stride_kt, pt_stride_kd,
+                             pt_stride_eb, pt_stride_eh, pt_stride_ep, pt_stride_ed, pt_C, pt_H_kv, pt_t_sink,
+                             pt_t_local, pt_scale, pt_n_pages, pt_pages_per_program, pt_n_stretches,
+                             tl.program_id(0), tl.program_id(1) - 1, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D, PT_BLOCK_P,
+                             PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
+            return
     pid = tl.program_id(0)
     row = pid // H_kv
     head = pid % H_kv
@@ -192,11 +213,18 @@ def stored_moment_step_kernel(
     H_kv, N, num_jumps, t_local, offset, first, min_bulk_keys, stride_rh, stride_rn, stride_rd,
     stride_start, stride_end, stride_kb, stride_kh, stride_kt, stride_kd,
     stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau,
+    PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS,
+    pt_stride_qb, pt_stride_qh, pt_stride_qd, pt_stride_kb, pt_stride_kh, pt_stride_kt, pt_stride_kd,
+    pt_stride_eb, pt_stride_eh, pt_stride_ep, pt_stride_ed,
+    pt_C, pt_H_kv, pt_t_sink, pt_t_local, pt_scale, pt_n_pages, pt_pages_per_program, pt_n_stretches,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
     ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
     SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr,
     HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
+    PAGE_TOPS: tl.constexpr, PT_G: tl.constexpr, PT_D: tl.constexpr, PT_BLOCK_G: tl.constexpr,
+    PT_BLOCK_D: tl.constexpr, PT_BLOCK_P: tl.constexpr, PT_PAGE: tl.constexpr, PT_TOP: tl.constexpr,
+    PT_BLOCK_M: tl.constexpr, PT_HAS_START: tl.constexpr, PT_HAS_END: tl.constexpr,
 ):  # fmt: skip
     """:func:`~qada.moments.stored.advance_reference_range` of one (row, KV head): the row's reference range
     ``[first, e(n))`` moves from ``e(n - 1)`` (what the previous step, or the prefill, left in ``OLD_END``: every
@@ -207,9 +235,22 @@ def stored_moment_step_kernel(
     ``ESTIMATE``, then the estimate's query side (and with ``DECIDE`` the decision, from ``KEYS [b, H_kv, C, d]``) as
     :func:`current_moment_step_kernel`, which also reads ``S2`` in one pass of block pairs: each updated (``S2 += w
     x xᵀ``, or the jump's), written back and centred into the covariance's two blocks (``½ (C + Cᵀ)``, ``C = (S2 -
-    count c cᵀ) / max(count, 1)``, ``c = S1 / max(count, 1)``)."""
+    count c cᵀ) / max(count, 1)``, ``c = S1 / max(count, 1)``).
+
+    With ``PAGE_TOPS`` the launch also carries a ``qada_tail`` step's page-top programs
+    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, 1 + stretches)``, program ``(pair, 1 +
+    s)`` runs :func:`~qada.attention._fused_tail_kernel.page_top_program` for stretch ``s`` and nothing else."""
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     let_next_start(PDL)  # (with PDL: the split launch may start; it waits before reading what this one writes)
+    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, 1 + stretches)): not a moment step
+        if tl.program_id(1) > 0:
+            page_top_program(PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS, pt_stride_qb,
+                             pt_stride_qh, pt_stride_qd, pt_stride_kb, pt_stride_kh, pt_stride_kt, pt_stride_kd,
+                             pt_stride_eb, pt_stride_eh, pt_stride_ep, pt_stride_ed, pt_C, pt_H_kv, pt_t_sink,
+                             pt_t_local, pt_scale, pt_n_pages, pt_pages_per_program, pt_n_stretches,
+                             tl.program_id(0), tl.program_id(1) - 1, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D, PT_BLOCK_P,
+                             PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
+            return
     pid = tl.program_id(0)
     row = pid // H_kv
     head = pid % H_kv

@@ -52,6 +52,7 @@ import torch
 
 from qada.attention.base import GroupDecision, register_executor
 from qada.attention.moment_step import BulkEstimate, EstimateDecision, estimate_launch
+from qada.attention.page_tops import PageTops
 from qada.attention.triton_decode import (
     ExtraAttention,
     StepStatistics,
@@ -392,13 +393,41 @@ class FusedTritonExecutor(TritonExecutor):
         return self._hermite_held
 
     def bulk_estimate(self, query: torch.Tensor, scale: float, softcap: float | None,
-                      decision: EstimateDecision | None = None) -> BulkEstimate:
+                      decision: EstimateDecision | None = None, page_tops: PageTops | None = None) -> BulkEstimate:
         """The :class:`~qada.attention.moment_step.BulkEstimate` of a step's queries ``query [b, H, d]``: the held
         Gauss-Hermite rule (under a soft cap) and a new ``[b, H]`` float32 output, for the moment step's launch to
-        fill (and with ``decision`` (:meth:`estimate_decision`) to decide from)."""
+        fill (and with ``decision`` (:meth:`estimate_decision`) to decide from; with ``page_tops``
+        (:meth:`page_tops`) to run those programs too)."""
         out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         nodes, log_weights = self._hermite_on(query.device) if softcap else (out, out)  # (read only under a cap)
-        return BulkEstimate(query, scale, softcap, nodes, log_weights, out, decision, self.programmatic(query.device))
+        return BulkEstimate(query, scale, softcap, nodes, log_weights, out, decision, self.programmatic(query.device),
+                            page_tops)
+
+    def page_top_stretches(self, tail: FusedTail) -> int:
+        """Page-top programs per (row, KV head) of a ``qada_tail`` step on ``tail``: its pages over
+        :attr:`pages_per_program`; 1 (no page-top program: the decision bounds every page) for a page hierarchy,
+        which bounds few pages, or a tail index of at most :attr:`pages_per_program` pages."""
+        return 1 if tail.super_page else -(-tail.kmin.shape[2] // self.pages_per_program)
+
+    def page_tops(self, step: DecodeStep, tail: FusedTail) -> PageTops | None:
+        """The page-top programs of ``step``'s ``qada_tail`` decision on ``tail`` with new lists to fill, for the
+        launch that writes ``log E[exp(s)]`` to carry (:meth:`bulk_estimate`) or a launch of their own; ``None``
+        where there are none (:meth:`page_top_stretches` is 1)."""
+        stretches = self.page_top_stretches(tail)
+        if stretches == 1:
+            return None
+        query, key = step.query, step.keys
+        b, H, d = query.shape
+        H_kv = key.shape[1]
+        constants = tail.kernel_constants(d)
+        shape = (b * H_kv, stretches, max(16, _next_pow2(H // H_kv)), constants["BLOCK_M"])
+        vals = torch.empty(shape, dtype=torch.float32, device=query.device)
+        ids = torch.empty(shape, dtype=torch.int32, device=query.device)
+        oks = torch.empty(shape, dtype=torch.int32, device=query.device)
+        _, _, _, kmin, kmax, _ = tail.kernel_inputs(b, H_kv, key.shape[2], d)
+        return PageTops(query, key, step.start, step.end, kmin, kmax, vals, ids, oks, float(step.scale),
+                        step.window.t_sink, step.window.t_local, self.pages_per_program, constants["PAGE"],
+                        constants["TOP"], page_top_tile(d, self.pages_per_program))
 
     def decides_in_estimate(self, tail_aware: bool = False) -> bool:
         """Whether the launch that writes each head's ``log E[exp(s)]`` also decides: the plain ``qada`` decision
@@ -422,7 +451,8 @@ class FusedTritonExecutor(TritonExecutor):
                           tail: FusedTail | None = None, budget: FusedBudget | None = None,
                           add_to: tuple[torch.Tensor, torch.Tensor] | None = None,
                           log_mean_exp: torch.Tensor | None = None,
-                          decision: EstimateDecision | None = None) -> FusedLaunch:
+                          decision: EstimateDecision | None = None,
+                          page_tops: PageTops | None = None) -> FusedLaunch:
         """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches;
         with ``tail``, the ``qada_tail`` decision (:mod:`qada.attention._fused_tail_kernel`), whose split launch
         also makes the step's key join its page in ``tail``'s extrema (in place, as
@@ -440,7 +470,9 @@ class FusedTritonExecutor(TritonExecutor):
         (:func:`~qada.attention.moment_step.estimate_launch`). Where the plain ``qada`` decision is made once
         (:meth:`decides_in_estimate`), that launch makes it: ``decision`` is the one the moment step's launch made
         (:meth:`estimate_decision`), or, ``None``, one estimate launch makes both (``log_mean_exp`` unused); then
-        the ``triton`` split and combine launches.
+        the ``triton`` split and combine launches. A ``qada_tail`` step whose pages are spread over page-top
+        programs (:meth:`page_tops`) has them run by the launch that writes ``log_mean_exp``: ``page_tops`` are those
+        it ran (:meth:`bulk_estimate`); ``None`` with ``log_mean_exp``: a launch of their own runs them now.
         """
         query, key, value = step.query, step.keys, step.values
         check_triton_runtime(query.device, query.dtype, "triton_fused")
@@ -460,8 +492,17 @@ class FusedTritonExecutor(TritonExecutor):
         if decision is not None:
             raise ValueError("a decision made with the estimate is the plain 'qada' one made once per group "
                              "(decide_once=True, no tail index): this call decides in its own launches")
-        if log_mean_exp is None:
-            log_mean_exp = estimate_launch(self.bulk_estimate(query, step.scale, step.softcap), step.bulk_moments)
+        if page_tops is not None and (tail is None or log_mean_exp is None):
+            raise ValueError("page_tops are the page-top programs of a qada_tail step that the launch writing "
+                             "log_mean_exp ran: pass the tail index and log_mean_exp with them")
+        spread = page_tops if tail is None or page_tops is not None else self.page_tops(step, tail)
+        if page_tops is not None and page_tops.stretches != self.page_top_stretches(tail):
+            raise ValueError(f"expected page_tops of {self.page_top_stretches(tail)} stretches for this tail index "
+                             f"and pages_per_program={self.pages_per_program} but got {page_tops.stretches}")
+        if log_mean_exp is None:  # (one estimate launch, which runs the page-top programs too)
+            log_mean_exp = estimate_launch(self.bulk_estimate(query, step.scale, step.softcap, page_tops=spread),
+                                           step.bulk_moments)
+            page_tops = spread
         elif (log_mean_exp.shape != (b, H) or log_mean_exp.dtype != torch.float32
               or not log_mean_exp.is_contiguous()):
             raise ValueError(f"expected log_mean_exp as a contiguous float32 tensor of shape [{b}, {H}] but got "
@@ -509,13 +550,15 @@ class FusedTritonExecutor(TritonExecutor):
             log_ratio = torch.empty(b, H, **f32)
             n_exact = torch.empty(b, H, dtype=torch.int32, device=device)
             n_pages = tail.kmin.shape[2]
-            # the page bounds spread out (one level: a hierarchy bounds few pages)
-            stretches = -(-n_pages // self.pages_per_program) if apart and not tail.super_page else 1
+            # the page bounds spread over page-top programs (:meth:`page_tops`), for a decision launched apart as for
+            # one made in every split (each then merges the lists instead of bounding every page itself): run by the
+            # launch that wrote log_mean_exp, else by a launch of their own now
+            stretches = 1 if spread is None else spread.stretches
             tail_inputs, constants = tail.kernel_inputs(b, H_kv, C, d), tail.kernel_constants(d)
             supers = tail.super_inputs(b, H_kv, C, d)
             candidates = (m, m, m)
-            if stretches > 1:
-                candidates = self._page_tops(step, tail_inputs, constants, pairs, stretches, common)
+            if spread is not None:
+                candidates = (page_tops if page_tops is not None else self._launch_page_tops(spread)).lists()
             if tail.attend_exact:  # each head's attention over E, merged into the local heads' by the combine
                 extra = ExtraAttention(torch.empty(b, H, **f32), torch.empty(b, H, **f32),
                                        torch.empty(b, H, d, **f32), flags[1])
@@ -527,7 +570,7 @@ class FusedTritonExecutor(TritonExecutor):
                                SCORE=budget is not None,  # SCORE: the heads' scores, the budget decides
                                ATTEND=not apart, TOKEN_STAGES=TOKEN_STAGES if apart else 1, **common,
                                **constants, **tail.split_constants(),
-                               **pdl_launch_options(pdl and stretches == 1))  # (not after the page-top launch)
+                               **pdl_launch_options(pdl and stretches == 1))  # (not with page-top lists: merged first)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)
         tail_reads = None if tail is None else tail.reads()
@@ -592,31 +635,13 @@ class FusedTritonExecutor(TritonExecutor):
             HAS_END=end is not None,
         )  # fmt: skip
 
-    def _page_tops(self, step: DecodeStep, tail_inputs: tuple[torch.Tensor, ...], constants: dict, pairs: int,
-                   stretches: int, common: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The page-top launch: ``stretches`` programs per (row, KV head), each the top pages per head of its
-        :attr:`pages_per_program` pages, reading the tail index as :meth:`FusedTail.kernel_inputs` gave it
-        (``tail_inputs``, with :meth:`FusedTail.kernel_constants`); returns the lists ``(vals, ids, oks) [pairs,
-        stretches, BLOCK_G, BLOCK_M]``."""
+    def _launch_page_tops(self, page_tops: PageTops) -> PageTops:
+        """The page-top launch of its own: ``page_tops.stretches`` programs per (row, KV head), each filling its
+        stretch's lists (:func:`~qada.attention._fused_tail_kernel.qada_tail_page_top_kernel`); for a step whose
+        ``log E[exp(s)]`` was written without them. Returns ``page_tops``."""
         from qada.attention import _fused_tail_kernel, _triton_kernel
 
-        query, key = step.query, step.keys
-        b, H, d = query.shape
-        H_kv, C = key.shape[1], key.shape[2]
-        shape = (pairs, stretches, common["BLOCK_G"], constants["BLOCK_M"])
-        vals = torch.empty(shape, dtype=torch.float32, device=query.device)
-        ids = torch.empty(shape, dtype=torch.int32, device=query.device)
-        oks = torch.empty(shape, dtype=torch.int32, device=query.device)
-        start, end = step.start, step.end
-        _, _, _, kmin, kmax, _ = tail_inputs
-        _triton_kernel.run(
-            _fused_tail_kernel.qada_tail_page_top_kernel, (pairs, stretches),
-            query, key, query if start is None else start, query if end is None else end, kmin, kmax,
-            vals, ids, oks, *query.stride(), *key.stride(), *kmin.stride(),
-            C, H_kv, step.window.t_sink, step.window.t_local, float(step.scale), kmin.shape[2], self.pages_per_program,
-            G=H // H_kv, D=d, BLOCK_G=common["BLOCK_G"], BLOCK_D=common["BLOCK_D"],
-            BLOCK_P=page_top_tile(d, self.pages_per_program), PAGE=constants["PAGE"], TOP=constants["TOP"],
-            BLOCK_M=constants["BLOCK_M"],
-            HAS_START=start is not None, HAS_END=end is not None, num_warps=self.num_warps,
-        )  # fmt: skip
-        return vals, ids, oks
+        page_tops.check()
+        _triton_kernel.run(_fused_tail_kernel.qada_tail_page_top_kernel, (page_tops.vals.shape[0], page_tops.stretches),
+                           *page_tops.kernel_args(), **page_tops.kernel_constants(), num_warps=self.num_warps)
+        return page_tops

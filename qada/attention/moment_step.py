@@ -20,10 +20,11 @@ the same from moments a source stepped in torch, in a launch of its own.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from qada.attention.page_tops import rider_args
 from qada.attention.triton_decode import _next_pow2
 from qada.step import BulkMoments
 
@@ -93,6 +94,8 @@ class BulkEstimate(NamedTuple):
         decision: the decision the same launch then makes from it (:class:`EstimateDecision`), or ``None``.
         pdl: the launch lets the next one start at once (a programmatic dependent launch, sm_90+: it waits for this
             one before reading what this one writes).
+        page_tops: the page-top programs of a ``qada_tail`` step the same launch carries
+            (:class:`~qada.attention.page_tops.PageTops`: its grid grows to ``(pairs, 1 + stretches)``), or ``None``.
     """
 
     query: torch.Tensor
@@ -103,6 +106,7 @@ class BulkEstimate(NamedTuple):
     out: torch.Tensor
     decision: EstimateDecision | None = None
     pdl: bool = False
+    page_tops: Any = None
 
     def kernel_args(self) -> tuple[tuple, tuple]:
         """``(Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN)`` and ``(stride_qb, stride_qh, stride_qd,
@@ -167,6 +171,13 @@ def _estimate_parts(estimate: BulkEstimate | None, H_kv: int, placeholder: torch
     return tensors, scalars, estimate.kernel_constants(H_kv)
 
 
+def _rider(estimate: BulkEstimate | None, pairs: int, placeholder: torch.Tensor) -> tuple[tuple, tuple, dict]:
+    """``(grid, positional arguments, constants)`` of the page-top programs a launch writing ``estimate`` carries
+    (:func:`~qada.attention.page_tops.rider_args`; none: one program per (row, KV head)))."""
+    args, constants, programs = rider_args(None if estimate is None else estimate.page_tops, placeholder)
+    return ((pairs,) if programs == 1 else (pairs, programs)), args, constants
+
+
 def _constants(d: int, start: torch.Tensor | None, G: int) -> dict:
     return dict(D=d, HAS_START=start is not None, **block_sizes(d, G))
 
@@ -197,11 +208,12 @@ def current_step_launch(state: dict[str, torch.Tensor], keys: torch.Tensor, star
     if estimate is not None and estimate.decision is not None and estimate.decision.keys is not keys:
         raise ValueError("expected the decision's keys to be the moment step's")
     tensors, scalars, constants = _estimate_parts(estimate, H_kv, count, start, end)
+    grid, rider, rider_constants = _rider(estimate, b * H_kv, count)
     _triton_kernel.run(
-        _moment_kernel.current_moment_step_kernel, (b * H_kv,),
+        _moment_kernel.current_moment_step_kernel, grid,
         count, mean, m2, out_mean, out_cov, keys, end if start is None else start, end, *tensors,
-        H_kv, t_local, t_recent, *keys.stride(), *_row_strides(start, end), *scalars,
-        **_constants(d, start, constants["G"]), **constants,
+        H_kv, t_local, t_recent, *keys.stride(), *_row_strides(start, end), *scalars, *rider,
+        **_constants(d, start, constants["G"]), **constants, **rider_constants,
     )  # fmt: skip
     return BulkMoments(out_mean, out_cov)
 
@@ -224,12 +236,13 @@ def stored_step_launch(state: dict[str, torch.Tensor], start: torch.Tensor | Non
     N, d = ref.shape[1], ref.shape[2]
     tensors, scalars, constants = _estimate_parts(estimate, H_kv, count, start, end)
     keys, key_strides = (count, (0,) * 4) if estimate is None else estimate.decision_keys(count)
+    grid, rider, rider_constants = _rider(estimate, b * H_kv, count)
     _triton_kernel.run(
-        _moment_kernel.stored_moment_step_kernel, (b * H_kv,),
+        _moment_kernel.stored_moment_step_kernel, grid,
         count, s1, s2, state["old_end"], *jumps, mean, cov, ref, shift, end if start is None else start, end,
         keys, *tensors, H_kv, N, jumps[0].shape[1], t_local, offset, first,
-        min_bulk_keys, *ref.stride(), *_row_strides(start, end), *key_strides, *scalars,
-        **_constants(d, start, constants["G"]), **constants,
+        min_bulk_keys, *ref.stride(), *_row_strides(start, end), *key_strides, *scalars, *rider,
+        **_constants(d, start, constants["G"]), **constants, **rider_constants,
     )  # fmt: skip
     return BulkMoments(mean, cov)
 
@@ -253,11 +266,12 @@ def estimate_launch(estimate: BulkEstimate, moments: BulkMoments) -> torch.Tenso
     constants = estimate.kernel_constants(H_kv)
     del constants["ESTIMATE"]
     keys, key_strides = estimate.decision_keys(out)
+    grid, rider, rider_constants = _rider(estimate, b * H_kv, out)
     _triton_kernel.run(
-        _estimate_kernel.bulk_estimate_kernel, (b * H_kv,),
+        _estimate_kernel.bulk_estimate_kernel, grid,
         query, mean, cov, out, nodes, log_weights, keys, out if start is None else start, out if end is None else end,
         *decision, *mean.stride(), *cov.stride(), *scalars[:3], *key_strides, H_kv,
-        0 if made is None else made.t_local, *scalars[3:],
-        D=d, HAS_START=start is not None, **block_sizes(d, constants["G"]), **constants,
+        0 if made is None else made.t_local, *scalars[3:], *rider,
+        D=d, HAS_START=start is not None, **block_sizes(d, constants["G"]), **constants, **rider_constants,
     )  # fmt: skip
     return out

@@ -110,19 +110,24 @@ def fused_layer_step(
     from qada.criteria.tail import TailEstimate
     from qada.models.layer_step import LayerStepResult, begin_step
 
-    decision = None  # the plain qada decision made once per group: by the moment step's launch
+    decision = tail = page_tops = None  # the plain qada decision made once per group: by the moment step's launch
     if executor.decides_in_estimate(isinstance(criterion, TailEstimate)):
         decision = executor.estimate_decision(query[:, :, 0], keys, start, end, sink_logits, criterion.tau, policy,
                                               window)
-    estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap, decision)  # filled by the moment step
+    if isinstance(criterion, TailEstimate):  # its page-top programs (if any) run in the moment step's launch
+        early = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, values=values,
+                           states=criterion_states, sink_logits=sink_logits, softcap=softcap)
+        tail = fused_tail(criterion, early)
+        page_tops = executor.page_tops(early, tail)
+    estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap, decision, page_tops)  # by the moment step
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
                             sink_logits, softcap, moments, window,
                             functools.partial(fused_moment_step, moments, estimate=estimate))
     budget = fused_budget(criterion, step)
     tau = 0.0 if budget is not None else criterion.tau  # (a budget ranks: no threshold)
     add_to = None if sums is None else (sums, layer)  # the combine launch adds the row to sums[layer]
-    launch = executor.decide_and_attend(step, tau, policy, fused_tail(criterion, step), budget, add_to,
-                                        log_mean_exp=estimate.out, decision=decision)
+    launch = executor.decide_and_attend(step, tau, policy, tail, budget, add_to, log_mean_exp=estimate.out,
+                                        decision=decision, page_tops=page_tops)
     counts = launch.row
     return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,
                            None, None, bulk, step.query, step.start, step.end,

@@ -51,7 +51,8 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments, the GPU sui
     "qada fused": {"criterion": {"name": "qada", "tau": 0.6}, "executor": {"name": "triton_fused"}},
     "qada fused once": {"criterion": {"name": "qada", "tau": 0.6},
                         "executor": {"name": "triton_fused", "decide_once": True}},
-    "qada_tail fused": {"criterion": {"name": "qada_tail", "tau": 0.3}, "executor": {"name": "triton_fused"}},
+    "qada_tail fused": {"criterion": {"name": "qada_tail", "tau": 0.3},  # (the decision in every split)
+                        "executor": {"name": "triton_fused", "decide_once": False}},
     "qada_tail fused once": {"criterion": {"name": "qada_tail", "tau": 0.3},
                              "executor": {"name": "triton_fused", "decide_once": True}},
     "qada_tail_budget fused": {"criterion": {"name": "qada_tail_budget", "sparsity": 0.85},
@@ -62,7 +63,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments, the GPU sui
                                "executor": {"name": "triton_fused"}},
     "qada fused pdl": {"criterion": {"name": "qada", "tau": 0.6}, "executor": {"name": "triton_fused", "pdl": True}},
     "qada_tail fused pdl": {"criterion": {"name": "qada_tail", "tau": 0.3},
-                            "executor": {"name": "triton_fused", "pdl": True}},
+                            "executor": {"name": "triton_fused", "decide_once": False, "pdl": True}},
 }  # fmt: skip
 
 SM90 = {"registers": 65536, "register_unit": 256, "warps": 64, "programs": 32, "shared": 228 * 1024,
@@ -193,7 +194,8 @@ class Sm90Compiler:
         report["async_copies"] = async_copies(compiled.asm["ptx"])
         report.update(grid_dependency(compiled.asm["ptx"]))
         shared = int(compiled.metadata.shared)
-        flags = {name: kwargs[name] for name in ("ATTEND", "SCORE", "CANDIDATES", "SOFTCAP", "PDL") if name in kwargs}
+        flags = {name: kwargs[name] for name in ("ATTEND", "SCORE", "CANDIDATES", "SOFTCAP", "PDL", "PAGE_TOPS")
+                 if name in kwargs}
         self.kernels[key] = {"kernel": kernel.fn.__name__, "configs": [self.config], "flags": flags,
                              "warps": options.num_warps, "stages": options.num_stages, "shared": shared, **report,
                              **programs_per_sm(report["registers"], options.num_warps, shared)}

@@ -46,7 +46,7 @@ CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, mom
 """Every configuration whose whole decode step runs in Triton launches (the ``triton`` executor with a criterion
 decides in torch operations, which this does not count)."""
 
-KV_ARGS = {"K", "V", "KEYS"}
+KV_ARGS = {"K", "V", "KEYS", "PT_K"}
 """The arguments that are the KV cache in every launch that reads it (``KEYS``: the moment step's, whose launch reads
 the step's key, and with ``decide_once`` the window's keys for the decision)."""
 

@@ -22,8 +22,9 @@ of :data:`SCENARIOS`, and the serial tiles of page extrema the longest program l
 that loop alone, so each tile loaded in its own iteration waits one memory round trip (with 16-page tiles
 everywhere, and now with :func:`~qada.attention.fused.page_top_tile`'s wider ones in the page-top programs); and the
 round trips each launch's longest program waits for, by the kernels' structure (:func:`round_trips`), before and
-after the page-top tiles were loaded a tile ahead and the token chunks pipelined. It counts rounds, tiles and round
-trips, not time: the GPU suite (``benchmarks/run.py --gpu``) times the launches.
+after the page-top tiles were loaded a tile ahead and the token chunks pipelined; and each layout's launches per
+layer (:func:`launches_per_layer`: the page-top programs run in the moment step's launch). It counts rounds, tiles,
+round trips and launches, not time: the GPU suite (``benchmarks/run.py --gpu``) times the launches.
 
 Writes ``<out>/tail-rounds-cpu.{json,md}``.
 """
@@ -167,36 +168,47 @@ PAGE_TOP_TILE_FEATURES_BEFORE = 4096
 
 
 def round_trips(n_pages: int, pages_per_program: int, G: int, top: int, entries: int, block_p: int,
-                head_dim: int) -> dict[str, int]:
+                head_dim: int, attending: bool = False) -> dict[str, int]:
     """The memory round trips one (row, KV head)'s longest page-top program and its decision wait for (a load not
     issued ahead of the work before it), for a bulk of ``n_pages`` pages, by the kernels' structure (no data):
 
-    * page-top program, ``before``: each of its tiles of :data:`PAGE_TOP_TILE_FEATURES_BEFORE` features; ``now``:
-      the first tile only (:func:`~qada.attention._fused_tail_kernel.page_top`'s ``AHEAD``: the next tile loads
-      while the tile before is bounded and inserted);
-    * decision: its tiles of page extrema (bounding pages itself: in every split, which loads no tile ahead) or of
-      stretch lists (launched apart: 4 lists a tile), then the top pages' tokens, ``G x ceil(TOP / ENTRIES)``
-      chunks: ``before`` two dependent loads each (heavy flags, then keys); ``now`` one each in a split that
-      attends (flags and keys together), and in a launch that only decides the first chunk alone (the keys
-      through the loop's software pipeline, the flags loaded by the chunk before).
+    * page-top program (where the pages are spread: more than ``pages_per_program``), ``before``: each of its tiles
+      of :data:`PAGE_TOP_TILE_FEATURES_BEFORE` features; ``now``: the first tile only
+      (:func:`~qada.attention._fused_tail_kernel.page_top`'s ``AHEAD``: the next tile loads while the tile before
+      is bounded and inserted);
+    * decision: its tiles of stretch lists (4 lists a tile) where the pages are spread, else its tiles of page
+      extrema (a split that attends loads none ahead, a decision launched apart each a tile ahead), then the top
+      pages' tokens, ``G x ceil(TOP / ENTRIES)`` chunks: ``before`` two dependent loads each (heavy flags, then
+      keys); ``now`` one each in a split that attends (``attending``: flags and keys together), and in a launch
+      that only decides the first chunk alone (the keys through the loop's software pipeline, the flags loaded by
+      the chunk before).
 
     Counted, not timed: a load issued ahead is still waited for when the work it overlaps is shorter."""
     from qada.attention.fused import _next_pow2
 
-    apart = n_pages > pages_per_program
+    spread = n_pages > pages_per_program
     chunks = G * math.ceil(top / entries)
-    longest = min(n_pages, pages_per_program)
-    tile_before = max(8, PAGE_TOP_TILE_FEATURES_BEFORE // max(16, _next_pow2(head_dim)))
-    if apart:
+    tokens_now = chunks if attending else (1 if chunks else 0)
+    if spread:
+        longest = min(n_pages, pages_per_program)
+        tile_before = max(8, PAGE_TOP_TILE_FEATURES_BEFORE // max(16, _next_pow2(head_dim)))
         merges = math.ceil(math.ceil(n_pages / pages_per_program) / CANDIDATE_LISTS_PER_TILE)
         return {"page_top_waits_before": math.ceil(longest / tile_before), "page_top_waits_now": 1 if longest else 0,
-                "decision_waits_before": merges + 2 * chunks, "decision_waits_now": merges + (1 if chunks else 0)}
+                "decision_waits_before": merges + 2 * chunks, "decision_waits_now": merges + tokens_now}
     tiles = math.ceil(n_pages / block_p)
     return {"page_top_waits_before": 0, "page_top_waits_now": 0, "decision_waits_before": tiles + 2 * chunks,
-            "decision_waits_now": tiles + chunks}
+            "decision_waits_now": (tiles if attending else min(tiles, 1)) + tokens_now}
 
 
-def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_program: int) -> list[dict[str, Any]]:
+def launches_per_layer(apart: bool) -> int:
+    """The launches of one layer's ``qada_tail`` step with a built-in moment source: the moment step's (which runs
+    the page-top programs too where a row's pages are spread over them; until 2026-12-05 a launch of their own, one
+    more), the decision where it is ``apart`` (then the ``triton`` split), the split, the combine."""
+    return 3 + int(apart)
+
+
+def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_program: int,
+                 attending: bool = False) -> list[dict[str, Any]]:
     """Per layer: the longest program's rounds each way (page-top launch, decision launch), the token chains, and
     whether insertion kept ``topk``'s pages, from :func:`record_top_pages`' records."""
     from qada.attention.fused import page_tiles, page_top_tile
@@ -232,20 +244,22 @@ def count_layers(records: list[dict[str, Any]], num_kv_heads: int, pages_per_pro
                 row["page_top_tiles_new"] = max([row["page_top_tiles_new"], *got["page_top_tiles"]])
                 row["decision_tiles"] = max(row["decision_tiles"], got["decision_tiles"])  # (tiles of block_p)
                 row["same_pages"] &= same_as_topk(got["rank"], got["chosen"], p_lo, p_hi, top)
-                waits = round_trips(p_hi - p_lo, pages_per_program, G, top, entries, block_p, d)
+                waits = round_trips(p_hi - p_lo, pages_per_program, G, top, entries, block_p, d, attending)
                 for key, value in waits.items():
                     row[key] = max(row[key], value)
         layers.append(row)
     return layers
 
 
-SCENARIOS = {  # name: pages per page-top program (None: no page-top launch, the split kernel bounds every page)
-    "decision in every split (decide_once=False)": None,
-    "decision launched apart, 256 pages per page-top program (the default)": 256,
-    "decision launched apart, 64 pages per page-top program": 64,
+SCENARIOS = {  # name: (pages per page-top program, None: none, every split bounds every page; decided in the splits)
+    "decision in every split, 256 pages per page-top program (decide_once=False)": (256, True),
+    "decision launched apart, 256 pages per page-top program (the default)": (256, False),
+    "decision launched apart, 64 pages per page-top program": (64, False),
+    "decision in every split, each bounding every page (decide_once=False until 2026-12-05)": (None, True),
 }
 """The ways the ``triton_fused`` executor lays out a ``qada_tail`` decision (``decide_once``, ``pages_per_program``;
-a budget always decides apart)."""
+a budget always decides apart), and the layout ``decide_once=False`` had until its splits merged the page-top
+programs' lists too."""
 
 
 def report(results: dict[str, Any]) -> str:
@@ -258,7 +272,8 @@ def report(results: dict[str, Any]) -> str:
     rows = []
     for name, layers in results["scenarios"].items():
         total = {key: sum(row[key] for row in layers) for key in keys}
-        rows.append([name, total["page_top_old"], total["page_top_new"], total["decision_old"],
+        rows.append([name, results.get("launches_per_layer", {}).get(name, ""), total["page_top_old"],
+                     total["page_top_new"], total["decision_old"],
                      total["decision_new"], total["token_chains_old"], total["token_chains_new"],
                      f"{total['page_top_tiles_old']} / {total['decision_tiles']}",
                      f"{total['page_top_tiles_new']} / {total['decision_tiles']}",
@@ -280,9 +295,13 @@ def report(results: dict[str, Any]) -> str:
              f"program's tiles of {first['page_top_block_p']} (the decision keeps {first['block_p']}); round trips "
              "waited: the loads the longest page-top / decision program waits for, not issued ahead of the work "
              "before them (`round_trips`: page extrema tiles, stretch-list tiles, token chunks), before the "
-             "page-top tiles were loaded a tile ahead and the token chunks pipelined (2026-12-04) and now. Rounds, "
+             "page-top tiles were loaded a tile ahead and the token chunks pipelined (2026-12-04) and now; a split "
+             "that attends pipelines no chunk. Launches per layer: the moment step's (which runs the page-top "
+             "programs too since 2026-12-05: until then a launch of their own, one more per layer where a row's "
+             "pages are spread), the decision where it is launched apart, the split, the combine. Rounds, "
              "tiles and round trips counted from the kernels' structure, not timed.", "",
-             table(["layout", "page-top launch old", "new", "decision launch old", "new", "token chains old", "new",
+             table(["layout", "launches per layer", "page-top programs old", "new", "decision old", "new",
+                    "token chains old", "new",
                     f"tile loads page-top / decision, {first['block_p']}-page tiles", "now",
                     "round trips waited page-top / decision, before", "now",
                     "insertion kept topk's pages"], rows)]
@@ -311,12 +330,14 @@ def main(argv: list[str] | None = None) -> Path:
     if len(records) != model.config.num_hidden_layers:
         raise RuntimeError(f"expected one top_pages call per layer ({model.config.num_hidden_layers}) but got "
                            f"{len(records)}")
-    scenarios = {name: count_layers(records, model.config.num_key_value_heads, pages or 1 << 30)
-                 for name, pages in SCENARIOS.items()}  # fmt: skip
+    scenarios = {name: count_layers(records, model.config.num_key_value_heads, pages or 1 << 30, attending)
+                 for name, (pages, attending) in SCENARIOS.items()}  # fmt: skip
+    launches = {name: launches_per_layer(apart=not attending) for name, (_, attending) in SCENARIOS.items()}
     flags = f" --length {args.length}" if args.length != 7680 else ""
     results = {"command": f"python benchmarks/tail_rounds.py{flags}", "machine": machine_info("cpu"),
                "model": "SmolLM2-135M (embedded, float32)", "prompt_tokens": int(ids.shape[1]),
-               "layers": len(records), "page_size": records[0]["page"], "scenarios": scenarios}
+               "layers": len(records), "page_size": records[0]["page"], "scenarios": scenarios,
+               "launches_per_layer": launches}
     paths = write_results(args.out, "tail-rounds-cpu", results, report(results))
     print(paths[1].read_text())
     return paths[1]

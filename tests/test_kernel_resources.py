@@ -25,14 +25,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MAX_SPILL_BYTES = 64
 MIN_PROGRAMS_PER_SM = 3  # at head size 128 and below; at 256 (Gemma-2, Gemma-3) 2: twice the registers per tile
-ROW_HEAD_KERNELS = {"current_moment_step_kernel": 2, "stored_moment_step_kernel": 2, "qada_tail_page_top_kernel": 2}
+ROW_HEAD_KERNELS = {"current_moment_step_kernel": 2, "stored_moment_step_kernel": 2, "bulk_estimate_kernel": 2,
+                    "qada_tail_page_top_kernel": 2}
 """Kernels of few programs, whose time is a chain of dependent loads rather than their grid's occupancy: the moment
 step's, one program per (row, KV head), never split, whose grid fills two programs per SM of a 132-SM GPU only
 beyond 264 (row, KV head) pairs (SmolLM2 at batch 88, Llama-3-8B at 33). They spend registers on 32 x 32 block pairs
 of their float64 state instead (three block pairs at d = 64 where blocks of 16 took ten, each a round of dependent
-loads: what a launch of few programs waits for), and need two programs per SM. And the page-top launch's, one
-program per (row, KV head, stretch of 256 pages: two at 7.68k, 32 at 128k), which holds two tiles of page extrema
-(the next one loads while the current one is bounded: one round trip a program instead of one a tile)."""
+loads: what a launch of few programs waits for), and need two programs per SM. And the page-top programs, one per
+(row, KV head, stretch of 256 pages: two at 7.68k, 32 at 128k), which hold two tiles of page extrema (the next one
+loads while the current one is bounded: one round trip a program instead of one a tile), run by the launch that
+writes ``log E[exp(s)]`` (``PAGE_TOPS``: a moment step's or the estimate's kernel) or by a launch of their own."""
 
 SCRIPT = textwrap.dedent(
     """
@@ -98,9 +100,9 @@ def test_kernels_compile_as_torch_compile_launches_them():
     to fp64"; Inductor on an H200), so the compiled layer step fell back to eager inside a CUDA graph's recording."""
     kernels = compile_decode_steps("fp64", ((9, 3, 64), (16, 8, 256)))
     names = {k["kernel"] for k in kernels}
-    assert names >= {"qada_fused_split_kernel", "qada_tail_fused_split_kernel", "qada_tail_page_top_kernel",
-                     "current_moment_step_kernel", "qada_decode_split_kernel", "qada_decode_combine_kernel",
-                     "qada_budget_decision_kernel"}, names  # fmt: skip
+    assert names >= {"qada_fused_split_kernel", "qada_tail_fused_split_kernel", "current_moment_step_kernel",
+                     "qada_decode_split_kernel", "qada_decode_combine_kernel", "qada_budget_decision_kernel"}, names
+    assert any(k["flags"].get("PAGE_TOPS") for k in kernels), "no launch ran page-top programs"
     assert any(k["flags"].get("SOFTCAP") for k in kernels)
 
 
@@ -108,10 +110,13 @@ def test_kernels_compile_as_torch_compile_launches_them():
 def test_every_kernel_of_a_decode_step_was_compiled(kernels):
     names = {k["kernel"] for k in kernels}
     assert names >= {"qada_decode_split_kernel", "qada_decode_combine_kernel", "current_moment_step_kernel",
-                     "qada_fused_split_kernel", "qada_tail_fused_split_kernel", "qada_tail_page_top_kernel",
-                     "qada_budget_decision_kernel"}  # fmt: skip
+                     "qada_fused_split_kernel", "qada_tail_fused_split_kernel", "qada_budget_decision_kernel"}
+    assert "qada_tail_page_top_kernel" not in names  # (a step's page-top programs run in its moment launch)
+    tops = [k for k in kernels if k["kernel"] == "current_moment_step_kernel" and k["flags"].get("PAGE_TOPS")]
+    assert tops, "no moment step at the longer cache ran page-top programs"
     spread = [k for k in kernels if k["kernel"] == "qada_tail_fused_split_kernel" and k["flags"].get("CANDIDATES")]
     assert spread, "no step at the longer cache merged spread page bounds"
+    assert any(k["flags"].get("ATTEND") for k in spread), "no split that attends merged spread page bounds"
     assert all(k["registers"] > 0 for k in kernels)
 
 
@@ -144,11 +149,12 @@ def test_programmatic_dependent_launches_wait_before_reading_the_previous_launch
     """With the ``triton_fused`` executor's ``pdl``, a layer's launches are programmatic dependent launches: the
     moment step's and the splits' kernels let the next launch start (``griddepcontrol.launch_dependents``), the
     splits and the combine wait for the previous launch (``griddepcontrol.wait``) before reading what it wrote;
-    without it the kernels have neither instruction (the page-top launch, the budget's and a ``qada_tail`` decision
-    merging the page-top lists never: they follow a launch that does not let them start early)."""
+    without it the kernels have neither instruction (the budget's and a ``qada_tail`` decision merging page-top
+    programs' lists never: they follow a launch that does not let them start early, or merge before they would
+    wait)."""
     expected = {"current_moment_step_kernel": (True, False),  # (these shapes step current moments)
                 "qada_fused_split_kernel": (True, True), "qada_tail_fused_split_kernel": (True, True),
-                "qada_decode_split_kernel": (True, True), "qada_decode_combine_kernel": (False, True)}
+                "qada_decode_combine_kernel": (False, True)}  # (the pdl rows decide in their splits)
     with_pdl = [k for k in kernels if k["flags"].get("PDL")]
     assert {k["kernel"] for k in with_pdl} == set(expected)
     for k in with_pdl:

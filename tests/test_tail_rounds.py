@@ -60,6 +60,18 @@ def test_round_trips_waited_follow_the_kernels_structure():
     llama = round_trips(8192, 256, G=4, top=8, entries=2, block_p=8, head_dim=128)
     assert llama == {"page_top_waits_before": 8, "page_top_waits_now": 1, "decision_waits_before": 8 + 2 * 16,
                      "decision_waits_now": 8 + 1}
-    every = round_trips(100, 256, G=3, top=8, entries=4, block_p=16, head_dim=64)  # bounded in every split
+    every = round_trips(100, 256, G=3, top=8, entries=4, block_p=16, head_dim=64, attending=True)  # every split
     assert every == {"page_top_waits_before": 0, "page_top_waits_now": 0, "decision_waits_before": 7 + 2 * 6,
                      "decision_waits_now": 7 + 6}
+    once = round_trips(100, 256, G=3, top=8, entries=4, block_p=16, head_dim=64)  # launched apart: a tile ahead
+    assert once["decision_waits_now"] == 1 + 1
+    # the splits merge the page-top programs' lists (2 stretches: one tile of lists), each chunk waited for
+    merging = round_trips(481, 256, G=3, top=8, entries=4, block_p=16, head_dim=64, attending=True)
+    assert merging == {**apart, "decision_waits_now": 1 + 6}
+
+
+def test_launches_per_layer():
+    """The page-top programs run in the moment step's launch: three launches, four with the decision apart."""
+    from benchmarks.tail_rounds import SCENARIOS, launches_per_layer
+
+    assert [launches_per_layer(apart=not attending) for _, attending in SCENARIOS.values()] == [3, 4, 4, 3]

@@ -35,7 +35,9 @@ decision is made once per group, one program per (row, KV head), and the ``trito
 launches then read its ``local`` mask: the plain ``qada`` decision by the launch that writes ``log E[exp(s)]`` (the
 moment step's: two launches after it, as deciding in the splits; :class:`~qada.attention.moment_step.EstimateDecision`),
 a ``qada_tail`` one in a launch of its own (three). No split then recomputes the decision (what a GPU measurement
-should choose between).
+should choose between). Where a row spans more than ``pages_per_program`` pages, its page bounds are spread over
+page-top programs (:mod:`qada.attention.page_tops`) that the moment step's launch runs besides its own, and the
+decision merges their lists: the same launches either way.
 
 Anything else (another criterion, such as ``quest`` or a composed one; no moment source) is an error when the run
 is built: use ``triton``. Called as a plain executor (with a decision given, e.g.
@@ -326,15 +328,17 @@ class FusedTritonExecutor(TritonExecutor):
     split and combine launches reading its ``local`` mask: the plain ``qada`` decision by the moment step's launch
     (two launches after it), a ``qada_tail`` one (the exact set, the page bounds) in a launch of its own (three).
     ``None`` (the default): ``True`` for a ``qada_tail`` decision
-    whose tail index has more than :attr:`pages_per_program` pages (a long context, where every split would bound
-    every page), else ``False``. The same decisions and output either way."""
+    whose tail index has more than :attr:`pages_per_program` pages (a long context, where every split would merge
+    the page-top programs' lists and read the exact set's tokens), else ``False``. The same decisions and output
+    either way."""
 
     pages_per_program: int = 256
-    """Where the decision is a launch of its own (``decide_once``, or a budget) and a row's bulk spans more pages
-    than this, the page bounds of ``qada_tail`` are spread over programs of this many pages each, one launch before
-    the decision (:func:`~qada.attention._fused_tail_kernel.qada_tail_page_top_kernel`): each finds its stretch's
-    top pages per head, the decision merges the lists. At 128k tokens and pages of 16 one program per (row, KV head)
-    would bound 8192 pages alone. The same decisions either way."""
+    """Where a row's tail index spans more pages than this (one level: a page hierarchy bounds few pages), the page
+    bounds of ``qada_tail`` are spread over page-top programs of this many pages each
+    (:func:`~qada.attention._fused_tail_kernel.page_top_program`, :meth:`page_tops`): each finds its stretch's top
+    pages per head, the decision (in every split, or launched apart) merges the lists. The launch that writes
+    ``log E[exp(s)]`` (the moment step's) runs them besides its own programs: no launch more. At 128k tokens and
+    pages of 16 one program per (row, KV head) would bound 8192 pages alone. The same decisions either way."""
 
     compile_step: bool = False
     """Whether a run's layer step (the launches and the few tensor operations around them) is compiled by

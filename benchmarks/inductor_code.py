@@ -422,7 +422,8 @@ def ptx_operations(kernel: Any, meta: dict[str, Any], inductor: bool) -> list[st
     """The PTX instructions (opcodes, in order) of ``kernel`` compiled for sm_90 with ``meta``
     (:func:`triton_metas`' entry): as Inductor compiles it (its signature, floats as fp64, ``debug=True``,
     ``sanitize_overflow=False``) or as Triton's launcher does (floats as fp32, the defaults); the loads of the
-    parameters and the conversions of fp64 ones left out."""
+    parameters, the conversions of fp64 ones and register moves (``mov``, which the fp64 parameters shift about: a
+    moment kernel running page-top programs had one more, elsewhere) left out."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -441,7 +442,9 @@ def ptx_operations(kernel: Any, meta: dict[str, Any], inductor: bool) -> list[st
         if not line or line.startswith(("//", ".", "$", "{", "}")) or "param" in line or "cvt.rn.f32.f64" in line:
             continue
         words = line.split()
-        found.append(words[1] if words[0].startswith("@") else words[0])
+        operation = words[1] if words[0].startswith("@") else words[0]
+        if not operation.startswith("mov."):
+            found.append(operation)
     return found
 
 

@@ -229,6 +229,40 @@ def test_page_bounds_spread_over_programs_decide_alike(monkeypatch, case, pages_
     assert_same_state(spread_state, one_state)
 
 
+def test_page_tops_run_alone_where_the_estimate_came_without_them(monkeypatch):
+    """``decide_and_attend`` given ``log_mean_exp`` but no ``page_tops`` (a caller whose estimate launch ran none)
+    runs the page-top programs in a launch of their own: the same lists, decisions and output bit for bit as when
+    the estimate's launch runs them; ``page_tops`` that do not fit the call are refused."""
+    from qada.attention.moment_step import estimate_launch
+    from tests.triton_launches import LaunchRecorder
+
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, block, splits, sizes = CASES[0]
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C, softcap=softcap, sinks=sinks)
+    criterion, state = prepared(step, C, **sizes)
+    tau = tail_tau(criterion, step, state, H // H_kv, policy)
+    carried, carried_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits,
+                                               pages_per_program=5)
+    alone_state = copy_state(state)
+    tail = fused_tail(criterion, with_state(step, alone_state))
+    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=False,
+                                   pages_per_program=5)
+    log_mean_exp = estimate_launch(executor.bulk_estimate(step.query, step.scale, step.softcap), step.moments)
+    record = LaunchRecorder(monkeypatch)
+    alone = executor.decide_and_attend(fresh(step), tau, policy, tail, log_mean_exp=log_mean_exp)
+    stretches = -(-state["kmin"].shape[2] // 5)
+    assert record.launches[:2] == [("qada_tail_page_top_kernel", (b * H_kv, stretches)),
+                                   ("qada_tail_fused_split_kernel", (b * H_kv, splits))]
+    for name in ("decided", "local", "read", "broken", "counts", "n_exact", "log_ratio", "output"):
+        assert torch.equal(getattr(alone, name), getattr(carried, name)), name
+    assert_same_state(alone_state, carried_state)
+    tops = executor.page_tops(fresh(step), tail)
+    with pytest.raises(ValueError, match="log_mean_exp"):
+        executor.decide_and_attend(fresh(step), tau, policy, tail, page_tops=tops)
+    wider = FusedTritonExecutor(block_size=block, num_splits=splits, pages_per_program=7)
+    with pytest.raises(ValueError, match="stretches"):
+        wider.decide_and_attend(fresh(step), tau, policy, tail, log_mean_exp=log_mean_exp, page_tops=tops)
+
+
 @pytest.mark.parametrize("features", [None, 64], ids=["wide", "narrow"])
 def test_page_top_programs_bound_wider_tiles_and_decide_alike(monkeypatch, features):
     """The page-top launch bounds its pages in tiles of :func:`~qada.attention.fused.page_top_tile` (the decision

@@ -59,7 +59,7 @@ def test_the_script_parses_its_own_row_lists():
     assert "qada_tail+E/lean fused compiled" in rows["lean_rows"]
     calls = run_calls(text)
     assert any(c.get("--only") == "bandwidth" for c in calls)
-    lean = [c for c in calls if c.get("--configs", "").startswith("dense compiled,dense packed compiled,qada fused")]
+    lean = [c for c in calls if c.get("--configs", "").startswith("dense compiled,qada fused compiled,qada_tail fused")]
     assert lean and lean[0]["--models"] == "smollm2" and lean[0]["--batches"] == "${s#lean-b}"
 
 

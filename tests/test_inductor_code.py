@@ -277,9 +277,10 @@ def test_compiled_fused_step_compiles_each_kernel_as_triton_launches_it_at_every
     """At every call of the decode, each kernel of the compiled step is compiled as Triton's launcher compiles it
     for the eager launch there: the same constants (ints equal to 1), the same divisibility by 16 of every pointer
     and int, the same warps and stages; and compiled with Inductor's options (floats as fp64 parameters,
-    ``debug=True``, ``sanitize_overflow=False``) its PTX is the launcher's instruction for instruction (registers
-    and the parameters' conversions aside). So a compiled step that decides otherwise than the eager one on a GPU
-    (an H200, 2026-11-27) does so for a reason that is not in how its kernels are compiled or launched."""
+    ``debug=True``, ``sanitize_overflow=False``) its PTX is the launcher's instruction for instruction (registers,
+    register moves and the parameters' conversions aside). So a compiled step that decides otherwise than the eager
+    one on a GPU (an H200, 2026-11-27) does so for a reason that is not in how its kernels are compiled or
+    launched."""
     row = measured[case]["compiled_as_launched"]
     assert row["specialization"] == []
     assert row["ptx"] and all(row["ptx"].values()), row["ptx"]

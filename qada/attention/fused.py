@@ -499,7 +499,9 @@ class FusedTritonExecutor(TritonExecutor):
         if page_tops is not None and (tail is None or log_mean_exp is None):
             raise ValueError("page_tops are the page-top programs of a qada_tail step that the launch writing "
                              "log_mean_exp ran: pass the tail index and log_mean_exp with them")
-        spread = page_tops if tail is None or page_tops is not None else self.page_tops(step, tail)
+        spread = page_tops  # the step's page-top programs: run already (page_tops), or to run (made now)
+        if tail is not None and page_tops is None:
+            spread = self.page_tops(step, tail)
         if page_tops is not None and page_tops.stretches != self.page_top_stretches(tail):
             raise ValueError(f"expected page_tops of {self.page_top_stretches(tail)} stretches for this tail index "
                              f"and pages_per_program={self.pages_per_program} but got {page_tops.stretches}")

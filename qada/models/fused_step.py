@@ -108,21 +108,19 @@ def fused_layer_step(
     d]``. Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the
     attention. A moment source without a kernel steps in torch (:meth:`~qada.moments.MomentSource.step`)."""
     from qada.criteria.tail import TailEstimate
-    from qada.models.layer_step import LayerStepResult, begin_step
+    from qada.models.layer_step import LayerStepResult, advance_moments, new_step
 
     decision = tail = page_tops = None  # the plain qada decision made once per group: by the moment step's launch
     if executor.decides_in_estimate(isinstance(criterion, TailEstimate)):
         decision = executor.estimate_decision(query[:, :, 0], keys, start, end, sink_logits, criterion.tau, policy,
                                               window)
+    step = new_step(query, keys, values, start, end, scale, layer, criterion_states, sink_logits, softcap, window)
     if isinstance(criterion, TailEstimate):  # its page-top programs (if any) run in the moment step's launch
-        early = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, values=values,
-                           states=criterion_states, sink_logits=sink_logits, softcap=softcap)
-        tail = fused_tail(criterion, early)
-        page_tops = executor.page_tops(early, tail)
+        tail = fused_tail(criterion, step)
+        page_tops = executor.page_tops(step, tail)
     estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap, decision, page_tops)  # by the moment step
-    step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
-                            sink_logits, softcap, moments, window,
-                            functools.partial(fused_moment_step, moments, estimate=estimate))
+    bulk = advance_moments(step, keys, start, end, layer, moment_state, moments, window,
+                           functools.partial(fused_moment_step, moments, estimate=estimate))
     budget = fused_budget(criterion, step)
     tau = 0.0 if budget is not None else criterion.tau  # (a budget ranks: no threshold)
     add_to = None if sums is None else (sums, layer)  # the combine launch adds the row to sums[layer]

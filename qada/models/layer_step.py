@@ -180,16 +180,36 @@ def begin_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
                window: Window, step_moments: Any = None) -> tuple[DecodeStep, BulkMoments | None]:
     """The moment source's step (rows ending at ``end``, or at ``C``; ``step_moments``, with the arguments of
     :meth:`~qada.moments.MomentSource.step`, instead of it where given) and the :class:`~qada.step.DecodeStep` of
-    :func:`layer_step`'s arguments: ``(step, bulk moments or None)``."""
+    :func:`layer_step`'s arguments: ``(step, bulk moments or None)``: :func:`new_step`, then
+    :func:`advance_moments`."""
+    step = new_step(query, keys, values, start, end, scale, layer, criterion_states, sink_logits, softcap, window)
+    return step, advance_moments(step, keys, start, end, layer, moment_state, moments, window, step_moments)
+
+
+def new_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor | None,
+             end: torch.Tensor | None, scale: float, layer: torch.Tensor,
+             criterion_states: dict[str, dict[str, torch.Tensor]], sink_logits: torch.Tensor | None,
+             softcap: float | None, window: Window) -> DecodeStep:
+    """The :class:`~qada.step.DecodeStep` of :func:`layer_step`'s arguments, its moments not stepped yet
+    (:func:`advance_moments` sets them)."""
+    return DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, values=values,
+                      states=criterion_states, sink_logits=sink_logits, softcap=softcap)
+
+
+def advance_moments(step: DecodeStep, keys: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None,
+                    layer: torch.Tensor, moment_state: dict[str, torch.Tensor] | None, moments: MomentSource | None,
+                    window: Window, step_with: Any = None) -> BulkMoments | None:
+    """The moment source's step for ``step`` (rows ending at ``end``, or at ``C``; ``step_with``, with the arguments
+    of :meth:`~qada.moments.MomentSource.step`, instead of it where given), the step's moments set to the result:
+    the bulk moments, or ``None`` without a source."""
     bulk = None
     if moments is not None:
         rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
         # (an explicit None test: torch 2.11's dynamo cannot take the truth value of a functools.partial)
-        moment_step = step_moments if step_moments is not None else moments.step
+        moment_step = step_with if step_with is not None else moments.step
         bulk = moment_step(moment_state, keys, start, rows_end, window)
-    step = DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, moments=bulk,
-                      values=values, states=criterion_states, sink_logits=sink_logits, softcap=softcap)
-    return step, bulk
+    step.moments = bulk
+    return bulk
 
 
 def statistics_row(step: DecodeStep, local: torch.Tensor, read: torch.Tensor, fail_safe: torch.Tensor | None,

@@ -179,16 +179,16 @@ def round_trips(n_pages: int, pages_per_program: int, G: int, top: int, entries:
     * decision: its tiles of stretch lists (4 lists a tile) where the pages are spread, else its tiles of page
       extrema (a split that attends loads none ahead, a decision launched apart each a tile ahead), then the top
       pages' tokens, ``G x ceil(TOP / ENTRIES)`` chunks: ``before`` two dependent loads each (heavy flags, then
-      keys); ``now`` one each in a split that attends (``attending``: flags and keys together), and in a launch
-      that only decides the first chunk alone (the keys through the loop's software pipeline, the flags loaded by
-      the chunk before).
+      keys); ``now`` one each in a split that attends and bounds its own pages (``attending``: flags and keys
+      together), and in a launch that only decides or a split that merges page-top lists the first chunk alone (the
+      keys through the loop's software pipeline, the flags loaded by the chunk before).
 
     Counted, not timed: a load issued ahead is still waited for when the work it overlaps is shorter."""
     from qada.attention.fused import _next_pow2
 
     spread = n_pages > pages_per_program
     chunks = G * math.ceil(top / entries)
-    tokens_now = chunks if attending else (1 if chunks else 0)
+    tokens_now = chunks if attending and not spread else (1 if chunks else 0)  # (pipelined but where bounding)
     if spread:
         longest = min(n_pages, pages_per_program)
         tile_before = max(8, PAGE_TOP_TILE_FEATURES_BEFORE // max(16, _next_pow2(head_dim)))

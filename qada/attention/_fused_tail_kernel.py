@@ -567,19 +567,20 @@ def qada_tail_fused_split_kernel(
 
     # --- the top pages' tokens: in the bulk, not heavy (one query head and ENTRIES of its pages at a time) ------
     # One loop over (head, chunk of its list). A chunk's keys and heavy flags load together (the keys of its heavy
-    # tokens too, masked out after): one round trip, not two. A launch that only decides (not ATTEND) overlaps it
-    # with the chunk before: the keys through the loop's software pipeline (TOKEN_STAGES), the heavy flags loaded by
-    # the chunk before (cp.async takes no single bytes); an attending split keeps its registers for the attention.
+    # tokens too, masked out after): one round trip, not two. With TOKEN_STAGES > 1 (a launch that only decides, or
+    # a split that merges page-top lists instead of bounding pages) it overlaps with the chunk before: the keys
+    # through the loop's software pipeline, the heavy flags loaded by the chunk before (cp.async takes no single
+    # bytes); a split that bounds its pages keeps its registers for the attention.
     CHUNKS: tl.constexpr = (TOP + ENTRIES - 1) // ENTRIES
     member_base = MEMBER + row64 * stride_ub + kv64 * stride_uh
-    if not ATTEND:
+    if TOKEN_STAGES > 1:
         _, slots, valid = list_chunk(0, ids, oks, bulk_lo, bulk_hi, CHUNKS, BLOCK_G, BLOCK_M, BLOCK_S, ENTRIES,
                                      PAGE, TOP)  # fmt: skip
         heavy_next = tl.load(member_base + slots.to(tl.int64) * stride_ut, mask=valid, other=0).to(tl.int8)
     for i in tl.range(0, G * CHUNKS, num_stages=TOKEN_STAGES):
         g, slots, valid = list_chunk(i, ids, oks, bulk_lo, bulk_hi, CHUNKS, BLOCK_G, BLOCK_M, BLOCK_S, ENTRIES, PAGE,
                                      TOP)  # fmt: skip
-        if ATTEND:
+        if TOKEN_STAGES == 1:
             heavy = tl.load(member_base + slots.to(tl.int64) * stride_ut, mask=valid, other=0).to(tl.int8)
         else:
             heavy = heavy_next

@@ -238,8 +238,9 @@ def page_tiles(page_size: int, pages: int, head_dim: int) -> dict[str, int]:
 
 TOKEN_STAGES = 2
 """Pipeline stages of the ``qada_tail`` decision's loop over its top pages' tokens (``tl.range``'s ``num_stages``) in
-a launch that only decides: the next chunk's keys load while the current chunk is scored. A split that attends too
-takes 1 (its registers go to the attention)."""
+a launch that only decides, and in a split that attends too where it merges page-top lists: the next chunk's keys
+load while the current chunk is scored. A split that bounds its own pages takes 1 (its registers go to the
+attention)."""
 
 _TOKEN_TILE_FEATURES = 4096
 """Tokens of the top pages read per tile of the ``qada_tail`` split kernel (``ENTRIES`` pages of one query head's
@@ -574,7 +575,8 @@ class FusedTritonExecutor(TritonExecutor):
                                *tail.kernel_strides(), *sizes, tail.heavy.shape[2], n_pages, stretches,
                                tail.n_super(), CANDIDATES=stretches > 1,
                                SCORE=budget is not None,  # SCORE: the heads' scores, the budget decides
-                               ATTEND=not apart, TOKEN_STAGES=TOKEN_STAGES if apart else 1, **common,
+                               ATTEND=not apart, TOKEN_STAGES=TOKEN_STAGES if apart or stretches > 1 else 1,
+                               **common,
                                **constants, **tail.split_constants(),
                                **pdl_launch_options(pdl and stretches == 1))  # (not with page-top lists: merged first)
         if budget is not None:

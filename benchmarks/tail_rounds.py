@@ -188,7 +188,7 @@ def round_trips(n_pages: int, pages_per_program: int, G: int, top: int, entries:
 
     spread = n_pages > pages_per_program
     chunks = G * math.ceil(top / entries)
-    tokens_now = chunks if attending and not spread else (1 if chunks else 0)  # (pipelined but where bounding)
+    tokens_now = chunks if attending and not spread else (1 if chunks else 0)  # (a wait per chunk: bounding splits)
     if spread:
         longest = min(n_pages, pages_per_program)
         tile_before = max(8, PAGE_TOP_TILE_FEATURES_BEFORE // max(16, _next_pow2(head_dim)))
@@ -296,9 +296,10 @@ def report(results: dict[str, Any]) -> str:
              "waited: the loads the longest page-top / decision program waits for, not issued ahead of the work "
              "before them (`round_trips`: page extrema tiles, stretch-list tiles, token chunks), before the "
              "page-top tiles were loaded a tile ahead and the token chunks pipelined (2026-12-04) and now; a split "
-             "that attends pipelines no chunk. Launches per layer: the moment step's (which runs the page-top "
-             "programs too since 2026-12-05: until then a launch of their own, one more per layer where a row's "
-             "pages are spread), the decision where it is launched apart, the split, the combine. Rounds, "
+             "that attends and bounds its own pages pipelines no chunk. Launches per layer: the moment step's "
+             "(which runs the page-top programs too since 2026-12-05: until then a launch of their own, one more "
+             "per layer where a row's pages are spread), the decision where it is launched apart, the split, the "
+             "combine. Rounds, "
              "tiles and round trips counted from the kernels' structure, not timed.", "",
              table(["layout", "launches per layer", "page-top programs old", "new", "decision old", "new",
                     "token chains old", "new",

@@ -107,17 +107,16 @@ def fused_layer_step(
     then ``executor.decide_and_attend`` at ``criterion.tau``): ``query [b, H, 1, d]``, ``keys, values [b, H_kv, C,
     d]``. Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the
     attention. A moment source without a kernel steps in torch (:meth:`~qada.moments.MomentSource.step`)."""
-    from qada.criteria.tail import TailEstimate
     from qada.models.layer_step import LayerStepResult, advance_moments, new_step
 
-    decision = tail = page_tops = None  # the plain qada decision made once per group: by the moment step's launch
-    if executor.decides_in_estimate(isinstance(criterion, TailEstimate)):
+    step = new_step(query, keys, values, start, end, scale, layer, criterion_states, sink_logits, softcap, window)
+    tail = fused_tail(criterion, step)  # (None: the plain qada criterion)
+    decision = None  # the plain qada decision made once per group: by the moment step's launch
+    if executor.decides_in_estimate(tail is not None):
         decision = executor.estimate_decision(query[:, :, 0], keys, start, end, sink_logits, criterion.tau, policy,
                                               window)
-    step = new_step(query, keys, values, start, end, scale, layer, criterion_states, sink_logits, softcap, window)
-    if isinstance(criterion, TailEstimate):  # its page-top programs (if any) run in the moment step's launch
-        tail = fused_tail(criterion, step)
-        page_tops = executor.page_tops(step, tail)
+    # a qada_tail step's page-top programs (if its pages are spread) run in the moment step's launch
+    page_tops = None if tail is None else executor.page_tops(step, tail)
     estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap, decision, page_tops)  # by the moment step
     bulk = advance_moments(step, keys, start, end, layer, moment_state, moments, window,
                            functools.partial(fused_moment_step, moments, estimate=estimate))

@@ -87,7 +87,17 @@ SPREAD_PAGES = 32
 programs take 16 tiles each; the decision launch then merges 16 lists per query head instead of 2."""
 
 
+WIDE_PROGRAMS = 8
+"""Programs per SM that the ``wide`` rows' split count aims at (the executors' ``programs_per_sm``; the default is 2):
+at 7,680 tokens and B = 32, 11 splits per (row, KV head) of 11 blocks each instead of 3 of 40, so that the SMs that
+hold a dense group's splits are not the launch's last by far and each program waits for fewer block loads in a row.
+At B = 1 the split count is capped by the blocks (one split per four) either way."""
+
 FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
+    "qada fused wide": ("qada", {"name": "triton_fused", "decide_once": False, "programs_per_sm": WIDE_PROGRAMS}),
+    "qada fused once wide": ("qada", {"name": "triton_fused", "decide_once": True, "programs_per_sm": WIDE_PROGRAMS}),
+    "qada_tail fused wide": ("qada_tail", {"name": "triton_fused", "decide_once": False,
+                                           "programs_per_sm": WIDE_PROGRAMS}),
     "qada fused inductor": ("qada", {"name": "triton_fused", "decide_once": False, "compile_step": True}),
     "qada fused pdl": ("qada", {"name": "triton_fused", "decide_once": False, "pdl": True}),
     "qada_tail fused pdl": ("qada_tail", {"name": "triton_fused", "decide_once": False, "pdl": True}),
@@ -100,7 +110,9 @@ FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
 interpreter, each would be its plain ``fused`` row again): name -> (``qada`` or a criterion of
 :data:`~benchmarks.models.TAIL_CONFIGS`, executor). ``inductor``: the layer step compiled by Inductor
 (``compile_step``); ``pdl``: programmatic dependent launches; ``spread``: ``qada_tail``'s page bounds over programs
-of :data:`SPREAD_PAGES` pages; ``qada_tail_budget/group``: the budget rule over whole KV groups (``per_group``: 85%
+of :data:`SPREAD_PAGES` pages; ``wide``: splits for :data:`WIDE_PROGRAMS` programs per SM
+(``once``: the plain ``qada`` decision made once per group, by the moment step's launch, rather than in each of the
+more splits); ``qada_tail_budget/group``: the budget rule over whole KV groups (``per_group``: 85%
 of each row's groups local, so that a budget skips whole groups' bytes; a criterion given as its arguments)."""
 
 LEAN_TAIL = {"name": "qada_tail", "tau": 0.3, "attend_exact": True, "super_page": 16, "super_pages": 4, "pages": 4,
@@ -120,8 +132,9 @@ configuration decided by its torch layer step (compiled on the static cache) and
 # which on the same prompts decide sparsity .30-.33 against stored's .69, on the CPU as on the GPU)
 SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32),
                        compiled=("dense", "dense packed", "qada dense", "qada", "qada fused", "qada fused once",
-                                 "qada fused inductor", "qada fused pdl", "qada_tail", "qada_tail fused",
-                                 "qada_tail fused once", "qada_tail fused pdl", "qada_tail fused spread",
+                                 "qada fused inductor", "qada fused pdl", "qada fused wide", "qada fused once wide",
+                                 "qada_tail", "qada_tail fused", "qada_tail fused once", "qada_tail fused pdl",
+                                 "qada_tail fused spread", "qada_tail fused wide",
                                  "qada_tail_budget", "qada_tail_budget fused", *LEAN_ROWS),
                        eager=True, tail=True, lean=True,
                        moments="stored")  # fmt: skip

@@ -17,6 +17,10 @@
 #   bash scripts/gpu-run.sh goals-smollm2-b1            # the same SmolLM2 rows at one batch size (b1 or b32): each
 #                                                       # compiled row compiles ~35 s on an H200, so both at once may
 #                                                       # not fit one 10-minute call
+#   bash scripts/gpu-run.sh wide-b32                    # qada fused and qada_tail fused with splits for 8 programs per
+#                                                       # SM (programs_per_sm=8) beside the default 2, decided in the
+#                                                       # splits and once (6 rows, as lean-b1): B = 32, where 96 (row,
+#                                                       # KV head) pairs get 3 splits of 40 blocks by default
 #   bash scripts/gpu-run.sh lean-b1 lean-b32            # the accurate read-lean configuration (qada_tail+E/lean), its
 #                                                       # torch layer step and fused (triton_fused), beside dense,
 #                                                       # qada fused and qada_tail fused (decided in the splits and
@@ -31,17 +35,20 @@
 #       carry=[".gpu/p0"], timeout_s=300)
 #   run(command="source .gpu/p1/setup.sh && LIMIT_bandwidth=200 bash scripts/gpu-run.sh bandwidth", carry=[".gpu/p1"],
 #       timeout_s=240)
-#   run(command="source .gpu/p2/setup.sh && LIMIT_lean_b1=300 bash scripts/gpu-run.sh lean-b1", carry=[".gpu/p2"],
+#   run(command="source .gpu/p2/setup.sh && LIMIT_wide_b32=300 bash scripts/gpu-run.sh wide-b32", carry=[".gpu/p2"],
 #       timeout_s=340)
 # then give_back, and commit $OUT's files as benchmarks/results/gpu-<kind>-<date>-*. The first two need no model
-# (random weights, random K/V); the third needs every part ("model ready"). Where fewer parts are packed, move lean-b1
-# to the call that carries the last part and run tail-b1 or parity in the freed call.
+# (random weights, random K/V); the third needs every part ("model ready"). Where fewer parts are packed, move wide-b32
+# to the call that carries the last part and run tail-b1 or parity in the freed call. wide-b32 comes before lean-b1
+# (the same 6 rows' time, at B = 1: the next lent session's third call): B = 32's 2x goal was the nearest to met
+# (1.90x on 2026-11-28) and wide-b32 also times qada_tail fused against qada fused there.
 # Stages: env, tests, fused (the triton_fused tests, on CUDA), graphs (triton_fused inside a model's CUDA graph, and
 # its layer step compiled by Inductor, against eager, over a decode, call by call and launch by launch on the same
 # inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
 # model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
 # smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, dense packed, qada, qada fused, qada_tail fused
-# and qada_tail_budget fused, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, qada fused, qada_tail
+# and qada_tail_budget fused, graph-captured), wide-b32 (7.68k, B = 32: dense, qada fused and qada_tail fused with
+# splits for 2 and for 8 programs per SM, qada fused once with 8, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, qada fused, qada_tail
 # fused and fused once, qada_tail+E/lean with its layer step compiled and fused, graph-captured), bandwidth
 # (the triton executor's dense path and its launch settings against copy bandwidth, Llama-3-8B layer shapes at 32k and
 # 128k, B = 1 and 8: no model, no flex), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused
@@ -55,6 +62,8 @@ smollm2_goal_rows="dense compiled,dense packed compiled,qada compiled,qada fused
 pdl_rows="dense compiled,qada fused compiled,qada fused pdl compiled,qada_tail fused compiled,qada_tail fused pdl compiled"
 lean_rows="dense compiled,qada fused compiled,qada_tail fused compiled,qada_tail fused once compiled,qada_tail+E/lean compiled,\
 qada_tail+E/lean fused compiled"
+wide_rows="dense compiled,qada fused compiled,qada fused wide compiled,qada fused once wide compiled,\
+qada_tail fused compiled,qada_tail fused wide compiled"
 tail_rows="dense compiled,qada fused compiled,qada fused once compiled,qada fused inductor compiled,qada_tail fused compiled,\
 qada_tail fused once compiled,qada_tail fused spread compiled,qada_tail_budget fused compiled"
 
@@ -93,6 +102,8 @@ for s in "$@"; do
              --batches "${s#pdl-b}" --configs "$pdl_rows" ;;
     tail-b1|tail-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#tail-b}" --configs "$tail_rows" ;;
+    wide-b32) stage wide-b32 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
+             --batches 32 --configs "$wide_rows" ;;
     lean-b1|lean-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#lean-b}" --configs "$lean_rows" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \

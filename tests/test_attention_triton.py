@@ -153,6 +153,23 @@ def test_triton_rejects_float64_and_bad_parameters():
         EXECUTORS.build("triton", block_size=48)
     with pytest.raises(ValueError, match="expected num_splits to be a positive int"):
         EXECUTORS.build("triton", num_splits=0)
+    with pytest.raises(ValueError, match="expected programs_per_sm to be a positive int but got 0"):
+        EXECUTORS.build("triton_fused", programs_per_sm=0)
+
+
+def test_split_count_aims_at_programs_per_sm_and_keeps_four_blocks_per_split(monkeypatch):
+    from qada.attention import triton_decode
+
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)  # an H200's SMs
+    cpu = torch.device("cpu")
+    # SmolLM2 at 7,680 tokens: 120 blocks of 64; 32 rows x 3 KV heads = 96 (row, KV head) pairs
+    assert EXECUTORS.build("triton").splits(cpu, 96, 7680) == 3  # ceil(2 * 132 / 96)
+    assert EXECUTORS.build("triton", programs_per_sm=8).splits(cpu, 96, 7680) == 11  # ceil(8 * 132 / 96)
+    assert EXECUTORS.build("triton_fused", programs_per_sm=8).splits(cpu, 96, 7680) == 11
+    # one row: at most one split per four blocks, whatever programs_per_sm asks
+    assert EXECUTORS.build("triton").splits(cpu, 3, 7680) == 30
+    assert EXECUTORS.build("triton", programs_per_sm=8).splits(cpu, 3, 7680) == 30
+    assert EXECUTORS.build("triton", programs_per_sm=8, num_splits=5).splits(cpu, 96, 7680) == 5  # given: kept
 
 
 @pytest.mark.gpu

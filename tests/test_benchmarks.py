@@ -362,6 +362,8 @@ def test_issue33_gpu_goals_from_measured_rows():
         _row("qada fused compiled", 7680, 32, "smollm2", 2100.0, speedup_vs_dense_compiled=2.1,
              counters=fused_counters),
         _row("qada fused compiled", 7680, 1, "smollm2", 50.0, speedup_vs_dense_compiled=0.5),
+        _row("qada fused wide compiled", 7680, 32, "smollm2", 2400.0, speedup_vs_dense_compiled=2.4),
+        _row("qada fused once compiled", 7680, 32, "smollm2", 1900.0, speedup_vs_dense_compiled=1.9),
         _row("qada compiled", 7680, 1, "smollm2", 80.0, speedup_vs_dense_compiled=0.8),
         _row("qada_tail compiled", 7680, 1, "smollm2", 76.0, speedup_vs_dense_compiled=0.76),
         _row("qada_tail fused compiled", 7680, 1, "smollm2", 47.0, speedup_vs_dense_compiled=0.47),
@@ -393,6 +395,9 @@ def test_issue33_gpu_goals_from_measured_rows():
     assert "qada compiled" in sparsity["detail"]
     assert goal("B=32|triton_fused) / compiled dense")["status"] == "met"
     assert goal("B=1:|triton_fused) / compiled dense")["status"] == "miss"
+    assert goal("B=32|triton_fused) / compiled dense")["measured"] == pytest.approx(2.1)  # the default row's
+    assert goal("B=32|triton_fused) / compiled dense")["detail"].endswith("; variants: once 1.90, wide 2.40")
+    assert "variants" not in goal("B=1:|triton_fused) / compiled dense")["detail"]  # none measured at B = 1
     assert goal("B=1:|qada_tail tau 0.3 / qada|compiled layer step")["measured"] == pytest.approx(0.95)
     assert goal("B=32|qada_tail tau 0.3 / qada|compiled layer step")["status"] == "not measured"  # no rows at B = 32
     assert goal("B=1:|qada_tail tau 0.3 / qada|in the kernel")["measured"] == pytest.approx(0.94)
@@ -488,10 +493,12 @@ def test_a_row_says_when_its_layer_step_ran_eagerly():
 
 
 @pytest.mark.parametrize("name", ["qada fused inductor", "qada fused pdl", "qada_tail fused pdl",
-                                  "qada_tail fused spread", "qada_tail_budget/group fused"])
+                                  "qada_tail fused spread", "qada_tail_budget/group fused", "qada fused wide",
+                                  "qada fused once wide", "qada_tail fused wide"])
 def test_fused_variant_rows_only_where_a_workload_names_them(name):
     """The fused variants (``inductor``: ``compile_step=True``; ``pdl``: programmatic dependent launches; ``spread``:
-    narrow page-top programs; ``/group``: the budget over whole KV groups), built only where the workload's compiled
+    narrow page-top programs; ``/group``: the budget over whole KV groups; ``wide``: splits for more programs per
+    SM), built only where the workload's compiled
     rows name them: the GPU suite (SmolLM2's, or the Llama-3-8B shapes' for the group budget), not its dry run, where
     each would be its plain ``fused`` row again."""
     from dataclasses import replace
@@ -506,6 +513,7 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
         SMOLLM2_GPU,
         SPREAD_PAGES,
         SUITES,
+        WIDE_PROGRAMS,
         Workload,
     )
 
@@ -519,7 +527,8 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
     criterion = criterion if isinstance(criterion, str) else criterion["name"]
     assert run.criterion.registry_name == criterion and run.executor.registry_name == "triton_fused"
     assert run.executor.compile_step is name.endswith("inductor") and run.executor.pdl is name.endswith("pdl")
-    assert run.executor.decide_once is (None if "/group" in name else name.endswith("spread"))
+    assert run.executor.decide_once is (None if "/group" in name else name.endswith("spread") or " once " in name)
+    assert run.executor.programs_per_sm == (WIDE_PROGRAMS if name.endswith("wide") else 2)
     assert run.executor.pages_per_program == (SPREAD_PAGES if name.endswith("spread") else 256)
     assert getattr(run.criterion, "per_group", False) is ("/group" in name)
     assert name not in build_configs(suite, replace(named, compiled=()), model, None, 1)

@@ -82,9 +82,12 @@ class TritonExecutor(AttentionExecutor):
 
     Args:
         block_size: KV tokens per block (a power of two >= 16).
-        num_splits: splits of each (row, KV head)'s block list; ``None`` = enough programs for about two per SM,
-            at most one split per four blocks of the buffer (the interpreter counts one SM). Depends on the shapes
-            and the SM count only, never on the data.
+        num_splits: splits of each (row, KV head)'s block list; ``None`` = enough programs for about
+            ``programs_per_sm`` per SM, at most one split per four blocks of the buffer (the interpreter counts one
+            SM). Depends on the shapes and the SM count only, never on the data.
+        programs_per_sm: the programs per SM that ``num_splits=None`` aims at (2). More splits make each program's
+            share of a dense group shorter: a launch whose groups are part dense, part local gives each SM a more
+            even share of the blocks read, and each program a shorter chain of dependent block loads.
         num_warps, num_stages: launch parameters of the split kernel on the GPU.
 
     ``bulk_blocks`` in the output counts the blocks loaded only for the bulk (no window token in them).
@@ -94,6 +97,7 @@ class TritonExecutor(AttentionExecutor):
 
     block_size: int = 64
     num_splits: int | None = None
+    programs_per_sm: int = 2
     num_warps: int = 4
     num_stages: int = 2
 
@@ -102,7 +106,8 @@ class TritonExecutor(AttentionExecutor):
         bs = self.block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
             raise ValueError(f"expected block_size to be a power of two >= 16 but got {bs!r}")
-        for name in ("num_warps", "num_stages") + (("num_splits",) if self.num_splits is not None else ()):
+        optional = ("num_splits",) if self.num_splits is not None else ()
+        for name in ("num_warps", "num_stages", "programs_per_sm", *optional):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"expected {name} to be a positive int but got {value!r}")
@@ -118,7 +123,7 @@ class TritonExecutor(AttentionExecutor):
         """Number of splits for ``pairs = b * H_kv`` (row, KV head) programs over a buffer of ``T`` slots."""
         if self.num_splits is not None:
             return self.num_splits
-        return max(1, min(_cdiv(2 * _num_sms(device), pairs), _cdiv(T, self.block_size) // 4))
+        return max(1, min(_cdiv(self.programs_per_sm * _num_sms(device), pairs), _cdiv(T, self.block_size) // 4))
 
     def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, torch.Tensor]:
         launch = self.launch(step, decision)

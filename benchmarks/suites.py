@@ -78,7 +78,8 @@ TINY_BF16 = Shape("tiny-bf16", 1, 8, 2, 64, torch.bfloat16)
 LLAMA8B_CASES = Workload("llama3-8b-random", (32768, 131072), batches=(1, 8),
                          compiled=("dense", "dense packed", "qada dense", "qada", "qada fused", "qada_tail fused",
                                    "qada_tail fused once", "qada_tail_budget", "qada_tail_budget fused",
-                                   "qada_tail_budget/group fused", "static rho_kv=0.875"),
+                                   "qada_tail_budget/group fused", "qada_tail_budget/group fused wide",
+                                   "static rho_kv=0.875"),
                          tail=True, moments="current")  # fmt: skip
 
 SPREAD_PAGES = 32
@@ -89,9 +90,11 @@ programs take 16 tiles each; the decision launch then merges 16 lists per query 
 
 WIDE_PROGRAMS = 8
 """Programs per SM that the ``wide`` rows' split count aims at (the executors' ``programs_per_sm``; the default is 2):
-at 7,680 tokens and B = 32, 11 splits per (row, KV head) of 11 blocks each instead of 3 of 40, so that the SMs that
-hold a dense group's splits are not the launch's last by far and each program waits for fewer block loads in a row.
-At B = 1 the split count is capped by the blocks (one split per four) either way."""
+SmolLM2 at 7,680 tokens and B = 32: 11 splits per (row, KV head) of 11 blocks each instead of 3 of 40, so that the SMs
+that hold a dense group's splits are not the launch's last by far and each program waits for fewer block loads in a
+row (at B = 1 the split count is capped by the blocks, one split per four, either way). Llama-3-8B shapes at 128k and
+B = 1 with 85% of the KV groups local (``qada_tail_budget/group``): 132 splits of 16 blocks instead of 33 of 63, so
+that the ~15% of programs that read a bulk are spread over most SMs instead of a quarter of them."""
 
 FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     "qada fused wide": ("qada", {"name": "triton_fused", "decide_once": False, "programs_per_sm": WIDE_PROGRAMS}),
@@ -105,6 +108,8 @@ FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
                                              "pages_per_program": SPREAD_PAGES}),
     "qada_tail_budget/group fused": ({"name": "qada_tail_budget", "sparsity": 0.85, "per_group": True},
                                      {"name": "triton_fused"}),
+    "qada_tail_budget/group fused wide": ({"name": "qada_tail_budget", "sparsity": 0.85, "per_group": True},
+                                          {"name": "triton_fused", "programs_per_sm": WIDE_PROGRAMS}),
 }  # fmt: skip
 """Rows built only where a workload's compiled rows name them (the GPU suite's; on the CPU, under Triton's
 interpreter, each would be its plain ``fused`` row again): name -> (``qada`` or a criterion of

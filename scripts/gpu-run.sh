@@ -29,9 +29,9 @@
 #
 # A session lent 15 minutes of device time (the start, every call and idle wait counted; ~30 s idle gives the machine
 # back): three calls back to back, the model's three parts (scripts/gpu-bundle.sh) carried one a call, each call's
-# stages chosen to end inside its share (seconds measured on an H200: goals-llama 155 with 4 rows as now, a goals-smollm2
-# stage 180-240):
-#   run(command="source .gpu/p0/setup.sh && LIMIT_goals_llama=220 bash scripts/gpu-run.sh env goals-llama",
+# stages chosen to end inside its share (seconds measured on an H200: goals-llama 155 with 4 rows, ~195 expected with
+# the 5 it has now, a goals-smollm2 stage 180-240):
+#   run(command="source .gpu/p0/setup.sh && LIMIT_goals_llama=240 bash scripts/gpu-run.sh env goals-llama",
 #       carry=[".gpu/p0"], timeout_s=300)
 #   run(command="source .gpu/p1/setup.sh && LIMIT_bandwidth=200 bash scripts/gpu-run.sh bandwidth", carry=[".gpu/p1"],
 #       timeout_s=240)
@@ -107,7 +107,7 @@ for s in "$@"; do
     lean-b1|lean-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#lean-b}" --configs "$lean_rows" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \
-             --lengths 131072 --batches 1 --configs "dense compiled,qada dense compiled,qada_tail_budget fused compiled,qada_tail_budget/group fused compiled" ;;
+             --lengths 131072 --batches 1 --configs "dense compiled,qada dense compiled,qada_tail_budget fused compiled,qada_tail_budget/group fused compiled,qada_tail_budget/group fused wide compiled" ;;
     llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;
     llama-32k) stage llama-32k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 32768 ;;
     llama-128k) stage llama-128k 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random --lengths 131072 ;;

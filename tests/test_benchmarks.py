@@ -436,7 +436,9 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     random_rows = eager | fused | graphed | {"dense dynamic cache", "qada_tail fused compiled",
                                              "qada_tail fused once compiled", "qada_tail_budget compiled",
                                              "qada_tail_budget fused compiled", "static rho_kv=0.875 compiled",
-                                             "qada_tail_budget/group fused", "qada_tail_budget/group fused compiled"}
+                                             "qada_tail_budget/group fused", "qada_tail_budget/group fused compiled",
+                                             "qada_tail_budget/group fused wide",
+                                             "qada_tail_budget/group fused wide compiled"}
     assert {("tiny-random", 1, c) for c in random_rows} == {k for k in rows if k[0] == "tiny-random"}
     group = rows[("tiny-random", 1, "qada_tail_budget/group fused")]  # whole KV groups local: every local head's
     assert group["kv_sparsity"] == pytest.approx(group["sparsity"]) and group["sparsity"] > 0  # group skips its bulk
@@ -494,7 +496,7 @@ def test_a_row_says_when_its_layer_step_ran_eagerly():
 
 @pytest.mark.parametrize("name", ["qada fused inductor", "qada fused pdl", "qada_tail fused pdl",
                                   "qada_tail fused spread", "qada_tail_budget/group fused", "qada fused wide",
-                                  "qada fused once wide", "qada_tail fused wide"])
+                                  "qada fused once wide", "qada_tail fused wide", "qada_tail_budget/group fused wide"])
 def test_fused_variant_rows_only_where_a_workload_names_them(name):
     """The fused variants (``inductor``: ``compile_step=True``; ``pdl``: programmatic dependent launches; ``spread``:
     narrow page-top programs; ``/group``: the budget over whole KV groups; ``wide``: splits for more programs per

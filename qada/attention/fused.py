@@ -61,6 +61,7 @@ from qada.attention.triton_decode import (
     TailReads,
     TritonExecutor,
     _next_pow2,
+    _tile,
     check_triton_runtime,
     combine,
     pdl_launch_options,
@@ -230,7 +231,7 @@ def page_tiles(page_size: int, pages: int, head_dim: int) -> dict[str, int]:
     """The ``qada_tail`` kernels' page sizes and tiles for pages of ``page_size`` slots, ``pages`` top pages per query
     head and keys of ``head_dim`` features: ``PAGE``, ``TOP``, ``BLOCK_S`` (slots of a page, padded), ``BLOCK_M`` (a
     head's list, padded), ``BLOCK_P`` (pages bounded per tile) and ``ENTRIES`` (a head's top pages read per tile)."""
-    block_s, block_d = max(2, _next_pow2(page_size)), max(16, _next_pow2(head_dim))
+    block_s, block_d = max(2, _next_pow2(page_size)), _tile(head_dim)
     return dict(PAGE=page_size, TOP=pages, BLOCK_S=block_s, BLOCK_M=max(2, _next_pow2(pages)),
                 BLOCK_P=max(8, _PAGE_TILE_FEATURES // block_d),
                 ENTRIES=max(1, min(_next_pow2(pages), _TOKEN_TILE_FEATURES // (block_s * block_d))))
@@ -270,7 +271,7 @@ the tile it spilled 20-28 bytes per thread under Triton 3.6."""
 def page_top_tile(head_dim: int, pages_per_program: int) -> int:
     """``BLOCK_P`` of the page-top launch: :data:`_PAGE_TOP_TILE_FEATURES` over the padded head dimension, at least 8
     pages and at most a program's ``pages_per_program`` rounded up to a power of two."""
-    tile = max(8, _PAGE_TOP_TILE_FEATURES // max(16, _next_pow2(head_dim)))
+    tile = max(8, _PAGE_TOP_TILE_FEATURES // _tile(head_dim))
     return min(tile, max(8, _next_pow2(pages_per_program)))
 
 
@@ -425,7 +426,7 @@ class FusedTritonExecutor(TritonExecutor):
         b, H, d = query.shape
         H_kv = key.shape[1]
         constants = tail.kernel_constants(d)
-        shape = (b * H_kv, stretches, max(16, _next_pow2(H // H_kv)), constants["BLOCK_M"])
+        shape = (b * H_kv, stretches, _tile(H // H_kv), constants["BLOCK_M"])
         vals = torch.empty(shape, dtype=torch.float32, device=query.device)
         ids = torch.empty(shape, dtype=torch.int32, device=query.device)
         oks = torch.empty(shape, dtype=torch.int32, device=query.device)
@@ -515,7 +516,7 @@ class FusedTritonExecutor(TritonExecutor):
             raise ValueError(f"expected log_mean_exp as a contiguous float32 tensor of shape [{b}, {H}] but got "
                              f"{log_mean_exp.dtype} {tuple(log_mean_exp.shape)}")
         input_precision, dot_fp32 = _score_precision(query.dtype)
-        BLOCK_G, BLOCK_D = max(16, _next_pow2(G)), max(16, _next_pow2(d))
+        BLOCK_G, BLOCK_D = _tile(G), _tile(d)
         pairs = b * H_kv
         apart = budget is not None or self.decides_once(tail)  # a decision launch of its own, then the triton ones
         S = 1 if apart else self.splits(query.device, pairs, C)  # a decision launch: one per group
@@ -638,7 +639,7 @@ class FusedTritonExecutor(TritonExecutor):
             _fused_budget_kernel.qada_budget_decision_kernel, (b,),
             score, score if start is None else start, score if end is None else end, budget.count,
             flags[0], flags[1], flags[2], read, step.length, step.window.t_local,
-            H=H, G=H // H_kv, H_KV=H_kv, BLOCK_H=max(16, _next_pow2(H)), BLOCK_KV=max(16, _next_pow2(H_kv)),
+            H=H, G=H // H_kv, H_KV=H_kv, BLOCK_H=_tile(H), BLOCK_KV=_tile(H_kv),
             PER_GROUP=budget.per_group, PROMOTE=policy == "promote", HAS_START=start is not None,
             HAS_END=end is not None,
         )  # fmt: skip

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from qada.attention.page_tops import rider_args
-from qada.attention.triton_decode import _next_pow2
+from qada.attention.triton_decode import _next_pow2, _tile
 from qada.step import BulkMoments
 
 __all__ = ["BulkEstimate", "EstimateDecision", "current_step_launch", "estimate_launch", "stored_step_launch"]
@@ -40,7 +40,7 @@ def block_sizes(d: int, G: int) -> dict[str, int]:
     of a KV head, padded to a power of two) and ``BLOCK_T`` (the side of a block of the ``d x d`` state and
     covariance: ``BLOCK_E BLOCK_T^2 <= 4096``, at most 32, at least 8): for ``d = 64``, ``G = 3`` blocks of 32, so
     three block pairs."""
-    block_d, block_e = max(16, _next_pow2(d)), _next_pow2(G)
+    block_d, block_e = _tile(d), _next_pow2(G)
     block_t = 32
     while block_t > 8 and block_e * block_t * block_t > _PAIR_TERMS:
         block_t //= 2
@@ -130,8 +130,8 @@ class BulkEstimate(NamedTuple):
         decide = _NO_DECISION if made is None else dict(
             DECIDE=True, BLOCK_N=made.block_n, END_GIVEN=made.end is not None, HAS_SINKS=made.sinks is not None,
             PROMOTE=made.promote, INPUT_PRECISION=made.input_precision, DOT_FP32=made.dot_fp32)
-        return dict(ESTIMATE=True, G=H // H_kv, BLOCK_G=max(16, _next_pow2(H // H_kv)),
-                    BLOCK_X=max(16, _next_pow2(self.nodes.shape[0])), SOFTCAP=bool(self.softcap), **decide,
+        return dict(ESTIMATE=True, G=H // H_kv, BLOCK_G=_tile(H // H_kv),
+                    BLOCK_X=_tile(self.nodes.shape[0]), SOFTCAP=bool(self.softcap), **decide,
                     PDL=self.pdl)
 
     def decision_keys(self, placeholder: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

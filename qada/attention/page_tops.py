@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from qada.attention.triton_decode import _next_pow2
+from qada.attention.triton_decode import _tile
 
 __all__ = ["PageTops", "rider_args"]
 
@@ -76,7 +76,7 @@ class PageTops(NamedTuple):
         """The constants of the page-top programs, each name with ``prefix`` (a rider's: ``"PT_"``)."""
         _, H, d = self.query.shape
         G = H // self.keys.shape[1]
-        constants = dict(G=G, D=d, BLOCK_G=self.vals.shape[2], BLOCK_D=max(16, _next_pow2(d)), BLOCK_P=self.block_p,
+        constants = dict(G=G, D=d, BLOCK_G=self.vals.shape[2], BLOCK_D=_tile(d), BLOCK_P=self.block_p,
                          PAGE=self.page, TOP=self.top, BLOCK_M=self.vals.shape[3], HAS_START=self.start is not None,
                          HAS_END=self.end is not None)
         return {prefix + name: value for name, value in constants.items()}

@@ -73,6 +73,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _tile(n: int) -> int:
+    """A kernel's tile width for ``n`` values (head dims, query heads of a group, ...): the next power of two, at
+    least 16 (``tl.dot``'s smallest operand side)."""
+    return max(16, _next_pow2(n))
+
+
 @register_executor("triton")
 @dataclass
 class TritonExecutor(AttentionExecutor):
@@ -147,7 +153,7 @@ class TritonExecutor(AttentionExecutor):
         G = H // H_kv
         # Triton's interpreter computes bfloat16 tl.dot wrongly (checked on triton 3.9): upcast there
         dot_fp32 = _triton_kernel.INTERPRETED and query.dtype == torch.bfloat16
-        BLOCK_G, BLOCK_D = max(16, _next_pow2(G)), max(16, _next_pow2(d))
+        BLOCK_G, BLOCK_D = _tile(G), _tile(d)
         pairs = b * H_kv
         S = self.splits(query.device, pairs, C)
         local, window = decision.local, step.window
@@ -289,7 +295,7 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
         output.stride(0), output.stride(1), output.stride(3),
         H, S, pairs * S, stats.length, stats.t_local, reads.page_size, reads.heavy, reads.pages, reads.super_page,
         reads.super_pages, 2 if reads.attend_exact else 1,
-        G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=max(16, _next_pow2(d)), BLOCK_C=256,
+        G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=_tile(d), BLOCK_C=256,
         HAS_SINKS=sinks is not None, STATS=statistics is not None, HAS_START=stats.start is not None,
         HAS_END=stats.end is not None, TAIL_READS=stats.tail_reads is not None, ADD=stats.add_to is not None,
         EXTRA=extra is not None, **pdl_launch_options(pdl),

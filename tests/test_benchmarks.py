@@ -586,14 +586,16 @@ def test_interleaved_steps_write_their_ratios(tmp_path):
 
 
 def test_lean_configurations_are_read_lean_with_attend_exact():
-    """``benchmarks/dispatch_count.py``, ``benchmarks/kernel_resources.py`` (no torch import at their top) and the GPU
-    suite spell the accurate configuration out: it must stay ``READ_LEAN`` with ``attend_exact``, as
-    ``benchmarks/interleaved.py`` builds it."""
+    """``benchmarks/dispatch_count.py`` (whose spelling ``benchmarks/launch_bytes.py`` takes),
+    ``benchmarks/kernel_resources.py`` (no torch import at their top) and the GPU suite spell the accurate
+    configuration out: it must stay ``READ_LEAN`` with ``attend_exact``, as ``benchmarks/interleaved.py`` builds it."""
     from benchmarks.dispatch_count import LEAN
     from benchmarks.interleaved import CRITERIA
     from benchmarks.kernel_resources import CONFIGS
+    from benchmarks.launch_bytes import CONFIGS as BYTE_CONFIGS
     from benchmarks.suites import LEAN_TAIL
     from qada.criteria import READ_LEAN
 
     assert LEAN == LEAN_TAIL == CRITERIA["qada_tail+E/lean"] == CONFIGS["qada_tail+E/lean fused"]["criterion"] == {
         "name": "qada_tail", "tau": 0.3, "attend_exact": True, **READ_LEAN}
+    assert BYTE_CONFIGS["qada_tail+E/lean fused"][0] == LEAN

@@ -47,6 +47,7 @@ CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, mom
                              {"name": "triton_fused", "decide_once": True}),
     "qada_tail_budget fused": ({"name": "qada_tail_budget", "sparsity": 0.85}, "stored", {"name": "triton_fused"}),
     "qada_tail+E/lean fused": (LEAN, "stored", {"name": "triton_fused"}),
+    "qada_tail+E/lean fused once": (LEAN, "stored", {"name": "triton_fused", "decide_once": True}),
 }
 """Every configuration whose whole decode step runs in Triton launches (the ``triton`` executor with a criterion
 decides in torch operations, which this does not count)."""

@@ -128,10 +128,13 @@ LEAN_TAIL = {"name": "qada_tail", "tau": 0.3, "attend_exact": True, "super_page"
 LEAN_ROWS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qada_tail+E/lean": (LEAN_TAIL, {"name": "triton"}),
     "qada_tail+E/lean fused": (LEAN_TAIL, {"name": "triton_fused"}),
+    "qada_tail+E/lean fused once": (LEAN_TAIL, {"name": "triton_fused", "decide_once": True}),
 }
 """Rows of a workload with ``lean`` (the GPU suite and its dry run): name -> (criterion, executor). The accurate
 configuration decided by its torch layer step (compiled on the static cache) and in the ``triton_fused`` kernels
-(moment step, split, combine)."""
+(moment step, split, combine): by default (at 7,680 tokens) in every split, with ``once`` in a launch of its own
+before the split, as a user's ``decide_once=True``; the splits' repeated decisions are most of what the fused step
+accesses (``benchmarks/launch_bytes.py``)."""
 
 # stored moments, as the CPU suites: the same decisions as there (the GPU runs of 2026-11-24 used current moments,
 # which on the same prompts decide sparsity .30-.33 against stored's .69, on the CPU as on the GPU)

@@ -19,13 +19,14 @@
 #                                                       # not fit one 10-minute call
 #   bash scripts/gpu-run.sh wide-b32                    # qada fused and qada_tail fused with splits for 8 programs per
 #                                                       # SM (programs_per_sm=8) beside the default 2, decided in the
-#                                                       # splits and once (6 rows, as lean-b1): B = 32, where 96 (row,
+#                                                       # splits and once (6 rows): B = 32, where 96 (row,
 #                                                       # KV head) pairs get 3 splits of 40 blocks by default
 #   bash scripts/gpu-run.sh lean-b1 lean-b32            # the accurate read-lean configuration (qada_tail+E/lean), its
-#                                                       # torch layer step and fused (triton_fused), beside dense,
-#                                                       # qada fused and qada_tail fused (decided in the splits and
-#                                                       # once: issue 33's within-10% goal): one batch size per stage
-#                                                       # (6 rows, as the goals-smollm2 stages: 180-240 s on an H200)
+#                                                       # torch layer step and fused (triton_fused: decided in the
+#                                                       # splits and once), beside dense, qada fused and qada_tail
+#                                                       # fused (in the splits and once: issue 33's within-10% goal):
+#                                                       # one batch size per stage (7 rows; the 6-row goals-smollm2
+#                                                       # stages took 180-240 s on an H200)
 #
 # A session lent 15 minutes of device time (the start, every call and idle wait counted; ~30 s idle gives the machine
 # back): three calls back to back, the model's three parts (scripts/gpu-bundle.sh) carried one a call, each call's
@@ -40,7 +41,7 @@
 # then give_back, and commit $OUT's files as benchmarks/results/gpu-<kind>-<date>-*. The first two need no model
 # (random weights, random K/V); the third needs every part ("model ready"). Where fewer parts are packed, move wide-b32
 # to the call that carries the last part and run tail-b1 or parity in the freed call. wide-b32 comes before lean-b1
-# (the same 6 rows' time, at B = 1: the next lent session's third call): B = 32's 2x goal was the nearest to met
+# (7 rows at B = 1, LIMIT_lean_b1=340: the next lent session's third call): B = 32's 2x goal was the nearest to met
 # (1.90x on 2026-11-28) and wide-b32 also times qada_tail fused against qada fused there.
 # Stages: env, tests, fused (the triton_fused tests, on CUDA), graphs (triton_fused inside a model's CUDA graph, and
 # its layer step compiled by Inductor, against eager, over a decode, call by call and launch by launch on the same
@@ -49,7 +50,7 @@
 # smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, dense packed, qada, qada fused, qada_tail fused
 # and qada_tail_budget fused, graph-captured), wide-b32 (7.68k, B = 32: dense, qada fused and qada_tail fused with
 # splits for 2 and for 8 programs per SM, qada fused once with 8, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, qada fused, qada_tail
-# fused and fused once, qada_tail+E/lean with its layer step compiled and fused, graph-captured), bandwidth
+# fused and fused once, qada_tail+E/lean with its layer step compiled, fused and fused once, graph-captured), bandwidth
 # (the triton executor's dense path and its launch settings against copy bandwidth, Llama-3-8B layer shapes at 32k and
 # 128k, B = 1 and 8: no model, no flex), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused
 # over heads and over whole KV groups, graph-captured), llama, llama-32k, llama-128k.
@@ -61,7 +62,7 @@ py=${PYTHON:-python3}
 smollm2_goal_rows="dense compiled,dense packed compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled"
 pdl_rows="dense compiled,qada fused compiled,qada fused pdl compiled,qada_tail fused compiled,qada_tail fused pdl compiled"
 lean_rows="dense compiled,qada fused compiled,qada_tail fused compiled,qada_tail fused once compiled,qada_tail+E/lean compiled,\
-qada_tail+E/lean fused compiled"
+qada_tail+E/lean fused compiled,qada_tail+E/lean fused once compiled"
 wide_rows="dense compiled,qada fused compiled,qada fused wide compiled,qada fused once wide compiled,\
 qada_tail fused compiled,qada_tail fused wide compiled"
 tail_rows="dense compiled,qada fused compiled,qada fused once compiled,qada fused inductor compiled,qada_tail fused compiled,\

@@ -428,7 +428,7 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     twins = {f"{name} eager" for name in {"qada"} | TAIL}  # compile=False: the same layer step, eagerly
     fused = {f"{name} fused{once}" for name in ("qada", "qada_tail") for once in ("", " once")}  # triton suites
     fused |= {"qada_tail_budget fused"}  # (a budget's decision is always a launch of its own: no "once" twin)
-    lean = {"qada_tail+E/lean", "qada_tail+E/lean fused"}  # (their compiled twins on a GPU only)
+    lean = {"qada_tail+E/lean", "qada_tail+E/lean fused", "qada_tail+E/lean fused once"}  # (compiled: GPU only)
     graphed = {f"{name} compiled" for name in ("dense", "dense packed", "qada dense", "qada", "qada fused")}  # graphs
     assert {("smollm2", 2, c) for c in eager | fused | graphed | twins | {f"{t} compiled" for t in TAIL}
             | {"qada_tail fused compiled", "qada fused once compiled", "qada_tail fused once compiled",
@@ -447,8 +447,8 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
             fused_sparsity = rows[("smollm2", 2, fused_name)]["sparsity"]
             assert fused_sparsity == pytest.approx(rows[("smollm2", 2, name)]["sparsity"])
     for key in ("sparsity", "kv_read"):  # the accurate configuration, decided in the kernels as by its torch step
-        assert rows[("smollm2", 2, "qada_tail+E/lean fused")][key] == pytest.approx(
-            rows[("smollm2", 2, "qada_tail+E/lean")][key])
+        for fused_name in ("qada_tail+E/lean fused", "qada_tail+E/lean fused once"):
+            assert rows[("smollm2", 2, fused_name)][key] == pytest.approx(rows[("smollm2", 2, "qada_tail+E/lean")][key])
     stored = rows[("smollm2", 2, "qada")]["run"]["moments"]  # the CPU suites' source, its reference named
     assert stored["name"] == "stored" and stored["prompt"] == "random_words"
     assert stored["file"].endswith(".safetensors") and len(stored["fingerprint"]) == 16

@@ -19,7 +19,7 @@ read is the split partials); the others decide with stored moments, as the GPU s
 makes the counts exact for these kernels (they read through pointer tensors; none uses block pointers or TMA).
 This counts bytes, not time: the GPU suite (``benchmarks/run.py --gpu``) times them.
 
-Writes ``<out>/launch-bytes-cpu.{json,md}``.
+Writes ``<out>/launch-bytes-cpu.{json,md}`` (``launch-bytes-cpu-L<length>`` at another ``--length``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, mom
     "qada dense": ("dense", "none", {"name": "triton"}),
     "qada fused": ({"name": "qada", "tau": 0.6}, "stored", {"name": "triton_fused"}),
     "qada fused once": ({"name": "qada", "tau": 0.6}, "stored", {"name": "triton_fused", "decide_once": True}),
-    "qada_tail fused": ({"name": "qada_tail", "tau": 0.3}, "stored", {"name": "triton_fused"}),
+    "qada_tail fused": ({"name": "qada_tail", "tau": 0.3}, "stored", {"name": "triton_fused", "decide_once": False}),
     "qada_tail fused once": ({"name": "qada_tail", "tau": 0.3}, "stored",
                              {"name": "triton_fused", "decide_once": True}),
     "qada_tail_budget fused": ({"name": "qada_tail_budget", "sparsity": 0.85}, "stored", {"name": "triton_fused"}),
@@ -50,7 +50,10 @@ CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, mom
     "qada_tail+E/lean fused once": (LEAN, "stored", {"name": "triton_fused", "decide_once": True}),
 }
 """Every configuration whose whole decode step runs in Triton launches (the ``triton`` executor with a criterion
-decides in torch operations, which this does not count)."""
+decides in torch operations, which this does not count), decided as the GPU suite's rows of the same names: ``qada_tail
+fused`` in every split at any length (the executor's default decides once above 256 bounded pages, as from about
+4,096 tokens), ``once`` in a launch before the split, the read-lean rows by default (in the splits up to 256 bounded
+pages, its super-pages and the pages of its best four)."""
 
 KV_ARGS = {"K", "V", "KEYS", "PT_K"}
 """The arguments that are the KV cache in every launch that reads it (``KEYS``: the moment step's, whose launch reads
@@ -317,7 +320,8 @@ def main(argv: list[str] | None = None) -> Path:
                "model": f"SmolLM2-135M (embedded, {args.dtype})", "layers": model.config.num_hidden_layers,
                "prompt_tokens": int(ids.shape[1]), "dense_kv_bytes": tokens * kv_bytes_per_token(model),
                "rows": rows}
-    paths = write_results(args.out, "launch-bytes-cpu", results, report(results))
+    name = "launch-bytes-cpu" + ("" if args.length == 2048 else f"-L{args.length}")  # (the default's file kept)
+    paths = write_results(args.out, name, results, report(results))
     print(paths[1].read_text())
     return paths[1]
 

@@ -28,6 +28,7 @@ import argparse
 import collections
 import contextlib
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -312,15 +313,14 @@ def main(argv: list[str] | None = None) -> Path:
         rows[name] = count_step(model, run, ids)
         print(f"{name}: {rows[name]['launches']} launches, {_mb(rows[name]['totals'].get('read_unique', 0))} MB "
               "read (unique)", flush=True)
-    flags = "".join(f" --{flag} {value}" for flag, value, default in
-                    (("length", args.length, 2048), ("dtype", args.dtype, "bfloat16"), ("sms", args.sms, 132))
-                    if value != default)  # fmt: skip
+    given = [flag for flag in ("length", "dtype", "sms", "configs") if getattr(args, flag) != parser.get_default(flag)]
+    flags = "".join(f" --{flag} {shlex.quote(str(getattr(args, flag)))}" for flag in given)
     results = {"command": f"python benchmarks/launch_bytes.py{flags}", "sms": args.sms,
                "machine": machine_info("cpu"), "triton": triton.__version__,
                "model": f"SmolLM2-135M (embedded, {args.dtype})", "layers": model.config.num_hidden_layers,
                "prompt_tokens": int(ids.shape[1]), "dense_kv_bytes": tokens * kv_bytes_per_token(model),
                "rows": rows}
-    name = "launch-bytes-cpu" + ("" if args.length == 2048 else f"-L{args.length}")  # (the default's file kept)
+    name = "launch-bytes-cpu" + ("" if args.length == parser.get_default("length") else f"-L{args.length}")
     paths = write_results(args.out, name, results, report(results))
     print(paths[1].read_text())
     return paths[1]

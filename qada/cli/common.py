@@ -17,6 +17,7 @@ __all__ = [
     "IMPORTS",
     "HelpFormatter",
     "add_model_arguments",
+    "add_run_arguments",
     "build_criterion",
     "build_eval_config",
     "component_name",
@@ -118,6 +119,31 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="dtype of the model's weights: auto (float32 on cpu, bfloat16 on cuda), float32, "
                              "bfloat16 or float16")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """``--config``, ``--criterion`` or ``--static`` (one of them), ``--tau``, ``--moments`` and ``--executor``: the
+    flags of a subcommand that runs one configuration (``command``: its name, for the error on a second
+    ``--criterion``). The command reads them with :func:`build_eval_config` (the ``--config`` file first, the flags
+    over it)."""
+    parser.add_argument("--config", default=None, metavar="FILE", type=existing_file,
+                        help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override "
+                             "(default: none)")
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--criterion", default=None, action=one_criterion_action(command),
+                        help="criterion name (see `qada criteria`), inline YAML/JSON mapping or .yaml/.json file; "
+                             "dense = unmodified model (default: the --config file's, else qada)")
+    chosen.add_argument("--static", default=None, metavar="FILE", type=existing_file,
+                        help="a static head mask written by `qada calibrate` (checked against the model): the "
+                             "static criterion with that mask (default: none)")
+    parser.add_argument("--tau", type=float, default=None,
+                        help="threshold for a criterion given by name (default: the criterion's own, 0.6 for qada)")
+    parser.add_argument("--moments", default=None,
+                        help="moment source: stored, bucketed, current, a mapping or a file; used if the criterion "
+                             "needs moments (default: the --config file's, else stored)")
+    parser.add_argument("--executor", default=None,
+                        help="attention executor: sdpa, reference, flex, triton, triton_fused (qada, qada_tail), a "
+                             "mapping or a file (default: the --config file's, else sdpa)")
 
 
 def resolve_device(spec: str) -> Any:

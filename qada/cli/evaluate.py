@@ -8,9 +8,9 @@ from qada.cli.common import (
     IMPORTS,
     HelpFormatter,
     add_model_arguments,
+    add_run_arguments,
     existing_file,
     model_placement,
-    one_criterion_action,
     positive_int,
 )
 
@@ -25,23 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--data", type=existing_file, help="a RULER-format jsonl ({'input', 'outputs'} per line)")
     parser.add_argument("--length", type=positive_int, default=4096, help="prompt length in tokens, with --task")
     parser.add_argument("--samples", type=positive_int, default=10, help="samples to evaluate")
-    parser.add_argument("--config", default=None, metavar="FILE", type=existing_file,
-                        help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override "
-                             "(default: none)")
-    chosen = parser.add_mutually_exclusive_group()
-    chosen.add_argument("--criterion", default=None, action=one_criterion_action("eval"),
-                        help="a criterion name, an inline YAML/JSON mapping or a .yaml/.json file (default: the "
-                             "--config file's, else qada)")
-    chosen.add_argument("--static", default=None, metavar="FILE", type=existing_file,
-                        help="a static head mask written by `qada calibrate` (checked against the model): the "
-                             "static criterion with that mask (default: none)")
-    parser.add_argument("--tau", type=float, default=None,
-                        help="tau for a criterion given by name (default: the criterion's own, 0.6 for qada)")
-    parser.add_argument("--moments", default=None,
-                        help="moment source (name, mapping or file), used if the criterion needs it (default: the "
-                             "--config file's, else stored)")
-    parser.add_argument("--executor", default=None,
-                        help="attention executor: a name, mapping or file (default: the --config file's, else sdpa)")
+    add_run_arguments(parser, "eval")
     parser.add_argument("--template", default="base", choices=["base", "chat"], help="prompt template of --task")
     parser.add_argument("--record-oracle", action="store_true", help="also measure agreement with the oracle")
     add_model_arguments(parser)

@@ -8,9 +8,9 @@ from qada.cli.common import (
     IMPORTS,
     HelpFormatter,
     add_model_arguments,
+    add_run_arguments,
     existing_file,
     model_placement,
-    one_criterion_action,
     positive_int,
 )
 
@@ -23,24 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt-file", required=True, type=existing_file,
                         help="text file with the prompt (completion style)")
     add_model_arguments(parser)
-    parser.add_argument("--config", default=None, metavar="FILE", type=existing_file,
-                        help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override "
-                             "(default: none)")
-    chosen = parser.add_mutually_exclusive_group()
-    chosen.add_argument("--criterion", default=None, action=one_criterion_action("generate"),
-                        help="criterion name (see `qada criteria`), inline YAML/JSON mapping or .yaml/.json file; "
-                             "dense = unmodified model (default: the --config file's, else qada)")
-    chosen.add_argument("--static", default=None, metavar="FILE", type=existing_file,
-                        help="a static head mask written by `qada calibrate` (checked against the model): the "
-                             "static criterion with that mask (default: none)")
-    parser.add_argument("--tau", type=float, default=None,
-                        help="threshold for a criterion given by name (default: the criterion's own, 0.6 for qada)")
-    parser.add_argument("--moments", default=None,
-                        help="moment source: stored, bucketed, current, a mapping or a file; used if the criterion "
-                             "needs moments (default: the --config file's, else stored)")
-    parser.add_argument("--executor", default=None,
-                        help="attention executor: sdpa, reference, flex, triton, triton_fused (qada, qada_tail), a "
-                             "mapping or a file (default: the --config file's, else sdpa)")
+    add_run_arguments(parser, "generate")
     parser.add_argument("--t-local", type=positive_int, default=None,
                         help="local window size (default: the --config file's, else 128)")
     parser.add_argument("--t-sink", type=int, default=None,

@@ -104,7 +104,6 @@ class DecodeStep:
     states: dict[str, dict[str, torch.Tensor]] | None = None
     sink_logits: torch.Tensor | None = None
     softcap: float | None = None
-    fail_safe: torch.Tensor | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         check_float("query", self.query)
@@ -167,7 +166,7 @@ class DecodeStep:
         self = cls.__new__(cls)
         self.__dict__.update(query=query, keys=keys, scale=scale, window=window, layer=layer, step=step, start=start,
                              end=end, moments=moments, values=values, states=None, sink_logits=sink_logits,
-                             softcap=softcap, fail_safe=None)
+                             softcap=softcap)
         return self
 
     # --- sizes -------------------------------------------------------------------------------------------
@@ -392,9 +391,30 @@ class DecodeStep:
         return self.__dict__.get("extra_set")
 
     def note_fail_safe(self, forced_dense: torch.Tensor) -> None:
-        """Count heads forced dense because a value was NaN/inf (kept on the device, no sync)."""
-        count = forced_dense.sum()
-        self.fail_safe = count if self.fail_safe is None else self.fail_safe + count
+        """Count heads forced dense because a value was NaN/inf (``forced_dense [b, H]`` bool; kept on the device, no
+        sync): :attr:`forced_heads` records them, :attr:`fail_safe` counts them."""
+        noted = self.__dict__.get("forced_heads")
+        self.__dict__["forced_heads"] = forced_dense if noted is None else noted.to(torch.int64) + forced_dense
+
+    @property
+    def forced_heads(self) -> torch.Tensor | None:
+        """``[b, H]`` the heads forced dense (:meth:`note_fail_safe`): bool, or how often each was (int64) where
+        noted more than once; ``None``: never. The layer step's statistics count them in the same reduction as the
+        rest of its row."""
+        return self.__dict__.get("forced_heads")
+
+    @property
+    def fail_safe(self) -> torch.Tensor | None:
+        """0-d: the heads forced dense (:meth:`note_fail_safe`), or the count the run set (the executor's copy of a
+        step, for observers); ``None``: none noted."""
+        if "fail_safe" in self.__dict__:
+            return self.__dict__["fail_safe"]
+        heads = self.forced_heads
+        return None if heads is None else heads.sum()
+
+    @fail_safe.setter
+    def fail_safe(self, count: torch.Tensor | None) -> None:
+        self.__dict__["fail_safe"] = count
 
 
 def _row_positions(name: str, value: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor | None:

@@ -115,7 +115,7 @@ def check_fused(step, tau, policy="exact", block=16, splits=3, decide_once=False
     if not near.any():
         assert torch.equal(got.decided, decided) and torch.equal(got.local, local) and torch.equal(got.read, read)
     assert int(got.broken.sum()) == int(fail_safe)
-    expected_row = statistics_row(fresh(step), got.local, got.read, got.broken.sum(), QAdACriterion(tau))
+    expected_row = statistics_row(fresh(step), got.local, got.read, got.broken, QAdACriterion(tau))
     assert torch.equal(got.row, expected_row), (got.row, expected_row)  # the combine's statistics: exact
     unfused = EXECUTORS.build("triton", group_policy=policy, block_size=block, num_splits=splits)
     expected = unfused.launch(fresh(step), GroupDecision(got.local, got.read))

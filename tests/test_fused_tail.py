@@ -108,7 +108,7 @@ def check_tail(criterion, step, state, tau, policy="exact", block=16, splits=3, 
     if not near.any():
         assert torch.equal(got.decided, decided) and torch.equal(got.local, local) and torch.equal(got.read, read)
     assert int(got.broken.sum()) == int(fail_safe)
-    expected_row = statistics_row(eager_step, got.local, got.read, got.broken.sum(), criterion)
+    expected_row = statistics_row(eager_step, got.local, got.read, got.broken, criterion)
     assert torch.equal(got.row, expected_row), (got.row, expected_row)  # kv_read with the tail's reads: exact
     assert_same_state(got_state, state_after)
     scores, valid = criterion.exact_set(eager_step)  # (the state after the step: E as the eager step chose it)

@@ -32,12 +32,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from qada.attention.group_policy import apply_group_policy, kv_read
+from qada.attention.group_policy import apply_group_policy
 from qada.attention.sdpa import pack_host_plan, skips_on_host
 from qada.criteria.base import HeadCriterion
 from qada.functional.extra_set import attend_extra, merge_extra, merge_masses
 from qada.functional.masses import window_attention
-from qada.models.statistics import step_counts
+from qada.models.statistics import step_row
 from qada.moments.base import MomentSource
 from qada.step import BulkMoments, DecodeStep
 from qada.window import Window
@@ -150,7 +150,7 @@ def layer_step(
                             sink_logits, softcap, moments, window)
     decided = criterion(step)
     local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
-    counts = statistics_row(step, local, read, step.fail_safe, criterion)
+    counts = statistics_row(step, local, read, step.forced_heads, criterion)
     if sums is not None:
         sums.index_add_(0, layer.reshape(1), counts[None])
     extra = step.extra_set
@@ -212,13 +212,13 @@ def advance_moments(step: DecodeStep, keys: torch.Tensor, start: torch.Tensor | 
     return bulk
 
 
-def statistics_row(step: DecodeStep, local: torch.Tensor, read: torch.Tensor, fail_safe: torch.Tensor | None,
+def statistics_row(step: DecodeStep, local: torch.Tensor, read: torch.Tensor, forced: torch.Tensor | None,
                    criterion: HeadCriterion) -> torch.Tensor:
-    """The step's ``[5]`` statistics (:func:`~qada.models.statistics.step_counts`), ``kv_read`` counting the bulks
-    ``read [b, H_kv]`` reads and the criterion's :meth:`~qada.criteria.HeadCriterion.extra_reads`."""
+    """The step's ``[5]`` statistics (:func:`~qada.models.statistics.step_row`), ``forced [b, H]`` the heads forced
+    dense (:attr:`~qada.step.DecodeStep.forced_heads`), ``kv_read`` counting the bulks ``read [b, H_kv]`` reads and
+    the criterion's :meth:`~qada.criteria.HeadCriterion.extra_reads`."""
     window = step.window
-    reads = kv_read(read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step))
-    return step_counts(local, read, fail_safe, reads)
+    return step_row(local, read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step), forced)
 
 
 FUSED_STEP_EAGER = "the fused layer step runs eagerly (the executor's compile_step is False)"

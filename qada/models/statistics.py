@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecodeStatistics", "all_layer_sparsity", "step_counts"]
+from qada.attention.group_policy import kv_read
+
+__all__ = ["DecodeStatistics", "all_layer_sparsity", "step_counts", "step_row", "step_row_in_one_reduction"]
 
 _SPARSITY, _KV_SPARSITY, _STEPS, _FAIL_SAFE, _KV_READ = 0, 1, 2, 3, 4
 COLUMNS = 5
@@ -27,6 +29,47 @@ def step_counts(local: torch.Tensor, read: torch.Tensor, fail_safe: torch.Tensor
     forced = torch.zeros((), **f64) if fail_safe is None else fail_safe.to(**f64)
     return torch.stack([local.to(torch.float64).mean(), (~read).to(torch.float64).mean(), torch.ones((), **f64),
                         forced, kv_read.to(**f64)])
+
+
+def step_row(local: torch.Tensor, read: torch.Tensor, length: torch.Tensor, t_local: int,
+             extra: torch.Tensor | None = None, forced: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`step_counts` of ``local [b, H]``, ``read [b, H_kv]``, the heads forced dense (``forced [b, H]``, how
+    often each was, or ``None``) and the :func:`~qada.attention.group_policy.kv_read` of ``read``, ``length [b]``,
+    ``t_local`` and ``extra [b]``: traced by ``torch.compile``, :func:`step_row_in_one_reduction` (two kernels
+    where the means, sums and the stack of scalars took six); eagerly, where every operation is a call of its own,
+    the fewest operations, those of the definition."""
+    if torch.compiler.is_compiling():
+        return step_row_in_one_reduction(local, read, length, t_local, extra, forced)
+    return step_counts(local, read, None if forced is None else forced.sum(), kv_read(read, length, t_local, extra))
+
+
+def step_row_in_one_reduction(local: torch.Tensor, read: torch.Tensor, length: torch.Tensor, t_local: int,
+                              extra: torch.Tensor | None = None, forced: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`step_row` with every sum taken in one reduction over the ``b H`` query heads, each KV head's terms
+    counted once per query head of its group (``G`` times), and the row made elementwise from the sums (a stack of
+    scalars compiles to a kernel for each). The same row as the definition's: counts in float64 are exact
+    integers, so ``G`` times a sum over ``G`` times another is the same quotient."""
+    b, H = local.shape
+    G = H // read.shape[1]
+    f64 = dict(dtype=torch.float64, device=local.device)
+    read_heads = read[:, :, None].expand(b, read.shape[1], G).reshape(b, H)
+    T = length.to(torch.float64)[:, None]  # [b, 1]
+    reads = torch.where(read_heads, 2 * T, 2 * T.clamp(max=t_local))
+    if extra is not None:
+        reads = reads + extra.to(torch.float64)[:, None]
+    forced = torch.zeros((), **f64) if forced is None else forced.to(torch.float64)
+    # [b, H, 6]: local, bulk skipped, 0, forced dense, vectors read, dense's vectors (a KV head's G times), made by
+    # selecting on the last index (one expression, summed in one kernel; a stack is a buffer that kernels write)
+    part = torch.arange(COLUMNS + 1, device=local.device)
+    parts = torch.where(part == _SPARSITY, local.to(torch.float64)[..., None],
+                        torch.where(part == _KV_SPARSITY, (~read_heads).to(torch.float64)[..., None],
+                                    torch.where(part == _FAIL_SAFE, forced.expand(b, H)[..., None],
+                                                torch.where(part == _KV_READ, reads[..., None],
+                                                            torch.where(part == COLUMNS, 2 * T[..., None], 0.0)))))
+    sums = parts.sum((0, 1))  # [6]
+    column = part[:COLUMNS]  # the row elementwise from the sums: a stack of scalars is a kernel each
+    divisor = torch.where(column == _KV_READ, sums[COLUMNS].clamp(min=G), torch.where(column < _STEPS, b * H, 1.0))
+    return sums[:COLUMNS] / divisor + (column == _STEPS).to(torch.float64)
 
 
 class DecodeStatistics:

@@ -81,7 +81,7 @@ for s in "$@"; do
   case $s in
     env) stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())'" ;;
     tests) stage tests 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_attention_triton.py \
-             tests/test_attention_triton_buffer.py tests/test_buffer_decode.py ;;
+             tests/test_attention_triton_buffer.py tests/test_buffer_decode.py tests/test_auto_executor.py ;;
     fused) stage fused 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decision.py tests/test_fused_tail.py \
         tests/test_fused_budget.py tests/test_moment_step_kernel.py ;;
     graphs) stage graphs 360 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_decision.py \

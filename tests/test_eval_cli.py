@@ -53,6 +53,10 @@ def test_generate_prints_text_and_a_sparsity_summary(tiny_model_dir, tmp_path, c
     out = capsys.readouterr().out
     assert "tokens/s" in out and "sparsity:" in out and "kv_sparsity:" in out and "fail-safe fallbacks: 0" in out
     assert "layer  sparsity  kv_sparsity" in out
+    assert "executor: auto chose sdpa: the model is on cpu" in out  # the default, and why
+    assert main(["generate", "--prompt-file", str(prompt), "--model", str(path), "--criterion", "qada", "--moments",
+                 "current", "--executor", "reference", "--max-new-tokens", "2"]) == 0
+    assert "executor: reference\n" in capsys.readouterr().out
     assert main(["generate", "--prompt-file", str(prompt), "--model", str(path), "--criterion", "dense",
                  "--max-new-tokens", "2"]) == 0
     assert "unmodified model" in capsys.readouterr().out

@@ -4,6 +4,7 @@ Importing this package registers the built-in executors in :data:`EXECUTORS` (ch
 compilation; those happen on an executor's first call).
 """
 
+from qada.attention.auto import AutoExecutor
 from qada.attention.base import (
     EXECUTORS,
     AttentionExecutor,
@@ -23,6 +24,7 @@ __all__ = [
     "EXECUTORS",
     "GROUP_POLICIES",
     "AttentionExecutor",
+    "AutoExecutor",
     "ExecutorOutput",
     "FlexExecutor",
     "FusedTritonExecutor",

@@ -121,11 +121,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "bfloat16 or float16")
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+def add_run_arguments(parser: argparse.ArgumentParser, command: str, executor: str = "sdpa") -> None:
     """``--config``, ``--criterion`` or ``--static`` (one of them), ``--tau``, ``--moments`` and ``--executor``: the
     flags of a subcommand that runs one configuration (``command``: its name, for the error on a second
-    ``--criterion``). The command reads them with :func:`build_eval_config` (the ``--config`` file first, the flags
-    over it)."""
+    ``--criterion``; ``executor``: the executor without ``--executor`` or a ``--config`` file's). The command reads
+    them with :func:`build_eval_config` (the ``--config`` file first, the flags over it)."""
     parser.add_argument("--config", default=None, metavar="FILE", type=existing_file,
                         help="YAML/JSON file with criterion, moments, executor, window (and imports); flags override "
                              "(default: none)")
@@ -142,8 +142,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="moment source: stored, bucketed, current, a mapping or a file; used if the criterion "
                              "needs moments (default: the --config file's, else stored)")
     parser.add_argument("--executor", default=None,
-                        help="attention executor: sdpa, reference, flex, triton, triton_fused (qada, qada_tail), a "
-                             "mapping or a file (default: the --config file's, else sdpa)")
+                        help="attention executor: auto (sdpa on the CPU; on a CUDA GPU triton_fused where the "
+                             "kernels decide, else triton), sdpa, reference, flex, triton, triton_fused (qada, "
+                             f"qada_tail, qada_tail_budget), a mapping or a file (default: the --config file's, else "
+                             f"{executor})")
 
 
 def resolve_device(spec: str) -> Any:

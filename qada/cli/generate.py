@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt-file", required=True, type=existing_file,
                         help="text file with the prompt (completion style)")
     add_model_arguments(parser)
-    add_run_arguments(parser, "generate")
+    add_run_arguments(parser, "generate", executor="auto")
     parser.add_argument("--t-local", type=positive_int, default=None,
                         help="local window size (default: the --config file's, else 128)")
     parser.add_argument("--t-sink", type=int, default=None,
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         _, criterion = build_criterion(resolve_spec(args.criterion, file_config, "criterion", "qada"), args.tau)
     moments = resolve_moments(args.moments, file_config, criterion)
-    executor = resolve_spec(args.executor, file_config, "executor", "sdpa")
+    executor = resolve_spec(args.executor, file_config, "executor", "auto")
     window_config = file_config.get("window") or {}
     if not isinstance(window_config, dict):
         Window.from_config(window_config)  # raises: a window is a mapping {t_local: ..., t_sink: ...}
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         described = str(run.criterion.to_config())
     print(f"criterion: {described}  moments: {spec_label(moments) if moments is not None else None}  "
-          f"executor: {spec_label(executor)}")
+          f"executor: {spec_label(executor) if run.executor_choice is None else run.executor_choice}")
     print(f"sparsity: {number_cell(summary['sparsity'])}  kv_sparsity: {number_cell(summary['kv_sparsity'])}  "
           f"kv_read: {number_cell(summary.get('kv_read'))}  fail-safe fallbacks: {summary['fail_safe']}"
           + ("  (global layers)" if summary.get("sliding_layers") else ""))

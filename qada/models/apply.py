@@ -8,6 +8,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from qada.artifacts import text_config
 from qada.attention import EXECUTORS
 from qada.criteria import CRITERIA
@@ -21,9 +23,10 @@ from qada.moments import MOMENT_SOURCES
 from qada.registry import load_config
 from qada.window import Window
 
-__all__ = ["apply", "attach", "build_run", "check_run_fits", "enable", "prepare_run", "register_attention"]
+__all__ = ["apply", "attach", "build_run", "check_run_fits", "enable", "prepare_run", "register_attention",
+           "weights_placement"]
 
-_DEFAULTS = {"criterion": "qada", "moments": "stored", "executor": "sdpa"}
+_DEFAULTS = {"criterion": "qada", "moments": "stored", "executor": "auto"}
 
 
 def register_attention() -> None:
@@ -135,10 +138,25 @@ def prepare_run(run: QAdARun, model: Any, tokenizer: Any = None) -> QAdARun:
     return run
 
 
+def weights_placement(model: Any) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of ``model``'s floating-point weights (those of the first; the CPU and float32 for a
+    model without any). A model whose weights lie on several kinds of device (offloaded to the CPU, on the meta
+    device) counts as on the CPU."""
+    weights = [p for p in model.parameters() if p.is_floating_point()] if hasattr(model, "parameters") else []
+    if not weights:
+        return torch.device("cpu"), torch.float32
+    if len({p.device.type for p in weights}) > 1:
+        return torch.device("cpu"), weights[0].dtype
+    return weights[0].device, weights[0].dtype
+
+
 def attach(model: Any, run: QAdARun) -> QAdARun:
-    """Route ``model``'s attention through ``run`` until ``run.remove()``; the run must already be prepared."""
+    """Route ``model``'s attention through ``run`` until ``run.remove()``; the run must already be prepared. An
+    ``auto`` executor becomes the one it picks for the model's device and dtype
+    (:meth:`~qada.models.run.QAdARun.resolve_executor`)."""
     modules = _check_model(model)
     check_run_fits(run, model)
+    run.resolve_executor(*weights_placement(model))
     register_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
@@ -181,8 +199,10 @@ def enable(
     Components are objects, registry names, or config dicts; ``config`` (a dict, YAML string or YAML file) gives
     ``criterion``, ``moments``, ``executor`` and ``window`` at once, and explicit arguments override it.
     Defaults: ``qada`` criterion (tau 0.6), ``stored`` moments (a random-words reference built once per model and
-    cached), ``sdpa`` executor, window 128/16. Moments are prepared (the reference run) only if the criterion
-    or an observer needs them. ``tokenizer`` is needed to build a stored reference prompt.
+    cached), the ``auto`` executor (``sdpa`` on the CPU; on a CUDA GPU with Triton ``triton_fused`` where the
+    kernels make the criterion's decision, else ``triton``: :mod:`qada.attention.auto`), window 128/16. Moments
+    are prepared (the reference run) only if the criterion or an observer needs them. ``tokenizer`` is needed to
+    build a stored reference prompt.
 
     ``compile``: how a decode step of a global layer on a preallocated cache (``StaticCache``) runs. ``True`` (the
     default, unless the environment variable ``QADA_COMPILE`` says otherwise): the whole layer step (moment step,

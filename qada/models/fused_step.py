@@ -28,7 +28,7 @@ from qada.moments.base import MomentSource
 from qada.step import BulkMoments, DecodeStep
 from qada.window import Window
 
-__all__ = ["check_fusable", "fused_budget", "fused_layer_step", "fused_moment_step", "fused_tail"]
+__all__ = ["check_fusable", "fused_budget", "fused_layer_step", "fused_moment_step", "fused_tail", "is_fusable"]
 
 
 def check_fusable(criterion: HeadCriterion, moments: MomentSource | None, executor: Any) -> None:
@@ -50,6 +50,15 @@ def check_fusable(criterion: HeadCriterion, moments: MomentSource | None, execut
     if moments is None:
         raise ValueError(f"the {name!r} executor needs the run's moment source (the "
                          f"{criterion.registry_name!r} criterion reads moments)")
+
+
+def is_fusable(criterion: HeadCriterion, moments: MomentSource | None) -> bool:
+    """Whether a fused executor can make ``criterion``'s decision with ``moments`` (:func:`check_fusable` passes)."""
+    try:
+        check_fusable(criterion, moments, "triton_fused")
+    except ValueError:
+        return False
+    return True
 
 
 def fused_tail(criterion: HeadCriterion, step: DecodeStep) -> Any:

@@ -78,10 +78,27 @@ class QAdARun:
         self._inputs: dict[int, tuple] = {}  # layer -> (slots, the layer step's per-layer arguments)
         self._kept_inputs: dict[int, tuple] = {}  # layer -> the last arguments, kept across sequences
         self.inline = False  # see inlines(); True: a traced model on the CPU takes the layer step into its graph
+        self.executor_choice: str | None = None  # why an ``auto`` executor became run.executor (resolve_executor)
         if getattr(executor, "fuses_decision", False):  # the decision is made in the executor's kernel: said now
             from qada.models.fused_step import check_fusable
 
             check_fusable(criterion, moments, executor)
+
+    def resolve_executor(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Replace an ``auto`` executor (:class:`~qada.attention.AutoExecutor`) by the one it picks for a model on
+        ``device`` in ``dtype`` and this run's criterion (``triton_fused`` where the kernels decide, ``triton``, or
+        ``sdpa``); :attr:`executor_choice` says why. Any other executor stays. Called by
+        :func:`~qada.models.apply.attach` (the model's weights) and at a prefill (its keys), before any decode step."""
+        from qada.attention.auto import AutoExecutor
+
+        if not isinstance(self.executor, AutoExecutor):
+            return
+        from qada.models.fused_step import is_fusable
+
+        fusable = is_fusable(self.criterion, self.moments if self.uses_moments else None)
+        self.executor, reason = self.executor.choose(device, dtype, fusable)
+        self.executor_choice = f"auto chose {self.executor.registry_name}: {reason}"
+        self._step = None  # built for the chosen executor on first use
 
     @property
     def layer_step(self) -> LayerStep:
@@ -136,9 +153,13 @@ class QAdARun:
     def describe(self) -> dict[str, Any]:
         """The run's components as configured, for a report: ``criterion`` and ``executor`` (their configs), and
         ``moments`` (:meth:`~qada.moments.MomentSource.describe`: the stored reference's file and model fingerprint
-        once prepared; ``None`` when the criterion reads no moments)."""
-        return {"criterion": self.criterion.to_config(), "executor": self.executor.to_config(),
-                "moments": self.moments.describe() if self.uses_moments else None}
+        once prepared; ``None`` when the criterion reads no moments); ``executor_choice`` where an ``auto``
+        executor picked the executor (:meth:`resolve_executor`)."""
+        described = {"criterion": self.criterion.to_config(), "executor": self.executor.to_config(),
+                     "moments": self.moments.describe() if self.uses_moments else None}
+        if self.executor_choice is not None:
+            described["executor_choice"] = self.executor_choice
+        return described
 
     def filled_length(self, layer: int, q_len: int, attention_mask: torch.Tensor | None, key_len: int) -> int:
         """How many of the ``key_len`` cache slots of ``layer`` hold tokens (see
@@ -185,6 +206,7 @@ class QAdARun:
             self._first_layer = self._last_layer = layer
             self.stats.prepare(self.layers.num_layers if self.layers is not None else layer + 1, key.device)
             self.criterion.to_device(key.device)
+            self.resolve_executor(key.device, key.dtype)  # a run attached by attach() has resolved it already
             self.executor.to_device(key.device)
         self._last_layer = max(self._last_layer, layer)
         self.guard.prefill(layer, key)

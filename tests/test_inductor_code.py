@@ -337,3 +337,55 @@ def test_a_compiled_decode_step_derives_the_rows_bounds_once():
     assert dense["calls"] == 0 and fused["calls"] == rows["layers"] == 2
     assert fused["deriving"] == 1 and rows["derive"] >= 3
     assert fused["graph"] < dense["graph"]
+
+
+UNFUSED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import torch
+    from benchmarks.inductor_code import measure, pretend_cuda_device
+    pretend_cuda_device()
+    from tiny_models import tiny_model
+    from qada.models import build_run
+    from qada.moments import StoredMoments
+    from qada.moments.reference import collect_reference_keys
+
+    model = tiny_model("llama")
+    reference = collect_reference_keys(model, torch.randint(1, 128, (1, 64), generator=torch.Generator()
+                                       .manual_seed(7)), chunk_size=16)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    rows = {{}}
+    for name, criterion in (("qada", {{"name": "qada", "tau": 0.3}}), ("qada_tail", {{"name": "qada_tail", "tau": 0.3,
+                                                                                  "page_size": 4}})):
+        source = StoredMoments(offset=12, min_bulk_keys=4)
+        source.set_reference(reference)
+        run = build_run(criterion=criterion, moments=source, executor={{"name": "triton", "block_size": 16}},
+                        window={{"t_local": 8, "t_sink": 2}}, compile=True)
+        rows[name] = measure(model, run, ids, mask)
+    print("ROWS" + json.dumps(rows))
+    """
+)
+
+
+def test_the_compiled_torch_step_on_cuda_makes_its_few_row_products_loops():
+    """The layer step compiled for a CUDA GPU with a criterion the kernels do not decide (here on ``triton``): its
+    window scores, heavy keys and page bounds (a KV group's few query heads against keys) are reductions in
+    Inductor's own kernels (:func:`~qada.models.layer_step.gpu_step_options`), not a cuBLAS launch each."""
+    import triton.backends
+
+    if torch.version.cuda is None:
+        pytest.skip("Inductor's CUDA code needs torch's CUDA build (bash scripts/gpu-versions.sh runs this)")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no nvidia backend")
+    where = dict(root=str(ROOT), tests=str(ROOT / "tests"))
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", UNFUSED_SCRIPT.format(**where)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(done.stdout.split("ROWS", 1)[1])
+    for name, row in rows.items():
+        assert row["extern"] == 0, (name, row["kernels"])
+        assert row["inductor"] > 0

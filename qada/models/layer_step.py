@@ -42,8 +42,8 @@ from qada.moments.base import MomentSource
 from qada.step import BulkMoments, DecodeStep
 from qada.window import Window
 
-__all__ = ["COMPILE_ENV", "LayerStep", "LayerStepResult", "compile_layer_step", "cpu_step_options", "layer_step",
-           "resolve_compile", "unbacked_node"]
+__all__ = ["COMPILE_ENV", "LayerStep", "LayerStepResult", "compile_layer_step", "cpu_step_options", "gpu_step_options",
+           "layer_step", "resolve_compile", "unbacked_node"]
 
 COMPILE_ENV = "QADA_COMPILE"
 """Environment variable giving the default of ``compile`` (``0``/``false``: eager; ``1``/``true``: inductor; any
@@ -412,11 +412,12 @@ def _refusing_host_reads(backend: Any) -> Any:
         if node is not None:
             where = "".join(node.meta.get("stack_trace", "").strip().splitlines()[-2:]).strip()
             raise HostReadError(f"it reads a device value on the host ({node.target}): {where}")
-        on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
-        if backend == "inductor" and on_cpu:
+        devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+        if backend == "inductor" and devices in ({"cpu"}, {"cuda"}):
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(graph, example_inputs, config_patches=cpu_step_options())
+            options = cpu_step_options() if devices == {"cpu"} else gpu_step_options()
+            return compile_fx(graph, example_inputs, config_patches=options)
         return compile_graph(graph, example_inputs)
 
     return refusing
@@ -430,6 +431,16 @@ def cpu_step_options() -> dict[str, Any]:
     from qada.models.small_matmul import SmallMatmulPass
 
     return {"cpp_wrapper": True, "post_grad_custom_post_pass": SmallMatmulPass()}
+
+
+def gpu_step_options() -> dict[str, Any]:
+    """Inductor's options for the layer step on a CUDA GPU, scoped to its own compilation: the few-row products as
+    multiply-and-sum loops fused into the kernels around them (:class:`~qada.models.small_matmul.SmallMatmulPass`)
+    instead of a cuBLAS launch each (a ``qada`` step's window scores, a ``qada_tail`` step's heavy keys and page
+    bounds: three to six launches per layer)."""
+    from qada.models.small_matmul import SmallMatmulPass
+
+    return {"post_grad_custom_post_pass": SmallMatmulPass()}
 
 
 def unbacked_node(graph: torch.fx.Graph) -> torch.fx.Node | None:

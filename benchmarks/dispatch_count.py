@@ -39,6 +39,8 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]] | None] = {  # name: (c
     "qada, triton": ({"name": "qada", "tau": 0.6}, {"name": "triton"}),
     "qada, triton_fused": ({"name": "qada", "tau": 0.6}, {"name": "triton_fused"}),
     "qada, triton_fused decide_once": ({"name": "qada", "tau": 0.6}, {"name": "triton_fused", "decide_once": True}),
+    "qada_budget, triton": ({"name": "qada_budget", "sparsity": 0.85}, {"name": "triton"}),
+    "qada_budget, triton_fused": ({"name": "qada_budget", "sparsity": 0.85}, {"name": "triton_fused"}),
     "qada_tail, triton": ({"name": "qada_tail", "tau": 0.3}, {"name": "triton"}),
     "qada_tail, triton_fused": ({"name": "qada_tail", "tau": 0.3}, {"name": "triton_fused"}),
     "qada_tail_budget, triton": ({"name": "qada_tail_budget", "sparsity": 0.85}, {"name": "triton"}),

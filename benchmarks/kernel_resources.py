@@ -55,6 +55,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments, the GPU sui
                         "executor": {"name": "triton_fused", "decide_once": False}},
     "qada_tail fused once": {"criterion": {"name": "qada_tail", "tau": 0.3},
                              "executor": {"name": "triton_fused", "decide_once": True}},
+    "qada_budget fused": {"criterion": {"name": "qada_budget", "sparsity": 0.85}, "executor": {"name": "triton_fused"}},
     "qada_tail_budget fused": {"criterion": {"name": "qada_tail_budget", "sparsity": 0.85},
                                "executor": {"name": "triton_fused"}},
     "qada_tail+E/lean fused": {"criterion": {"name": "qada_tail", "tau": 0.3, "attend_exact": True, "super_page": 16,

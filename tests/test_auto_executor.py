@@ -69,7 +69,8 @@ def test_standalone_auto_attends_as_the_reference_on_the_cpu():
     ({"name": "qada_tail_budget", "sparsity": 0.8}, "stored", FusedTritonExecutor),
     ({"name": "oracle", "tau": 0.3}, "none", TritonExecutor),
     ("dense", "none", TritonExecutor),
-    ({"name": "qada_budget", "sparsity": 0.8}, "stored", TritonExecutor),
+    ({"name": "qada_budget", "sparsity": 0.8}, "stored", FusedTritonExecutor),
+    ("local", "none", TritonExecutor),
 ])
 def test_a_run_on_cuda_resolves_auto_by_its_criterion(criterion, moments, expected):
     """Resolved for a CUDA model without one: building the chosen executor touches no device."""

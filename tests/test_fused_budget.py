@@ -141,12 +141,6 @@ def test_four_launches_and_no_host_reads(monkeypatch):
     assert set(record.ops) <= {"aten.empty.memory_format"} | views, record.ops
 
 
-def test_a_budget_needs_the_tail_index():
-    step = make_step(1, 4, 2, 100, 16, None, None, torch.float32, seed=2)
-    with pytest.raises(ValueError, match="tail index"):
-        FusedTritonExecutor().decide_and_attend(step, 0.0, "exact", None, FusedBudget(torch.tensor(1)))
-
-
 COMPILE = textwrap.dedent(
     """
     import triton

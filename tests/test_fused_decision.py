@@ -348,7 +348,8 @@ def test_model_fused_run_equals_triton_run(model, reference, source, cache, deci
                          [("stored", "qada", False), ("current", "qada", False), ("stored", "qada", True),
                           ("stored", "qada_tail", False), ("current", "qada_tail", True),
                           ("stored", "qada_tail_budget", False),
-                          ("current", "qada_tail_budget_per_group", False)])
+                          ("current", "qada_tail_budget_per_group", False),
+                          ("stored", "qada_budget", True), ("current", "qada_budget_per_group", False)])
 def test_model_layer_step_is_three_launches_and_nothing_else(monkeypatch, model, reference, source, criterion,
                                                               decide_once):
     """A decode step of a layer with ``triton_fused``: the moment step, the fused split and the combine (with
@@ -373,8 +374,9 @@ def test_model_layer_step_is_three_launches_and_nothing_else(monkeypatch, model,
     monkeypatch.setattr(LayerStep, "__call__", recorded)
     executor = {"name": "triton_fused", "block_size": 16, "decide_once": decide_once}
     config = {"name": criterion, "tau": 0.3}
-    if criterion.startswith("qada_tail_budget"):
-        config = {"name": "qada_tail_budget", "sparsity": 0.5, "per_group": criterion.endswith("per_group")}
+    if criterion.startswith(("qada_tail_budget", "qada_budget")):
+        name = "qada_tail_budget" if criterion.startswith("qada_tail") else "qada_budget"
+        config = {"name": name, "sparsity": 0.5, "per_group": criterion.endswith("per_group")}
     greedy(model, make_run(source, executor, reference, criterion=config), "static", steps=2)
     expected = fused_step_launches(source, criterion, decide_once)
     assert len(steps) == 2 * model.config.num_hidden_layers

@@ -541,7 +541,8 @@ def test_model_fused_tail_run_equals_triton_run(monkeypatch, model, reference, c
 ], ids=["quest", "any_of"])
 def test_model_unfused_configurations_are_errors(reference, criterion):
     """Said when the run is built, before any work."""
-    with pytest.raises(ValueError, match="plain 'qada' criterion, or of 'qada_tail'.*use the 'triton' executor"):
+    with pytest.raises(ValueError, match="plain 'qada' criterion, or of 'qada_budget', 'qada_tail'.*use the 'triton' "
+                                         "executor"):
         make_run("stored", "triton_fused", reference, criterion=criterion)
 
 

@@ -101,7 +101,8 @@ def test_kernels_compile_as_torch_compile_launches_them():
     kernels = compile_decode_steps("fp64", ((9, 3, 64), (16, 8, 256)))
     names = {k["kernel"] for k in kernels}
     assert names >= {"qada_fused_split_kernel", "qada_tail_fused_split_kernel", "current_moment_step_kernel",
-                     "qada_decode_split_kernel", "qada_decode_combine_kernel", "qada_budget_decision_kernel"}, names
+                     "qada_decode_split_kernel", "qada_decode_combine_kernel", "qada_budget_decision_kernel",
+                     "qada_budget_score_kernel"}, names
     assert any(k["flags"].get("PAGE_TOPS") for k in kernels), "no launch ran page-top programs"
     assert any(k["flags"].get("SOFTCAP") for k in kernels)
 
@@ -110,7 +111,8 @@ def test_kernels_compile_as_torch_compile_launches_them():
 def test_every_kernel_of_a_decode_step_was_compiled(kernels):
     names = {k["kernel"] for k in kernels}
     assert names >= {"qada_decode_split_kernel", "qada_decode_combine_kernel", "current_moment_step_kernel",
-                     "qada_fused_split_kernel", "qada_tail_fused_split_kernel", "qada_budget_decision_kernel"}
+                     "qada_fused_split_kernel", "qada_tail_fused_split_kernel", "qada_budget_decision_kernel",
+                     "qada_budget_score_kernel"}
     assert "qada_tail_page_top_kernel" not in names  # (a step's page-top programs run in its moment launch)
     tops = [k for k in kernels if k["kernel"] == "current_moment_step_kernel" and k["flags"].get("PAGE_TOPS")]
     assert tops, "no moment step at the longer cache ran page-top programs"

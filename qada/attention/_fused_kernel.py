@@ -210,18 +210,19 @@ def qada_fused_split_kernel(
 
 
 @triton.jit
-def group_decision(
+def group_log_masses(
     q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
-    scale, softcap, log_tau,
+    scale, softcap,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """The decision of the ``G`` query heads ``heads [BLOCK_G]`` (where ``g_ok``) of one (row, KV head)
-    (:func:`qada_fused_split_kernel`'s docstring): ``(decided, local, broken, dense [BLOCK_G], read)``
-    (:func:`threshold_decision`), from their queries ``q [BLOCK_G, BLOCK_D]`` (as :func:`window_log_mass` takes
-    them), the KV head's keys at ``k_base``, the row's range (:func:`~qada.attention._triton_kernel.row_range`) and
-    the heads' ``LME [b, H]`` (read after :func:`~qada.attention._triton_kernel.wait_for_previous` with ``PDL``)."""
+    """``(log A_local, log Â_bulk, bad [BLOCK_G], has_bulk)`` of the ``G`` query heads ``heads [BLOCK_G]`` (where
+    ``g_ok``) of one (row, KV head): the window's exact mass (and the sink logit) from their queries ``q [BLOCK_G,
+    BLOCK_D]`` (as :func:`window_log_mass` takes them), the KV head's keys at ``k_base`` and the row's range
+    (:func:`~qada.attention._triton_kernel.row_range`), whether a window score is NaN or ``+inf`` (``bad``), and
+    eq. 7's ``log T_bulk + log E[exp(s)]`` from the heads' ``LME [b, H]`` (read after
+    :func:`~qada.attention._triton_kernel.wait_for_previous` with ``PDL``; ``-inf`` where the row has no bulk)."""
     has_bulk = t_bulk > 0
     # log A_local: the window's exact mass (and the sink logit)
     log_local, bad = window_log_local(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
@@ -233,6 +234,24 @@ def group_decision(
     log_mean_exp = tl.load(LME + row64 * (H_KV * G) + heads, mask=g_ok, other=0.0)
     log_t = tl.log(tl.maximum(t_bulk, 1).to(tl.float32))
     log_bulk = tl.where(has_bulk, log_t + log_mean_exp, float("-inf"))
+    return log_local, log_bulk, bad, has_bulk
+
+
+@triton.jit
+def group_decision(
+    q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
+    scale, softcap, log_tau,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The decision of the ``G`` query heads ``heads [BLOCK_G]`` (where ``g_ok``) of one (row, KV head)
+    (:func:`qada_fused_split_kernel`'s docstring): ``(decided, local, broken, dense [BLOCK_G], read)``
+    (:func:`threshold_decision`) on :func:`group_log_masses` (same arguments)."""
+    log_local, log_bulk, bad, has_bulk = group_log_masses(
+        q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
+        scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS, INPUT_PRECISION, DOT_FP32, PDL,
+    )  # fmt: skip
     # the threshold decision (fail-safe), then the group policy
     return threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G, BLOCK_G, PROMOTE)
 

@@ -4,8 +4,8 @@ A run resolves it when it is attached to a model (:meth:`~qada.models.run.QAdARu
 model's device and dtype and from whether the criterion's decision can be made in the kernel:
 
 * a CUDA device, Triton installed, float16 / bfloat16 / float32, and a criterion the fused kernels decide (plain
-  ``qada``, ``qada_tail``, ``qada_tail_budget`` with a moment source): ``triton_fused`` (three launches per layer
-  and step: moment step, decision with the attention, combine);
+  ``qada``, ``qada_budget``, ``qada_tail``, ``qada_tail_budget`` with a moment source): ``triton_fused`` (three to
+  five launches per layer and step: moment step, decision, attention, combine);
 * the same for any other criterion: ``triton`` (the split-K kernel that skips the bulk of local KV groups);
 * anything else (the CPU, no Triton, another dtype): ``sdpa``.
 
@@ -46,7 +46,7 @@ def executor_for(device: torch.device, dtype: torch.dtype, fusable: bool,
     if fusable:
         return "triton_fused", "CUDA and Triton: the decision is made in the attention kernel"
     return "triton", ("CUDA and Triton; the criterion's decision is not one the fused kernels make (plain 'qada', "
-                      "'qada_tail', 'qada_tail_budget' with a moment source)")
+                      "'qada_budget', 'qada_tail', 'qada_tail_budget' with a moment source)")
 
 
 @register_executor("auto")

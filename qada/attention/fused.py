@@ -86,8 +86,8 @@ class FusedLaunch(NamedTuple):
         broken: ``[b, H]`` bool, the heads forced dense by a non-finite value (the fail-safe).
         counts: ``[pairs, S, 2]`` int32 per program: blocks loaded only for the bulk, blocks loaded in all.
         log_ratio: with a ``qada_tail`` decision, ``[b, H]`` float32 ``log A_local - logaddexp(log A_local,
-            log Â_bulk)`` (what is compared with ``log tau``); with a ``qada_tail_budget`` one the score ``log
-            A_local - log Â_bulk`` that is ranked (NaN where an input is); else ``None``.
+            log Â_bulk)`` (what is compared with ``log tau``); with a ``qada_tail_budget`` or ``qada_budget`` one the
+            score ``log A_local - log Â_bulk`` that is ranked (NaN where an input is); else ``None``.
         n_exact: with a ``qada_tail`` decision, ``[b, H]`` int32 ``|E|``, the bulk tokens scored exactly, else
             ``None``.
         row: ``[5]`` float64, the step's statistics row (:func:`~qada.models.layer_step.statistics_row`: sparsity,
@@ -276,7 +276,8 @@ def page_top_tile(head_dim: int, pages_per_program: int) -> int:
 
 
 class FusedBudget(NamedTuple):
-    """The budget rule of ``qada_tail_budget`` (:class:`~qada.criteria.TailBudgetCriterion`) for one layer's step.
+    """The budget rule of ``qada_budget`` or ``qada_tail_budget`` (:class:`~qada.criteria.BudgetedQAdACriterion`,
+    :class:`~qada.criteria.TailBudgetCriterion`) for one layer's step.
 
     Attributes:
         count: 0-d int64 on the device, how many heads (with ``per_group``: KV groups) of each row are local at this
@@ -314,8 +315,9 @@ class FusedTritonExecutor(TritonExecutor):
     one combine launch per layer and step for the whole decision and attention (module docstring).
 
     In a run it applies when the criterion is the plain ``qada`` one (:class:`~qada.criteria.QAdACriterion`, any
-    ``tau``), ``qada_tail`` or ``qada_tail_budget`` (:class:`~qada.criteria.TailCriterion`,
-    :class:`~qada.criteria.TailBudgetCriterion`, any settings) with a moment source (``stored``, ``current``, ...);
+    ``tau``), ``qada_budget``, ``qada_tail`` or ``qada_tail_budget`` (:class:`~qada.criteria.BudgetedQAdACriterion`,
+    :class:`~qada.criteria.TailCriterion`, :class:`~qada.criteria.TailBudgetCriterion`, any settings) with a moment
+    source (``stored``, ``current``, ...);
     any other criterion is an error when the run is built (``triton`` decodes for every criterion). Its decisions,
     statistics and output are those of the criterion with the ``triton`` executor, up to float32 rounding (and
     ``qada_tail``'s tail index after each step too). Arguments as for :class:`~qada.attention.TritonExecutor`.
@@ -465,7 +467,8 @@ class FusedTritonExecutor(TritonExecutor):
         :func:`~qada.criteria.tail_index.append_step_key` does); with ``tail`` and ``budget``, the
         ``qada_tail_budget`` decision (``tau`` unused) in four launches: the tail kernel writes each head's score
         (one program per (row, KV head)), :mod:`qada.attention._fused_budget_kernel` ranks a row's heads (one
-        program per row), then the ``triton`` split and combine launches.
+        program per row), then the ``triton`` split and combine launches; with ``budget`` alone, the ``qada_budget``
+        decision so (:meth:`_budget_decision`: eq. 7's scores).
 
         Reads ``step.query [b, H, d]``, ``keys, values [b, H_kv, C, d]``, ``start``, ``end``, the window, the scale,
         ``softcap``, ``sink_logits [H]`` and ``step.bulk_moments`` (mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``,
@@ -492,7 +495,10 @@ class FusedTritonExecutor(TritonExecutor):
             raise ValueError(f"expected moments mean [{b}, {H_kv}, {d}] and cov [{b}, {H_kv}, {d}, {d}] but got mean "
                              f"{tuple(mean.shape)} and cov {tuple(cov.shape)}")
         if budget is not None and tail is None:
-            raise ValueError("a budget decision in the kernel ranks the tail-aware estimate: pass the tail index too")
+            if decision is not None or page_tops is not None:
+                raise ValueError("a qada_budget step ranks eq. 7's scores in launches of its own: no decision made "
+                                 "with the estimate and no page-top programs")
+            return self._budget_decision(step, budget, policy, add_to, log_mean_exp)
         if self.decides_in_estimate(tail is not None):
             return self._decided_in_estimate(step, tau, policy, add_to, decision)
         if decision is not None:
@@ -591,6 +597,48 @@ class FusedTritonExecutor(TritonExecutor):
                                log_ratio, n_exact, row)
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)
         return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read, flags[2], counts, log_ratio, n_exact, row)
+
+    def _budget_decision(self, step: DecodeStep, budget: FusedBudget, policy: str,
+                         add_to: tuple[torch.Tensor, torch.Tensor] | None,
+                         log_mean_exp: torch.Tensor | None) -> FusedLaunch:
+        """The ``qada_budget`` decision (:class:`~qada.criteria.BudgetedQAdACriterion`, eq. 7's scores ranked) and
+        the attention: a launch of one program per (row, KV head) writes each head's score
+        (:func:`~qada.attention._fused_budget_kernel.qada_budget_score_kernel`, from ``log_mean_exp``, the moment step
+        launch's ``[b, H]``; ``None``: one estimate launch more makes it), one per row ranks them (:meth:`_rank`),
+        then the ``triton`` executor's split and combine launches."""
+        from qada.attention import _fused_budget_kernel, _triton_kernel
+
+        query, key = step.query, step.keys
+        b, H, d = query.shape
+        H_kv, C = key.shape[1], key.shape[2]
+        G = H // H_kv
+        if log_mean_exp is None:
+            log_mean_exp = estimate_launch(self.bulk_estimate(query, step.scale, step.softcap), step.bulk_moments)
+        elif (log_mean_exp.shape != (b, H) or log_mean_exp.dtype != torch.float32
+              or not log_mean_exp.is_contiguous()):
+            raise ValueError(f"expected log_mean_exp as a contiguous float32 tensor of shape [{b}, {H}] but got "
+                             f"{log_mean_exp.dtype} {tuple(log_mean_exp.shape)}")
+        device = query.device
+        score = torch.empty(b, H, dtype=torch.float32, device=device)
+        flags = tuple(torch.empty(b, H, dtype=torch.bool, device=device) for _ in range(3))  # decided, local, broken
+        read = torch.empty(b, H_kv, dtype=torch.bool, device=device)
+        start, end, sinks, softcap = step.start, step.end, step.sink_logits, step.softcap
+        input_precision, dot_fp32 = _score_precision(query.dtype)
+        _triton_kernel.run(
+            _fused_budget_kernel.qada_budget_score_kernel, (b * H_kv,),
+            query, key, log_mean_exp, query if start is None else start, query if end is None else end,
+            query if sinks is None else sinks, score, *query.stride(), *key.stride(),
+            C, H_kv, step.window.t_sink, step.window.t_local, float(step.scale), float(softcap or 1.0),
+            G=G, D=d, BLOCK_G=_tile(G), BLOCK_N=self.block_size, BLOCK_D=_tile(d), HAS_START=start is not None,
+            HAS_END=end is not None, SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None,
+            INPUT_PRECISION=input_precision, DOT_FP32=dot_fp32, num_warps=self.num_warps,
+        )  # fmt: skip
+        self._rank(step, score, budget, flags, read, policy)
+        row = torch.empty(5, dtype=torch.float64, device=device)
+        statistics = StepStatistics(flags[1], read, flags[2], start, end, C, step.window.t_local, row, None, add_to)
+        done = self.launch(step, GroupDecision(flags[1], read), statistics, self.programmatic(device))
+        return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts, score, None,
+                           row)
 
     def _decided_in_estimate(self, step: DecodeStep, tau: float, policy: str,
                              add_to: tuple[torch.Tensor, torch.Tensor] | None,

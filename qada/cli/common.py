@@ -144,8 +144,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, command: str, executor: s
     parser.add_argument("--executor", default=None,
                         help="attention executor: auto (sdpa on the CPU; on a CUDA GPU triton_fused where the "
                              "kernels decide, else triton), sdpa, reference, flex, triton, triton_fused (qada, "
-                             f"qada_tail, qada_tail_budget), a mapping or a file (default: the --config file's, else "
-                             f"{executor})")
+                             "qada_budget, qada_tail, qada_tail_budget), a mapping or a file (default: the --config "
+                             f"file's, else {executor})")
 
 
 def resolve_device(spec: str) -> Any:

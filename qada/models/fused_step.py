@@ -2,8 +2,9 @@
 
 :func:`fused_layer_step` is :func:`~qada.models.layer_step.layer_step` for a run whose criterion is the plain ``qada``
 threshold rule (:class:`~qada.criteria.QAdACriterion`), the tail-aware ``qada_tail`` one
-(:class:`~qada.criteria.TailCriterion`: its layer's tail index goes to the kernel, which also updates it) or the
-tail-aware budget ``qada_tail_budget`` (:class:`~qada.criteria.TailBudgetCriterion`) and whose executor fuses the
+(:class:`~qada.criteria.TailCriterion`: its layer's tail index goes to the kernel, which also updates it), a budget
+on either estimate (``qada_budget``, ``qada_tail_budget``: :class:`~qada.criteria.BudgetedQAdACriterion`,
+:class:`~qada.criteria.TailBudgetCriterion`) and whose executor fuses the
 decision (:class:`~qada.attention.FusedTritonExecutor`): three launches and no other device work, whatever the
 decision: the moment source's step (:mod:`qada.attention.moment_step`, which also writes each query head's ``log
 E[exp(s)]`` from the new moments, the query side of the lognormal estimate; a source without a kernel steps in torch,
@@ -33,17 +34,20 @@ __all__ = ["check_fusable", "fused_budget", "fused_layer_step", "fused_moment_st
 
 def check_fusable(criterion: HeadCriterion, moments: MomentSource | None, executor: Any) -> None:
     """Raise ``ValueError`` unless ``executor`` can make ``criterion``'s decision with a moment source: the plain
-    ``qada`` criterion (not a subclass, which may change the estimate), or the tail-aware ``qada_tail``
-    (:class:`~qada.criteria.TailCriterion`) or ``qada_tail_budget`` (:class:`~qada.criteria.TailBudgetCriterion`),
-    not subclasses, with any of their settings (a page hierarchy, ``attend_exact``, ``scale_exact``)."""
+    ``qada`` criterion (not a subclass, which may change the estimate), the budgeted ``qada_budget``
+    (:class:`~qada.criteria.BudgetedQAdACriterion`: per head or group, an allocation), or the tail-aware
+    ``qada_tail`` (:class:`~qada.criteria.TailCriterion`) or ``qada_tail_budget``
+    (:class:`~qada.criteria.TailBudgetCriterion`), not subclasses, with any of their settings (a page hierarchy,
+    ``attend_exact``, ``scale_exact``)."""
+    from qada.criteria.budgeted import BudgetedQAdACriterion
     from qada.criteria.qada import QAdACriterion
     from qada.criteria.tail import TailBudgetCriterion, TailCriterion
 
-    name = getattr(executor, "registry_name", "") or type(executor).__name__
-    if type(criterion) not in (QAdACriterion, TailCriterion, TailBudgetCriterion):
+    name = executor if isinstance(executor, str) else getattr(executor, "registry_name", "") or type(executor).__name__
+    if type(criterion) not in (QAdACriterion, BudgetedQAdACriterion, TailCriterion, TailBudgetCriterion):
         raise ValueError(
-            f"the {name!r} executor makes the decision of the plain 'qada' criterion, or of 'qada_tail' or "
-            f"'qada_tail_budget', in its kernel, but the run's criterion is "
+            f"the {name!r} executor makes the decision of the plain 'qada' criterion, or of 'qada_budget', "
+            f"'qada_tail' or 'qada_tail_budget', in its kernel, but the run's criterion is "
             f"{criterion.registry_name or type(criterion).__name__!r}: use the 'triton' executor, which attends "
             "for any criterion"
         )
@@ -63,7 +67,7 @@ def is_fusable(criterion: HeadCriterion, moments: MomentSource | None) -> bool:
 
 def fused_tail(criterion: HeadCriterion, step: DecodeStep) -> Any:
     """The :class:`~qada.attention.fused.FusedTail` of ``step`` (its layer's tail index, passed in by the run) for a
-    ``qada_tail`` or ``qada_tail_budget`` criterion, else ``None``."""
+    ``qada_tail`` or ``qada_tail_budget`` criterion, else ``None`` (``qada``, ``qada_budget``)."""
     from qada.attention.fused import FusedTail
     from qada.criteria.tail import TailEstimate
 
@@ -78,13 +82,15 @@ def fused_tail(criterion: HeadCriterion, step: DecodeStep) -> Any:
 
 
 def fused_budget(criterion: HeadCriterion, step: DecodeStep) -> Any:
-    """The :class:`~qada.attention.fused.FusedBudget` of ``step`` for a ``qada_tail_budget`` criterion (its layer's
-    count of local heads or groups, from the criterion's layer state: computed once per layer on the host, or, for
-    a criterion never bound to a model, on the device from the layer's ordinal), else ``None``."""
+    """The :class:`~qada.attention.fused.FusedBudget` of ``step`` for a ``qada_budget`` or ``qada_tail_budget``
+    criterion (its layer's count of local heads or groups, from the criterion's layer state: computed once per layer
+    on the host, or, for a criterion never bound to a model, on the device from the layer's ordinal), else
+    ``None``."""
     from qada.attention.fused import FusedBudget
+    from qada.criteria.budgeted import BudgetedQAdACriterion
     from qada.criteria.tail import TailBudgetCriterion
 
-    if type(criterion) is not TailBudgetCriterion:
+    if type(criterion) not in (BudgetedQAdACriterion, TailBudgetCriterion):
         return None
     if criterion.per_group:
         return FusedBudget(criterion.group_count(step), True)
@@ -119,9 +125,10 @@ def fused_layer_step(
     from qada.models.layer_step import LayerStepResult, advance_moments, new_step
 
     step = new_step(query, keys, values, start, end, scale, layer, criterion_states, sink_logits, softcap, window)
-    tail = fused_tail(criterion, step)  # (None: the plain qada criterion)
+    tail = fused_tail(criterion, step)  # (None: the plain qada criterion, or qada_budget)
+    budget = fused_budget(criterion, step)
     decision = None  # the plain qada decision made once per group: by the moment step's launch
-    if executor.decides_in_estimate(tail is not None):
+    if budget is None and executor.decides_in_estimate(tail is not None):
         decision = executor.estimate_decision(query[:, :, 0], keys, start, end, sink_logits, criterion.tau, policy,
                                               window)
     # a qada_tail step's page-top programs (if its pages are spread) run in the moment step's launch
@@ -129,7 +136,6 @@ def fused_layer_step(
     estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap, decision, page_tops)  # by the moment step
     bulk = advance_moments(step, keys, start, end, layer, moment_state, moments, window,
                            functools.partial(fused_moment_step, moments, estimate=estimate))
-    budget = fused_budget(criterion, step)
     tau = 0.0 if budget is not None else criterion.tau  # (a budget ranks: no threshold)
     add_to = None if sums is None else (sums, layer)  # the combine launch adds the row to sums[layer]
     launch = executor.decide_and_attend(step, tau, policy, tail, budget, add_to, log_mean_exp=estimate.out,

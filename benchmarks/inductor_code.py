@@ -55,6 +55,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments (stored mome
                                                    "pages_per_program": 1}},
     "qada_tail_budget fused": {"criterion": {"name": "qada_tail_budget", "sparsity": 0.85},
                                "executor": {"name": "triton_fused"}},
+    "qada_budget fused": {"criterion": {"name": "qada_budget", "sparsity": 0.85}, "executor": {"name": "triton_fused"}},
 }  # fmt: skip
 
 FORWARD = ["dense", "qada", "qada fused", "qada_tail fused", "qada_tail_budget fused"]

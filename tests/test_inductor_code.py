@@ -151,6 +151,7 @@ CASES = {  # name: (moment source, criterion, executor options)
     "qada_tail pages spread": ("stored", {"name": "qada_tail", "tau": 0.3},
                                {"decide_once": True, "pages_per_program": 1}),
     "qada_tail_budget": ("stored", {"name": "qada_tail_budget", "sparsity": 0.5}, {}),
+    "qada_budget": ("stored", {"name": "qada_budget", "sparsity": 0.5, "per_group": True}, {}),
 }  # fmt: skip
 
 SCRIPT = textwrap.dedent(

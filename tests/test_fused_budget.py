@@ -95,32 +95,49 @@ def test_fused_budget_equals_eager(case, pages_per_program):
     expected = unfused.launch(fresh(step), GroupDecision(got.local, got.read))
     atol, rtol = TOLERANCE[step.query.dtype]
     torch.testing.assert_close(got.output.float(), expected.output.float(), atol=atol, rtol=rtol)
-    has_bulk = eager_step.has_bulk
     G = H // H_kv
-    count = int(state["count"] if not per_group else state[f"group_count_{G}"])
-    kept = decided.view(b, H_kv, G).all(-1).sum(-1) if per_group else decided.sum(-1)
-    assert (kept[has_bulk] == count).all() and 0 < count < (H_kv if per_group else H)  # not vacuous
+    assert_keeps_its_count(decided, eager_step.has_bulk, int(state["count"] if not per_group
+                                                                else state[f"group_count_{G}"]), per_group, H_kv)
+
+
+def assert_keeps_its_count(decided, has_bulk, count, per_group, H_kv):
+    """Every row with a bulk keeps exactly ``count`` heads (``per_group``: whole KV groups) of ``decided [b, H]``
+    local, a count strictly between none and all (not vacuous); a row without a bulk is all local."""
+    b, H = decided.shape
+    kept = decided.view(b, H_kv, H // H_kv).all(-1).sum(-1) if per_group else decided.sum(-1)
+    assert (kept[has_bulk] == count).all() and 0 < count < (H_kv if per_group else H)
     assert decided[~has_bulk].all()
+
+
+def tied_step_with_a_broken_group():
+    """One row of 8 heads on 2 KV heads, every head asking the same query (equal scores within a group), and a NaN
+    key in KV head 1's window (its 4 query heads not finite)."""
+    from qada.step import DecodeStep
+
+    step = make_step(1, 8, 2, 300, 16, None, None, torch.float32, seed=11)
+    query = step.query.clone()
+    query[:, :] = query[:, :1]
+    keys = step.keys.clone()
+    keys[0, 1, -3] = float("nan")
+    return DecodeStep(query, keys, step.scale, step.window, moments=step.moments, values=step.values)
+
+
+def assert_ties_and_broken_group(got, decided, fail_safe):
+    """On :func:`tied_step_with_a_broken_group` at sparsity 0.25: the broken group's heads are dense and counted, and
+    the budget's two local heads are the lowest of the other group."""
+    assert int(fail_safe) == 4 and int(got.broken.sum()) == 4 and got.broken[0, 4:].all()
+    assert torch.equal(got.decided, decided)
+    assert got.decided[0].tolist() == [True, True, False, False, False, False, False, False]
 
 
 def test_ties_go_to_the_lower_head_and_non_finite_heads_are_dense():
     """Equal scores (the same query in every head) keep the lowest heads local; a NaN key in a window makes its
     group's heads non-finite: never local, counted, and the budget goes to the other heads."""
-    step = make_step(1, 8, 2, 300, 16, None, None, torch.float32, seed=11)
-    query = step.query.clone()
-    query[:, :] = query[:, :1]  # every head asks the same: equal scores within a KV group
-    keys = step.keys.clone()
-    keys[0, 1, -3] = float("nan")  # KV head 1's window: its 4 query heads are not finite
-    step = fresh(step)
-    from qada.step import DecodeStep
-
-    step = DecodeStep(query, keys, step.scale, step.window, moments=step.moments, values=step.values)
+    step = tied_step_with_a_broken_group()
     criterion, state = prepared(step, 5, 0.25, False, heavy=8, observe=4, pages=2)
-    decided, local, read, fail_safe, score, _, _ = eager(criterion, step, state, "exact")
+    decided, _, _, fail_safe, _, _, _ = eager(criterion, step, state, "exact")
     got, _ = fused(criterion, step, state, "exact")
-    assert int(fail_safe) == 4 and int(got.broken.sum()) == 4 and got.broken[0, 4:].all()
-    assert torch.equal(got.decided, decided)
-    assert got.decided[0].tolist() == [True, True, False, False, False, False, False, False]
+    assert_ties_and_broken_group(got, decided, fail_safe)
 
 
 def test_four_launches_and_no_host_reads(monkeypatch):

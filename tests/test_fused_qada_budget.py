@@ -23,8 +23,12 @@ from qada.attention.base import GroupDecision  # noqa: E402
 from qada.attention.fused import FusedBudget  # noqa: E402
 from qada.criteria import BudgetedQAdACriterion  # noqa: E402
 from qada.models.layer_step import statistics_row  # noqa: E402
-from qada.step import DecodeStep  # noqa: E402
 from tests.test_attention_triton import DEVICE, TOLERANCE  # noqa: E402
+from tests.test_fused_budget import (  # noqa: E402
+    assert_keeps_its_count,
+    assert_ties_and_broken_group,
+    tied_step_with_a_broken_group,
+)
 from tests.test_fused_decision import (  # noqa: E402
     fresh,
     fused_steps,
@@ -92,29 +96,16 @@ def test_fused_qada_budget_equals_eager(case):
     expected = unfused.launch(fresh(step), GroupDecision(got.local, got.read))
     atol, rtol = TOLERANCE[step.query.dtype]
     torch.testing.assert_close(got.output.float(), expected.output.float(), atol=atol, rtol=rtol)
-    has_bulk = eager_step.has_bulk
-    G = H // H_kv
-    count = int(count_of(criterion, state, G))
-    kept = decided.view(b, H_kv, G).all(-1).sum(-1) if per_group else decided.sum(-1)
-    assert (kept[has_bulk] == count).all() and 0 < count < (H_kv if per_group else H)  # not vacuous
-    assert decided[~has_bulk].all()
+    assert_keeps_its_count(decided, eager_step.has_bulk, int(count_of(criterion, state, H // H_kv)), per_group, H_kv)
 
 
 def test_ties_go_to_the_lower_head_and_non_finite_heads_are_dense():
     """Equal scores (the same query in every head) keep the lowest heads local; a NaN key in a window makes its
     group's heads non-finite: never local, counted, and the budget goes to the other heads."""
-    step = make_step(1, 8, 2, 300, 16, None, None, torch.float32, seed=11)
-    query = step.query.clone()
-    query[:, :] = query[:, :1]  # every head asks the same: equal scores within a KV group
-    keys = step.keys.clone()
-    keys[0, 1, -3] = float("nan")  # KV head 1's window: its 4 query heads are not finite
-    step = DecodeStep(query, keys, step.scale, step.window, moments=step.moments, values=step.values)
+    step = tied_step_with_a_broken_group()
     criterion, state = prepared(step, 0.25, False)
     decided, _, _, fail_safe, _, _ = eager(criterion, step, state, "exact")
-    got = fused(criterion, step, state, "exact")
-    assert int(fail_safe) == 4 and int(got.broken.sum()) == 4 and got.broken[0, 4:].all()
-    assert torch.equal(got.decided, decided)
-    assert got.decided[0].tolist() == [True, True, False, False, False, False, False, False]
+    assert_ties_and_broken_group(fused(criterion, step, state, "exact"), decided, fail_safe)
 
 
 def test_four_launches_and_no_host_reads(monkeypatch):

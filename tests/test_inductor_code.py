@@ -287,12 +287,12 @@ def test_compiled_fused_step_compiles_each_kernel_as_triton_launches_it_at_every
     assert row["ptx"] and all(row["ptx"].values()), row["ptx"]
 
 
-FORWARD_SCRIPT = textwrap.dedent(
+FAKE_CUDA_PREAMBLE = textwrap.dedent(
     """
     import json, sys
     sys.path[:0] = [{root!r}, {tests!r}]
     import torch
-    from benchmarks.inductor_code import bounds_operations, forward_code, forward_kernels, pretend_cuda_device
+    from benchmarks.inductor_code import bounds_operations, forward_code, forward_kernels, measure, pretend_cuda_device
     pretend_cuda_device()
     from tiny_models import tiny_model
     from qada.models import build_run
@@ -302,17 +302,41 @@ FORWARD_SCRIPT = textwrap.dedent(
     model = tiny_model("llama")
     reference = collect_reference_keys(model, torch.randint(1, 128, (1, 64), generator=torch.Generator()
                                        .manual_seed(7)), chunk_size=16)
-    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 128, (2, {length}), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
+    """
+)
+"""The start of a script run by :func:`rows_on_fake_cuda`: a pretended CUDA device, the tiny model, its stored reference
+and two rows of ``length`` tokens (the second left-padded)."""
+
+
+def rows_on_fake_cuda(script: str, length: int) -> dict:
+    """The ``ROWS`` JSON that :data:`FAKE_CUDA_PREAMBLE` (rows of ``length`` tokens) then ``script`` print, run in a
+    process of its own without Triton's interpreter; skips without torch's CUDA build or Triton's nvidia backend."""
+    import triton.backends
+
+    if torch.version.cuda is None:
+        pytest.skip("Inductor's CUDA code needs torch's CUDA build (bash scripts/gpu-versions.sh runs this)")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("triton has no nvidia backend")
+    code = FAKE_CUDA_PREAMBLE.format(root=str(ROOT), tests=str(ROOT / "tests"), length=length) + script
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.split("ROWS", 1)[1])
+
+
+FORWARD_SCRIPT = textwrap.dedent(
+    """
     source = StoredMoments(offset=12, min_bulk_keys=4)
     source.set_reference(reference)
-    run = build_run(criterion={{"name": "qada", "tau": 0.3}}, moments=source,
-                    executor={{"name": "triton_fused", "block_size": 16}}, window={{"t_local": 8, "t_sink": 2}},
+    run = build_run(criterion={"name": "qada", "tau": 0.3}, moments=source,
+                    executor={"name": "triton_fused", "block_size": 16}, window={"t_local": 8, "t_sink": 2},
                     compile=True)
     derive = bounds_operations(*ids.shape)
-    steps = {{name: forward_kernels(forward_code(model, r, ids, mask), 3, derive)
-              for name, r in (("dense", None), ("qada fused", run))}}
+    steps = {name: forward_kernels(forward_code(model, r, ids, mask), 3, derive)
+             for name, r in (("dense", None), ("qada fused", run))}
     print("ROWS" + json.dumps(dict(steps, layers=model.config.num_hidden_layers, derive=derive)))
     """
 )
@@ -322,18 +346,7 @@ def test_a_compiled_decode_step_derives_the_rows_bounds_once():
     """``torch.compile(model.forward)`` of a fused qada decode step on (fake) CUDA: one ``qada::decode_buffer`` call
     per layer, only the first given the mask and positions (Inductor copied them for every call, and every layer
     derived the bounds again: ~6 kernels per layer), and nothing of the dense attention left in the graph."""
-    import triton.backends
-
-    if torch.version.cuda is None:
-        pytest.skip("Inductor's CUDA code needs torch's CUDA build (bash scripts/gpu-versions.sh runs this)")
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("triton has no nvidia backend")
-    where = dict(root=str(ROOT), tests=str(ROOT / "tests"))
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", FORWARD_SCRIPT.format(**where)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    rows = json.loads(done.stdout.split("ROWS", 1)[1])
+    rows = rows_on_fake_cuda(FORWARD_SCRIPT, 20)
     dense, fused = rows["dense"], rows["qada fused"]
     assert dense["calls"] == 0 and fused["calls"] == rows["layers"] == 2
     assert fused["deriving"] == 1 and rows["derive"] >= 3
@@ -342,29 +355,13 @@ def test_a_compiled_decode_step_derives_the_rows_bounds_once():
 
 UNFUSED_SCRIPT = textwrap.dedent(
     """
-    import json, sys
-    sys.path[:0] = [{root!r}, {tests!r}]
-    import torch
-    from benchmarks.inductor_code import measure, pretend_cuda_device
-    pretend_cuda_device()
-    from tiny_models import tiny_model
-    from qada.models import build_run
-    from qada.moments import StoredMoments
-    from qada.moments.reference import collect_reference_keys
-
-    model = tiny_model("llama")
-    reference = collect_reference_keys(model, torch.randint(1, 128, (1, 64), generator=torch.Generator()
-                                       .manual_seed(7)), chunk_size=16)
-    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    rows = {{}}
-    for name, criterion in (("qada", {{"name": "qada", "tau": 0.3}}), ("qada_tail", {{"name": "qada_tail", "tau": 0.3,
-                                                                                  "page_size": 4}})):
+    rows = {}
+    for name, criterion in (("qada", {"name": "qada", "tau": 0.3}), ("qada_tail", {"name": "qada_tail", "tau": 0.3,
+                                                                                  "page_size": 4})):
         source = StoredMoments(offset=12, min_bulk_keys=4)
         source.set_reference(reference)
-        run = build_run(criterion=criterion, moments=source, executor={{"name": "triton", "block_size": 16}},
-                        window={{"t_local": 8, "t_sink": 2}}, compile=True)
+        run = build_run(criterion=criterion, moments=source, executor={"name": "triton", "block_size": 16},
+                        window={"t_local": 8, "t_sink": 2}, compile=True)
         rows[name] = measure(model, run, ids, mask)
     print("ROWS" + json.dumps(rows))
     """
@@ -375,18 +372,7 @@ def test_the_compiled_torch_step_on_cuda_makes_its_few_row_products_loops():
     """The layer step compiled for a CUDA GPU with a criterion the kernels do not decide (here on ``triton``): its
     window scores, heavy keys and page bounds (a KV group's few query heads against keys) are reductions in
     Inductor's own kernels (:func:`~qada.models.layer_step.gpu_step_options`), not a cuBLAS launch each."""
-    import triton.backends
-
-    if torch.version.cuda is None:
-        pytest.skip("Inductor's CUDA code needs torch's CUDA build (bash scripts/gpu-versions.sh runs this)")
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("triton has no nvidia backend")
-    where = dict(root=str(ROOT), tests=str(ROOT / "tests"))
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", UNFUSED_SCRIPT.format(**where)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    rows = json.loads(done.stdout.split("ROWS", 1)[1])
+    rows = rows_on_fake_cuda(UNFUSED_SCRIPT, 40)
     for name, row in rows.items():
         assert row["extern"] == 0, (name, row["kernels"])
         assert row["inductor"] > 0

@@ -22,12 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from qada.attention.base import EXECUTORS, AttentionExecutor, GroupDecision, register_executor
+from qada.attention.triton_decode import TRITON_DTYPES
 from qada.step import DecodeStep
 
-__all__ = ["AutoExecutor", "TRITON_DTYPES", "executor_for"]
-
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-"""The dtypes the Triton executors take."""
+__all__ = ["AutoExecutor", "executor_for"]
 
 
 def executor_for(device: torch.device, dtype: torch.dtype, fusable: bool,

@@ -25,9 +25,14 @@ import torch
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
 from qada.step import DecodeStep
 
-__all__ = ["ExtraAttention", "StepStatistics", "TailReads", "TritonExecutor", "TritonLaunch", "check_triton_runtime"]
+__all__ = ["TRITON_DTYPES", "ExtraAttention", "StepStatistics", "TailReads", "TritonExecutor", "TritonLaunch",
+           "check_triton_runtime"]
 
 _LOG2E = 1.4426950408889634  # the kernel works in base 2: exp(x) = exp2(x * log2(e))
+
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""The dtypes the Triton executors take."""
 
 
 def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None, executor: str = "triton") -> None:
@@ -38,7 +43,7 @@ def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None,
     ``torch.compile`` traces a decode step only the dtype is, since Dynamo cannot trace the package lookup and would
     run the whole step eagerly.
     """
-    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if dtype is not None and dtype not in TRITON_DTYPES:
         raise ValueError(f"expected float16, bfloat16 or float32 inputs for '{executor}' but got {dtype}")
     if torch.compiler.is_compiling():
         return

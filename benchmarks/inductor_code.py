@@ -348,14 +348,15 @@ def _constant(expression: str) -> Any:
     return ast.literal_eval(text)
 
 
-TRITON_LAUNCH_DEFAULTS = {"num_warps": 4, "num_stages": 3}
-"""The launch options Triton uses where a launch (or Inductor's ``triton.Config({})``) names none."""
+TRITON_LAUNCH_DEFAULTS = {"num_warps": 4, "num_stages": 3, "maxnreg": None}
+"""The launch options Triton uses where a launch (or Inductor's ``triton.Config({})``) names none (``maxnreg``: no
+register cap; Inductor drops a launch's, so a capped launch shows as a difference)."""
 
 
 def triton_metas(code: str) -> dict[str, dict[str, Any]]:
-    """``{kernel function name: {"signature", "constants", "divisible": {parameter}, "num_warps", "num_stages"}}``:
-    how Inductor's code compiles each user-defined Triton kernel (its ``triton_meta`` and launch configuration;
-    Triton's defaults, 4 warps and 3 stages, where it lists none)."""
+    """``{kernel function name: {"signature", "constants", "divisible": {parameter}, "num_warps", "num_stages",
+    "maxnreg"}}``: how Inductor's code compiles each user-defined Triton kernel (its ``triton_meta`` and launch
+    configuration; Triton's defaults, 4 warps, 3 stages and no register cap, where it lists none)."""
     found = {}
     for wrapper, name in user_kernels(code).items():
         block = kernel_block(code, wrapper)
@@ -391,7 +392,7 @@ def specialization_over_calls(step: Any, calls: list[tuple], code: str,
     """Where ``code`` (Inductor's, for ``step`` compiled on ``calls[0]``) compiles a kernel otherwise than Triton's
     launcher would for the eager launch at some call: a parameter Inductor takes as a constant that the launch
     passes another value, or divisible by 16 (``tt.divisibility``) where the launch's is not, or the reverse; and
-    launch options (warps, stages) that differ. ``[]``: every launch of every call runs a kernel compiled as
+    launch options (warps, stages, register cap) that differ. ``[]``: every launch of every call runs a kernel compiled as
     Triton's launcher compiles it. ``metas``: :func:`triton_metas` of ``code``, where already read."""
     metas = triton_metas(code) if metas is None else metas
     found = []

@@ -58,6 +58,8 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments, the GPU sui
     "qada_budget fused": {"criterion": {"name": "qada_budget", "sparsity": 0.85}, "executor": {"name": "triton_fused"}},
     "qada_tail_budget fused": {"criterion": {"name": "qada_tail_budget", "sparsity": 0.85},
                                "executor": {"name": "triton_fused"}},
+    "qada_tail+E fused": {"criterion": {"name": "qada_tail", "tau": 0.3, "attend_exact": True},
+                          "executor": {"name": "triton_fused", "decide_once": False}},
     "qada_tail+E/lean fused": {"criterion": {"name": "qada_tail", "tau": 0.3, "attend_exact": True, "super_page": 16,
                                              "super_pages": 4, "pages": 4, "heavy": 16, "scale_exact": 8192,
                                              "shrink_exact": False},  # (qada.criteria.READ_LEAN)

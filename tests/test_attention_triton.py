@@ -11,6 +11,8 @@ if not torch.cuda.is_available():  # must happen before triton is imported anywh
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
@@ -170,6 +172,35 @@ def test_split_count_aims_at_programs_per_sm_and_keeps_four_blocks_per_split(mon
     assert EXECUTORS.build("triton").splits(cpu, 3, 7680) == 30
     assert EXECUTORS.build("triton", programs_per_sm=8).splits(cpu, 3, 7680) == 30
     assert EXECUTORS.build("triton", programs_per_sm=8, num_splits=5).splits(cpu, 96, 7680) == 5  # given: kept
+
+
+def test_register_cap_leaves_room_for_the_programs_asked():
+    from qada.attention.triton_decode import register_cap
+
+    assert register_cap(4, 3) == {"maxnreg": 168}  # 65,536 / (3 x 128 threads), a warp's share in units of 256
+    assert register_cap(4, 2) == {"maxnreg": 255}  # (256 would fit: a thread addresses 255 at most)
+    assert register_cap(8, 3) == {"maxnreg": 80}
+    assert register_cap(4, 4) == {"maxnreg": 128}
+    for bad in ((0, 3), (4, 0), (True, 3), (32, 3)):  # (32 warps, 3 programs: 16 registers a thread)
+        with pytest.raises(ValueError, match="expected"):
+            register_cap(*bad)
+
+
+@given(warps=st.sampled_from([1, 2, 4, 8, 16]), programs=st.integers(1, 16))
+def test_register_cap_is_the_largest_that_fits(warps, programs):
+    """The cap's programs fit one SM's register file, warp by warp in units of 256 registers, and one more register
+    in every warp's share (the next unit) would not, unless the thread limit (255) or the floor stop it first."""
+    from qada.attention.triton_decode import SM_REGISTERS, register_cap
+
+    per_warp = SM_REGISTERS // (warps * programs) // 256 * 256
+    if per_warp < 32 * 32:
+        with pytest.raises(ValueError, match="at least 32 registers"):
+            register_cap(warps, programs)
+        return
+    cap = register_cap(warps, programs)["maxnreg"]
+    units = -(-cap * 32 // 256)  # a warp's registers, in units of 256
+    assert units * 256 * warps * programs <= SM_REGISTERS
+    assert cap == 255 or (units + 1) * 256 * warps * programs > SM_REGISTERS
 
 
 @pytest.mark.gpu

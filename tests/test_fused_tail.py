@@ -425,6 +425,38 @@ def test_one_split_launch_and_one_combine_without_host_reads(monkeypatch, decide
     assert set(record.ops) <= {"aten.empty.memory_format"} | views, record.ops
 
 
+@pytest.mark.parametrize("sizes, capped", [(dict(heavy=4, observe=4, pages=2), False),
+                                           (dict(heavy=4, observe=4, pages=2, attend_exact=True), True),
+                                           (dict(heavy=4, observe=4, pages=2, super_page=2, super_pages=2), True)],
+                         ids=["plain", "attend_exact", "hierarchy"])
+def test_the_split_launch_caps_registers_where_its_kernel_holds_the_most_state(monkeypatch, sizes, capped):
+    """The ``qada_tail`` split kernel with ``attend_exact`` or a page hierarchy, on a 16-bit cache, is launched with a
+    register cap that leaves three programs of its warps per SM (168 registers at four warps; head sizes up to 128:
+    Triton 3.6 gave it 211-240, two programs), deciding in the splits or apart; the plain one, and every other
+    launch, without one."""
+    from qada.attention import _triton_kernel
+
+    caps = []
+    run = _triton_kernel.run
+
+    def recording(kernel, grid, *args, **kwargs):
+        caps.append((kernel.fn.__name__, kwargs.get("maxnreg")))
+        return run(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_triton_kernel, "run", recording)
+    step = make_step(2, 4, 2, 150, 16, [0, 9], [150, 130], torch.bfloat16, seed=6)
+    criterion, state = prepared(step, 6, **sizes)
+    for decide_once in (False, True):
+        caps.clear()
+        fused_tail_launch(criterion, step, state, 0.3, decide_once=decide_once)
+        assert [cap for name, cap in caps if name == "qada_tail_fused_split_kernel"] == [168 if capped else None]
+        assert len(caps) > 1 and all(cap is None for name, cap in caps if name != "qada_tail_fused_split_kernel")
+    tail = fused_tail(criterion, with_state(step, state))
+    assert tail.register_cap(torch.bfloat16, 128, 8) == ({"maxnreg": 80} if capped else {})
+    assert tail.register_cap(torch.bfloat16, 256, 4) == {}  # (two programs per SM there: 255 registers, no cap)
+    assert tail.register_cap(torch.float32, 64, 4) == {}  # (capped, a float32 cache's kernel spills)
+
+
 # --- in a model: the fused run decodes as the unfused one --------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,7 @@ from qada.attention.triton_decode import (
     check_triton_runtime,
     combine,
     pdl_launch_options,
+    register_cap,
 )
 from qada.functional.tail import EXTREMA_DTYPES
 from qada.stable_tensors import write_into
@@ -220,6 +221,18 @@ class FusedTail(NamedTuple):
                     BLOCK_SM=max(2, _next_pow2(max(1, self.super_top()))),
                     EXACT=bool(self.attend_exact))
 
+    def register_cap(self, dtype: torch.dtype, head_dim: int, num_warps: int) -> dict[str, int]:
+        """The split kernel's register cap (launch options): where it holds the most state (``attend_exact``, or a
+        page hierarchy), for a 16-bit cache at head sizes up to 128, :data:`SPLIT_PROGRAMS_PER_SM` programs of
+        ``num_warps`` warps per SM (:func:`~qada.attention.triton_decode.register_cap`); else none. Uncapped,
+        Triton 3.6's ``ptxas`` gave that kernel 211-240 registers (two programs per SM; Triton 3.9's, 168) and the
+        page-hierarchy one without the exact set 168 with 80-92 bytes spilled; capped at 168 both compile without
+        spilling under either version (``benchmarks/kernel_resources.py``). A float32 cache's kernel, capped, spilled
+        70-130 bytes: it stays uncapped, as does a lighter kernel (``ptxas`` fills a cap it is given)."""
+        if (self.attend_exact or self.super_page) and dtype != torch.float32 and _tile(head_dim) <= 128:
+            return register_cap(num_warps, SPLIT_PROGRAMS_PER_SM)
+        return {}
+
     def reads(self) -> TailReads:
         """What the step's ``kv_read`` counts of the exact set (:class:`~qada.attention.triton_decode.TailReads`)."""
         heavy = self.heavy.shape[2] if self.heavy_reads is None else self.heavy_reads
@@ -235,6 +248,12 @@ def page_tiles(page_size: int, pages: int, head_dim: int) -> dict[str, int]:
     return dict(PAGE=page_size, TOP=pages, BLOCK_S=block_s, BLOCK_M=max(2, _next_pow2(pages)),
                 BLOCK_P=max(8, _PAGE_TILE_FEATURES // block_d),
                 ENTRIES=max(1, min(_next_pow2(pages), _TOKEN_TILE_FEATURES // (block_s * block_d))))
+
+
+SPLIT_PROGRAMS_PER_SM = 3
+"""Programs of the ``qada_tail`` split kernel that :meth:`FusedTail.register_cap` leaves room for on one SM: the split
+count aims at two per SM (:attr:`~qada.attention.triton_decode.TritonExecutor.programs_per_sm`), plus a partial
+wave."""
 
 
 TOKEN_STAGES = 2
@@ -352,7 +371,9 @@ class FusedTritonExecutor(TritonExecutor):
     On an H200 (torch 2.11, Triton 3.6) a first version of that compiled step decided 4 of a tiny model's 96
     head-steps otherwise than the eager one; the current one decides as the eager one for ``qada`` and ``qada_tail``
     (the same tokens and statistics, measured there). It stays opt-in until its speed in a CUDA graph is measured:
-    there the eager step's kernels are replayed all the same."""
+    there the eager step's kernels are replayed all the same. Inductor (torch 2.11 to 2.13) compiles the kernels it
+    launches without a register cap, so the ``qada_tail`` split with ``attend_exact`` or a page hierarchy loses its
+    own (:meth:`FusedTail.register_cap`) when compiled."""
 
     pdl: bool = False
     """Whether a layer's launches after the moment step's are programmatic dependent launches (CUDA's PDL, sm_90 and
@@ -584,7 +605,7 @@ class FusedTritonExecutor(TritonExecutor):
                                SCORE=budget is not None,  # SCORE: the heads' scores, the budget decides
                                ATTEND=not apart, TOKEN_STAGES=TOKEN_STAGES if apart or stretches > 1 else 1,
                                **common,
-                               **constants, **tail.split_constants(),
+                               **constants, **tail.split_constants(), **tail.register_cap(query.dtype, d, self.num_warps),
                                **pdl_launch_options(pdl and stretches == 1))  # (not with page-top lists: merged first)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)

@@ -249,6 +249,25 @@ def pdl_launch_options(pdl: bool) -> dict[str, bool]:
     return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
 
+SM_REGISTERS = 65536
+"""Registers of one SM of the NVIDIA GPUs Triton compiles for (sm_80, sm_90: A100, H100, H200), allocated per warp in
+units of 256, at most 255 a thread."""
+
+
+def register_cap(num_warps: int, programs: int) -> dict[str, int]:
+    """Launch options that cap a kernel's registers per thread so that ``programs`` programs of ``num_warps`` warps
+    fit on one SM (:data:`SM_REGISTERS`): ``{"maxnreg": n}``, 168 for three programs of four warps. Triton's
+    interpreter drops the option; ``torch.compile`` (Inductor, torch 2.11 to 2.13) compiles the kernels it
+    launches without it."""
+    if isinstance(num_warps, bool) or isinstance(programs, bool) or num_warps < 1 or programs < 1:
+        raise ValueError(f"expected num_warps and programs >= 1 but got {num_warps!r} and {programs!r}")
+    per_warp = SM_REGISTERS // (programs * num_warps) // 256 * 256
+    if per_warp < 32 * 32:  # (no kernel of qada's computes in fewer)
+        raise ValueError(f"expected a cap of at least 32 registers a thread but {programs} programs of {num_warps} "
+                         f"warps leave {per_warp // 32}")
+    return {"maxnreg": min(255, per_warp // 32)}
+
+
 def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, counts: torch.Tensor,
             sinks: torch.Tensor | None, statistics: StepStatistics | None = None,
             pdl: bool = False, extra: ExtraAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,6 +96,11 @@ row (at B = 1 the split count is capped by the blocks, one split per four, eithe
 B = 1 with 85% of the KV groups local (``qada_tail_budget/group``): 132 splits of 16 blocks instead of 33 of 63, so
 that the ~15% of programs that read a bulk are spread over most SMs instead of a quarter of them."""
 
+LEAN_TAIL = {"name": "qada_tail", "tau": 0.3, "attend_exact": True, "super_page": 16, "super_pages": 4, "pages": 4,
+             "heavy": 16, "scale_exact": 8192, "shrink_exact": False}
+"""The accurate read-lean configuration (``qada_tail+E/lean`` of the RULER tables and ``benchmarks/interleaved.py``:
+``qada.criteria.READ_LEAN`` with ``attend_exact``; ``tests/test_benchmarks.py`` checks that it is)."""
+
 FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     "qada fused wide": ("qada", {"name": "triton_fused", "decide_once": False, "programs_per_sm": WIDE_PROGRAMS}),
     "qada fused once wide": ("qada", {"name": "triton_fused", "decide_once": True, "programs_per_sm": WIDE_PROGRAMS}),
@@ -110,6 +115,7 @@ FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
                                      {"name": "triton_fused"}),
     "qada_tail_budget/group fused wide": ({"name": "qada_tail_budget", "sparsity": 0.85, "per_group": True},
                                           {"name": "triton_fused", "programs_per_sm": WIDE_PROGRAMS}),
+    "qada_tail+E/lean fused uncapped": (LEAN_TAIL, {"name": "triton_fused", "cap_registers": False}),
 }  # fmt: skip
 """Rows built only where a workload's compiled rows name them (the GPU suite's; on the CPU, under Triton's
 interpreter, each would be its plain ``fused`` row again): name -> (``qada`` or a criterion of
@@ -118,12 +124,9 @@ interpreter, each would be its plain ``fused`` row again): name -> (``qada`` or 
 of :data:`SPREAD_PAGES` pages; ``wide``: splits for :data:`WIDE_PROGRAMS` programs per SM
 (``once``: the plain ``qada`` decision made once per group, by the moment step's launch, rather than in each of the
 more splits); ``qada_tail_budget/group``: the budget rule over whole KV groups (``per_group``: 85%
-of each row's groups local, so that a budget skips whole groups' bytes; a criterion given as its arguments)."""
-
-LEAN_TAIL = {"name": "qada_tail", "tau": 0.3, "attend_exact": True, "super_page": 16, "super_pages": 4, "pages": 4,
-             "heavy": 16, "scale_exact": 8192, "shrink_exact": False}
-"""The accurate read-lean configuration (``qada_tail+E/lean`` of the RULER tables and ``benchmarks/interleaved.py``:
-``qada.criteria.READ_LEAN`` with ``attend_exact``; ``tests/test_benchmarks.py`` checks that it is)."""
+of each row's groups local, so that a budget skips whole groups' bytes; a criterion given as its arguments);
+``uncapped``: the read-lean split kernel without its register cap (``cap_registers=False``: what ``ptxas`` chooses,
+two programs per SM with Triton 3.6, against the default's three)."""
 
 LEAN_ROWS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qada_tail+E/lean": (LEAN_TAIL, {"name": "triton"}),
@@ -143,7 +146,8 @@ SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32),
                                  "qada fused inductor", "qada fused pdl", "qada fused wide", "qada fused once wide",
                                  "qada_tail", "qada_tail fused", "qada_tail fused once", "qada_tail fused pdl",
                                  "qada_tail fused spread", "qada_tail fused wide",
-                                 "qada_tail_budget", "qada_tail_budget fused", *LEAN_ROWS),
+                                 "qada_tail_budget", "qada_tail_budget fused", *LEAN_ROWS,
+                                 "qada_tail+E/lean fused uncapped"),
                        eager=True, tail=True, lean=True,
                        moments="stored")  # fmt: skip
 

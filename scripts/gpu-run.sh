@@ -27,6 +27,9 @@
 #                                                       # fused (in the splits and once: issue 33's within-10% goal):
 #                                                       # one batch size per stage (7 rows; the 6-row goals-smollm2
 #                                                       # stages took 180-240 s on an H200)
+#   bash scripts/gpu-run.sh cap-b1 cap-b32              # the read-lean fused row with and without the split kernel's
+#                                                       # register cap (cap_registers: three programs per SM against
+#                                                       # ptxas's own choice, two with Triton 3.6), beside dense
 #
 # A session lent 15 minutes of device time (the start, every call and idle wait counted; ~30 s idle gives the machine
 # back): three calls back to back, the model's three parts (scripts/gpu-bundle.sh) carried one a call, each call's
@@ -50,7 +53,8 @@
 # smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, dense packed, qada, qada fused, qada_tail fused
 # and qada_tail_budget fused, graph-captured), wide-b32 (7.68k, B = 32: dense, qada fused and qada_tail fused with
 # splits for 2 and for 8 programs per SM, qada fused once with 8, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, qada fused, qada_tail
-# fused and fused once, qada_tail+E/lean with its layer step compiled, fused and fused once, graph-captured), bandwidth
+# fused and fused once, qada_tail+E/lean with its layer step compiled, fused and fused once, graph-captured), cap-b1,
+# cap-b32 (7.68k, one batch size: dense, qada_tail+E/lean fused with and without its register cap), bandwidth
 # (the triton executor's dense path and its launch settings against copy bandwidth, Llama-3-8B layer shapes at 32k and
 # 128k, B = 1 and 8: no model, no flex), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused
 # over heads and over whole KV groups, graph-captured), llama, llama-32k, llama-128k.
@@ -63,6 +67,7 @@ smollm2_goal_rows="dense compiled,dense packed compiled,qada compiled,qada fused
 pdl_rows="dense compiled,qada fused compiled,qada fused pdl compiled,qada_tail fused compiled,qada_tail fused pdl compiled"
 lean_rows="dense compiled,qada fused compiled,qada_tail fused compiled,qada_tail fused once compiled,qada_tail+E/lean compiled,\
 qada_tail+E/lean fused compiled,qada_tail+E/lean fused once compiled"
+cap_rows="dense compiled,qada_tail+E/lean fused compiled,qada_tail+E/lean fused uncapped compiled"
 wide_rows="dense compiled,qada fused compiled,qada fused wide compiled,qada fused once wide compiled,\
 qada_tail fused compiled,qada_tail fused wide compiled"
 tail_rows="dense compiled,qada fused compiled,qada fused once compiled,qada fused inductor compiled,qada_tail fused compiled,\
@@ -107,6 +112,8 @@ for s in "$@"; do
              --batches 32 --configs "$wide_rows" ;;
     lean-b1|lean-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#lean-b}" --configs "$lean_rows" ;;
+    cap-b1|cap-b32) stage "$s" 300 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
+             --batches "${s#cap-b}" --configs "$cap_rows" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \
              --lengths 131072 --batches 1 --configs "dense compiled,qada dense compiled,qada_tail_budget fused compiled,qada_tail_budget/group fused compiled,qada_tail_budget/group fused wide compiled" ;;
     llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;

@@ -80,12 +80,12 @@ def eager_tail(criterion, step, state, tau, policy="exact"):
 
 
 def fused_tail_launch(criterion, step, state, tau, policy="exact", block=16, splits=3, decide_once=False,
-                      pages_per_program=256):  # (decide_once False by default here: the split kernel's own path)
-    """The fused launch on a copy of ``state``: ``(launch, state after)``."""
+                      pages_per_program=256, **options):  # (decide_once False by default here: the split kernel's)
+    """The fused launch on a copy of ``state``: ``(launch, state after)``; ``options``: the executor's others."""
     state = copy_state(state)
     tail = fused_tail(criterion, with_state(step, state))  # as a run passes it (no heavy set: 0 heavy reads)
     executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=decide_once,
-                                   pages_per_program=pages_per_program)
+                                   pages_per_program=pages_per_program, **options)
     return executor.decide_and_attend(fresh(step), tau, policy, tail), state
 
 
@@ -433,7 +433,7 @@ def test_the_split_launch_caps_registers_where_its_kernel_holds_the_most_state(m
     """The ``qada_tail`` split kernel with ``attend_exact`` or a page hierarchy, on a 16-bit cache, is launched with a
     register cap that leaves three programs of its warps per SM (168 registers at four warps; head sizes up to 128:
     Triton 3.6 gave it 211-240, two programs), deciding in the splits or apart; the plain one, and every other
-    launch, without one."""
+    launch, without one; with ``cap_registers=False`` none, the same decisions and output."""
     from qada.attention import _triton_kernel
 
     caps = []
@@ -451,6 +451,13 @@ def test_the_split_launch_caps_registers_where_its_kernel_holds_the_most_state(m
         fused_tail_launch(criterion, step, state, 0.3, decide_once=decide_once)
         assert [cap for name, cap in caps if name == "qada_tail_fused_split_kernel"] == [168 if capped else None]
         assert len(caps) > 1 and all(cap is None for name, cap in caps if name != "qada_tail_fused_split_kernel")
+    caps.clear()
+    uncapped, _ = fused_tail_launch(criterion, step, state, 0.3, cap_registers=False)  # (ptxas chooses)
+    assert "qada_tail_fused_split_kernel" in {name for name, _ in caps} and all(cap is None for _, cap in caps)
+    capped_launch, _ = fused_tail_launch(criterion, step, state, 0.3)
+    assert torch.equal(uncapped.local, capped_launch.local) and torch.equal(uncapped.output, capped_launch.output)
+    with pytest.raises(ValueError, match="expected cap_registers to be a bool"):
+        FusedTritonExecutor(cap_registers="no")
     tail = fused_tail(criterion, with_state(step, state))
     assert tail.register_cap(torch.bfloat16, 128, 8) == ({"maxnreg": 80} if capped else {})
     assert tail.register_cap(torch.bfloat16, 256, 4) == {}  # (two programs per SM there: 255 registers, no cap)

@@ -385,6 +385,13 @@ class FusedTritonExecutor(TritonExecutor):
     sm_90), inside a step ``torch.compile`` compiles (``compile_step``), and for a ``qada_tail`` decision merging
     the page-top launch's lists. The same kernels and results either way; opt-in until a GPU has timed it."""
 
+    cap_registers: bool = True
+    """Whether the ``qada_tail`` split kernel that holds the most state (``attend_exact`` or a page hierarchy, 16-bit
+    caches, head sizes up to 128) is launched with its register cap (:meth:`FusedTail.register_cap`: three programs
+    per SM). ``False``: ``ptxas`` chooses (with Triton 3.6, 211-240 registers: two programs per SM). The same kernels
+    and results either way; what the cap is worth in time awaits a GPU (the GPU suite's ``qada_tail+E/lean fused
+    uncapped`` row)."""
+
     _hermite_held: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
                                                                       compare=False)
 
@@ -397,6 +404,8 @@ class FusedTritonExecutor(TritonExecutor):
             raise ValueError(f"expected compile_step to be a bool but got {self.compile_step!r}")
         if self.decide_once is not None and not isinstance(self.decide_once, bool):
             raise ValueError(f"expected decide_once to be a bool or None but got {self.decide_once!r}")
+        if not isinstance(self.cap_registers, bool):
+            raise ValueError(f"expected cap_registers to be a bool but got {self.cap_registers!r}")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"expected pdl to be a bool but got {self.pdl!r}")
 
@@ -591,6 +600,7 @@ class FusedTritonExecutor(TritonExecutor):
             stretches = 1 if spread is None else spread.stretches
             tail_inputs, constants = tail.kernel_inputs(b, H_kv, C, d), tail.kernel_constants(d)
             supers = tail.super_inputs(b, H_kv, C, d)
+            cap = tail.register_cap(query.dtype, d, self.num_warps) if self.cap_registers else {}
             candidates = (m, m, m)
             if spread is not None:
                 candidates = (page_tops if page_tops is not None else self._launch_page_tops(spread)).lists()
@@ -605,7 +615,7 @@ class FusedTritonExecutor(TritonExecutor):
                                SCORE=budget is not None,  # SCORE: the heads' scores, the budget decides
                                ATTEND=not apart, TOKEN_STAGES=TOKEN_STAGES if apart or stretches > 1 else 1,
                                **common,
-                               **constants, **tail.split_constants(), **tail.register_cap(query.dtype, d, self.num_warps),
+                               **constants, **tail.split_constants(), **cap,
                                **pdl_launch_options(pdl and stretches == 1))  # (not with page-top lists: merged first)
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)

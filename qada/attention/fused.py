@@ -223,13 +223,16 @@ class FusedTail(NamedTuple):
 
     def register_cap(self, dtype: torch.dtype, head_dim: int, num_warps: int) -> dict[str, int]:
         """The split kernel's register cap (launch options): where it holds the most state (``attend_exact``, or a
-        page hierarchy), for a 16-bit cache at head sizes up to 128, :data:`SPLIT_PROGRAMS_PER_SM` programs of
-        ``num_warps`` warps per SM (:func:`~qada.attention.triton_decode.register_cap`); else none. Uncapped,
-        Triton 3.6's ``ptxas`` gave that kernel 211-240 registers (two programs per SM; Triton 3.9's, 168) and the
-        page-hierarchy one without the exact set 168 with 80-92 bytes spilled; capped at 168 both compile without
-        spilling under either version (``benchmarks/kernel_resources.py``). A float32 cache's kernel, capped, spilled
-        70-130 bytes: it stays uncapped, as does a lighter kernel (``ptxas`` fills a cap it is given)."""
-        if (self.attend_exact or self.super_page) and dtype != torch.float32 and _tile(head_dim) <= 128:
+        page hierarchy), for a 16-bit cache at head sizes up to 128 and up to four warps, room for
+        :data:`SPLIT_PROGRAMS_PER_SM` programs per SM (:func:`~qada.attention.triton_decode.register_cap`: 168
+        registers at four warps, 255 at two); else none. Uncapped, Triton 3.6's ``ptxas`` gave that kernel 211-240
+        registers at four warps (two programs per SM; Triton 3.9's, 168) and the page-hierarchy one without the exact
+        set 168 with 80-92 B spilled; capped at 168 both compile without spilling under either version
+        (``benchmarks/kernel_resources.py``). No cap elsewhere: a float32 cache's kernel spilled 70-130 B capped, and
+        at eight warps a thread's share does not halve (190-199 registers uncapped; capped at the 80 that three
+        programs leave, 264-328 B spilled); nor for a lighter kernel (``ptxas`` fills a cap it is given)."""
+        if (self.attend_exact or self.super_page) and dtype != torch.float32 and _tile(head_dim) <= 128 \
+                and num_warps <= 4:
             return register_cap(num_warps, SPLIT_PROGRAMS_PER_SM)
         return {}
 
@@ -387,7 +390,7 @@ class FusedTritonExecutor(TritonExecutor):
 
     cap_registers: bool = True
     """Whether the ``qada_tail`` split kernel that holds the most state (``attend_exact`` or a page hierarchy, 16-bit
-    caches, head sizes up to 128) is launched with its register cap (:meth:`FusedTail.register_cap`: three programs
+    caches, head sizes up to 128, up to four warps) is launched with its register cap (:meth:`FusedTail.register_cap`: three programs
     per SM). ``False``: ``ptxas`` chooses (with Triton 3.6, 211-240 registers: two programs per SM). The same kernels
     and results either way; what the cap is worth in time awaits a GPU (the GPU suite's ``qada_tail+E/lean fused
     uncapped`` row)."""

@@ -392,8 +392,8 @@ def specialization_over_calls(step: Any, calls: list[tuple], code: str,
     """Where ``code`` (Inductor's, for ``step`` compiled on ``calls[0]``) compiles a kernel otherwise than Triton's
     launcher would for the eager launch at some call: a parameter Inductor takes as a constant that the launch
     passes another value, or divisible by 16 (``tt.divisibility``) where the launch's is not, or the reverse; and
-    launch options (warps, stages, register cap) that differ. ``[]``: every launch of every call runs a kernel compiled as
-    Triton's launcher compiles it. ``metas``: :func:`triton_metas` of ``code``, where already read."""
+    launch options (warps, stages, register cap) that differ. ``[]``: every launch of every call runs a kernel
+    compiled as Triton's launcher compiles it. ``metas``: :func:`triton_metas` of ``code``, where already read."""
     metas = triton_metas(code) if metas is None else metas
     found = []
     for index, args in enumerate(calls):

@@ -390,10 +390,10 @@ class FusedTritonExecutor(TritonExecutor):
 
     cap_registers: bool = True
     """Whether the ``qada_tail`` split kernel that holds the most state (``attend_exact`` or a page hierarchy, 16-bit
-    caches, head sizes up to 128, up to four warps) is launched with its register cap (:meth:`FusedTail.register_cap`: three programs
-    per SM). ``False``: ``ptxas`` chooses (with Triton 3.6, 211-240 registers: two programs per SM). The same kernels
-    and results either way; what the cap is worth in time awaits a GPU (the GPU suite's ``qada_tail+E/lean fused
-    uncapped`` row)."""
+    caches, head sizes up to 128, up to four warps) is launched with its register cap
+    (:meth:`FusedTail.register_cap`: three programs per SM). ``False``: ``ptxas`` chooses (with Triton 3.6, 211-240
+    registers: two programs per SM). The same kernels and results either way; what the cap is worth in time awaits
+    a GPU (the GPU suite's ``qada_tail+E/lean fused uncapped`` row)."""
 
     _hermite_held: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
                                                                       compare=False)

@@ -186,7 +186,7 @@ class Sm90Compiler:
                                                                   options)  # fmt: skip
         signature = {name: self.float_scalars if kind == "fp32" else kind for name, kind in signature.items()}
         key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=repr)),
-               repr(sorted(attrs.items(), key=repr)), options.num_warps, options.num_stages)
+               repr(sorted(attrs.items(), key=repr)), options.num_warps, options.num_stages, options.maxnreg)
         if key in self.kernels:
             if self.config not in self.kernels[key]["configs"]:
                 self.kernels[key]["configs"].append(self.config)
@@ -200,7 +200,8 @@ class Sm90Compiler:
         flags = {name: kwargs[name] for name in ("ATTEND", "SCORE", "CANDIDATES", "SOFTCAP", "PDL", "PAGE_TOPS")
                  if name in kwargs}
         self.kernels[key] = {"kernel": kernel.fn.__name__, "configs": [self.config], "flags": flags,
-                             "warps": options.num_warps, "stages": options.num_stages, "shared": shared, **report,
+                             "warps": options.num_warps, "stages": options.num_stages, "maxnreg": options.maxnreg,
+                             "shared": shared, **report,
                              **programs_per_sm(report["registers"], options.num_warps, shared)}
 
 
@@ -254,6 +255,12 @@ def compile_steps(compiler: Sm90Compiler, label: str, model: Any, tokenizer: Any
         print(f"{label}, {name}: {len(compiler.kernels)} kernels compiled so far", flush=True)
 
 
+def registers(kernel: dict[str, Any]) -> str:
+    """A report row's registers per thread, with the launch's cap where it gave one: ``"168 (cap 168)"``."""
+    cap = kernel.get("maxnreg")
+    return str(kernel["registers"]) if cap is None else f"{kernel['registers']} (cap {cap})"
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -292,7 +299,8 @@ def main(argv: list[str] | None = None) -> Path:
     lines = ["# qada's Triton kernels compiled for sm_90 (H100, H200), on the CPU", "",
              f"Command: `{command}`; torch {torch.__version__}, triton {triton.__version__} and its ptxas. Each row "
              "is one distinct compiled kernel (kernel, argument types and specialisations, constants, warps, "
-             "stages) that one decode step of the listed configurations launches. *spilled*: bytes of spill "
+             "stages, register cap) that one decode step of the listed configurations launches. *registers*: per "
+             "thread, with the launch's cap (Triton's `maxnreg`) where it gives one. *spilled*: bytes of spill "
              "stores / loads per thread (local-memory traffic); *async copies*: `cp.async` instructions in the PTX "
              "(a software-pipelined loop loads its next blocks with them while it computes; the splits' attention "
              "loops should have as many as the plain `qada_decode_split_kernel`'s); *griddepcontrol*: the "
@@ -309,7 +317,7 @@ def main(argv: list[str] | None = None) -> Path:
                          "async copies", "griddepcontrol (starts / waits)", "per SM (regs / smem / warps)",
                          "configurations"],
                         [[r["kernel"], ", ".join(f"{k}={int(v)}" for k, v in r["flags"].items()) or "-", r["warps"],
-                          r["stages"], r["registers"], f"{r['spill_stores']} / {r['spill_loads']}", r["shared"],
+                          r["stages"], registers(r), f"{r['spill_stores']} / {r['spill_loads']}", r["shared"],
                           r["async_copies"], f"{r['pdl_starts']} / {r['pdl_waits']}",
                           f"**{r['resident']}** ({r['by_registers']} / {r['by_shared']} / {r['by_warps']})",
                           ", ".join(c[1] for c in r["configs"] if c[0] == shape.name)] for r in chosen]), ""]

@@ -135,6 +135,19 @@ def test_no_kernel_spills_or_crowds_out_its_neighbours(kernels):
 
 
 @pytest.mark.slow
+def test_only_the_splits_that_hold_the_most_state_are_capped_and_compile_within_it(kernels):
+    """The ``qada_tail`` split with ``attend_exact`` or a page hierarchy is launched with a register cap at head sizes
+    up to 128 (168: three programs of four warps per SM; Triton 3.6 gave it 211-240 registers uncapped), none at 256
+    and no other kernel: ``ptxas`` fills a cap it is given."""
+    capped = [k for k in kernels if k.get("maxnreg") is not None]
+    assert {k["kernel"] for k in capped} == {"qada_tail_fused_split_kernel"}
+    assert all(k["maxnreg"] == 168 and k["registers"] <= 168 and not k["configs"][0][0].startswith("d=256")
+               for k in capped)
+    capped_configs = {config for k in capped for _, config in k["configs"]}
+    assert capped_configs == {"qada_tail+E fused", "qada_tail+E/lean fused"}, capped_configs
+
+
+@pytest.mark.slow
 def test_the_attention_inside_the_fused_kernels_is_pipelined_as_the_plain_split(kernels):
     """A split that attends issues its next blocks' loads asynchronously (``cp.async``) while it computes, as the
     plain ``triton`` split does; before, the decision made in the fused kernels left their attention loop

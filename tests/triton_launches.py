@@ -11,6 +11,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 HOST_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "__float__")
 
+ALLOCATIONS_AND_VIEWS = frozenset({"aten.empty.memory_format", "aten.view.dtype", "aten.view.default",
+                                   "aten.select.int", "aten.detach.default"})
+"""The torch operations a launcher may run besides its Triton launches: allocations and views, no kernel."""
+
 
 class LaunchRecorder(TorchDispatchMode):
     """Inside ``with recorder:``, ``ops`` collects the names of the torch operations run outside Triton launches;

@@ -180,7 +180,6 @@ def trace_layer_step(step: Any, *arg_sets: tuple) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map
 
-    from qada.models.fused_step import fused_layer_step
     from qada.models.layer_step import compile_layer_step
 
     if step.fused is None:
@@ -212,9 +211,9 @@ def trace_layer_step(step: Any, *arg_sets: tuple) -> dict[str, Any]:
                 report["analysis_fallbacks"].append(f"{entry.getMessage()}: {entry.exc_info and entry.exc_info[1]}")
 
     step.fused.to_device(torch.device("meta"))  # as a run's prefill does on the GPU
-    bound = dict(step._bound, executor=step.fused)
-    compiled = compile_layer_step(bound, aot_autograd(fw_compiler=record, keep_inference_input_mutations=True),
-                                  fused_layer_step)
+    compiled = compile_layer_step(dict(step.eager.keywords),  # the fused step, its components bound
+                                  aot_autograd(fw_compiler=record, keep_inference_input_mutations=True),
+                                  step.eager.func)
     logger = triton_kernel_wrap.log  # (the logger that module writes to, not one named after it)
     handler = Fallbacks(logging.WARNING)
     logger.addHandler(handler)

@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments (stored moments unless said)
+    "qada dense": {"criterion": "dense", "moments": "none", "executor": {"name": "triton"}},
     "qada": {"criterion": {"name": "qada", "tau": 0.6}, "executor": {"name": "triton"}},
     "qada_tail": {"criterion": {"name": "qada_tail", "tau": 0.3}, "executor": {"name": "triton"}},
     "qada_tail_budget": {"criterion": {"name": "qada_tail_budget", "sparsity": 0.85},
@@ -58,7 +59,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments (stored mome
     "qada_budget fused": {"criterion": {"name": "qada_budget", "sparsity": 0.85}, "executor": {"name": "triton_fused"}},
 }  # fmt: skip
 
-FORWARD = ["dense", "qada", "qada fused", "qada_tail fused", "qada_tail_budget fused"]
+FORWARD = ["dense", "qada dense", "qada", "qada fused", "qada_tail fused", "qada_tail_budget fused"]
 """The configurations whose whole compiled decode step :func:`main` counts by default (dense: the plain model)."""
 
 EXECUTOR_LAUNCHES = {"triton": 2}  # launches an executor makes after an unfused step (split, combine)
@@ -161,13 +162,12 @@ def inductor_code(step: Any, *arg_sets: tuple) -> list[str]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from qada.models.fused_step import fused_layer_step
     from qada.models.layer_step import compile_layer_step
 
     if step.fused is not None:
         step.fused.to_device(torch.device("cpu"))  # (its held tensors: made on the device by a run's prefill)
-    bound = dict(step._bound, executor=step.fused) if step.fused is not None else dict(step._bound)
-    compiled = compile_layer_step(bound, "inductor", fused_layer_step if step.fused is not None else None)
+    # the function the run's step calls (layer_step, or the fused or dense step) with the components bound to it
+    compiled = compile_layer_step(dict(step.eager.keywords), "inductor", step.eager.func)
 
     def first_call(args: tuple) -> None:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
@@ -239,7 +239,6 @@ def eager_launches(step: Any, args: tuple) -> list[dict[str, Any]]:
     import torch
 
     from qada.attention import _triton_kernel
-    from qada.models.fused_step import fused_layer_step
 
     found = []
 
@@ -257,7 +256,7 @@ def eager_launches(step: Any, args: tuple) -> list[dict[str, Any]]:
     _triton_kernel.run = record
     try:
         with torch.no_grad():
-            fused_layer_step(*args, **dict(step._bound, executor=step.fused))
+            step.eager(*args)  # (the fused or dense step: the run's step as it runs eagerly)
     finally:
         _triton_kernel.run = launch
     return found

@@ -187,22 +187,23 @@ COMPILE = textwrap.dedent(
         source = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constants.items()})
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
 
-    for dtype, has_rows, features in (("bf16", True, True), ("fp32", False, False)):
+    for dtype, has_rows, features, dense in (("bf16", True, True, False), ("fp32", False, False, False),
+                                             ("bf16", True, False, True)):
         ints = {"START": "*i64", "END": "*i64"} if has_rows else {"START": "*" + dtype, "END": "*" + dtype}
         build(K.qada_decode_split_kernel,
               dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, LOCAL="*i1", ACC="*fp32", M="*fp32", L="*fp32",
                    COUNTS="*i32", **ints),
               dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=has_rows, HAS_END=has_rows,
                    INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features,
-                   PDL=features),
+                   PDL=features, ALL_DENSE=dense),
               {"qk_scale": "fp64", "softcap": "fp64"})  # what Inductor may pass for a Python float
         build(K.qada_decode_combine_kernel,  # with features: the statistics row and E's split (the fused step's)
               dict(ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", OUT="*" + dtype, BULK_BLOCKS="*i64",
                    SINKS="*" + dtype, LOCAL="*u8", READ="*u8", BROKEN="*u8", ROW="*fp64", SUMS="*fp64",
                    LAYER="*i64", EXTRA_M="*fp32", EXTRA_L="*fp32", EXTRA_ACC="*fp32", EXTRA_LOCAL="*u8", **ints),
-              dict(G=4, D=128, BLOCK_S=64, CHUNK_S=16, BLOCK_D=128, BLOCK_C=256, HAS_SINKS=features, STATS=features,
-                   HAS_START=has_rows, HAS_END=has_rows, TAIL_READS=features, ADD=features, EXTRA=features,
-                   PDL=features), {})
+              dict(G=4, D=128, BLOCK_S=64, CHUNK_S=16, BLOCK_D=128, BLOCK_C=256, HAS_SINKS=features,
+                   STATS=features or dense, HAS_START=has_rows, HAS_END=has_rows, TAIL_READS=features,
+                   ADD=features or dense, EXTRA=features, PDL=features, ALL_DENSE=dense), {})
     print("compiled")
     """
 )
@@ -211,7 +212,7 @@ COMPILE = textwrap.dedent(
 def test_kernels_compile_for_the_gpu_with_a_float64_scale():
     """Both kernels compile (TTIR .. cubin) for sm_90 without a GPU, the scale arriving as fp64 (the earlier
     Inductor failure: ``m_i`` initialised fp32, redefined fp64 in the loop), with and without a soft cap and sink
-    logits."""
+    logits, and for the ``dense`` criterion's step (``ALL_DENSE``)."""
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:

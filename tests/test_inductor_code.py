@@ -376,3 +376,27 @@ def test_the_compiled_torch_step_on_cuda_makes_its_few_row_products_loops():
     for name, row in rows.items():
         assert row["extern"] == 0, (name, row["kernels"])
         assert row["inductor"] > 0
+
+
+DENSE_SCRIPT = textwrap.dedent(
+    """
+    run = build_run(criterion="dense", moments="none", executor={"name": "triton", "block_size": 16},
+                    window={"t_local": 8, "t_sink": 2}, compile=True)
+    longer_ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(4))
+    longer_mask = torch.ones_like(longer_ids)
+    longer_mask[1, :5] = 0
+    print("ROWS" + json.dumps({"qada dense": measure(model, run, ids, mask, (longer_ids, longer_mask))}))
+    """
+)
+
+
+def test_the_dense_criterion_on_triton_launches_the_executor_alone():
+    """qada's all-dense path (the ``dense`` criterion on ``triton``, :mod:`qada.models.dense_step`) compiled for a
+    CUDA GPU: the split and the combine, each the eager step's launch, no kernel of Inductor's (the general layer
+    step ran eight before them: the decision, the group policy, the statistics, the window gather), the same at a
+    second cache size."""
+    row = rows_on_fake_cuda(DENSE_SCRIPT, 20)["qada dense"]
+    assert [k["name"] for k in row["kernels"]] == ["qada_decode_split_kernel", "qada_decode_combine_kernel"]
+    assert (row["inductor"], row["extern"], row["fallback"], row["executor_launches"]) == (0, 0, 0, 0)
+    assert row["per_layer"] == 2 and row["differences"] == []
+    assert row["kernels_symbolic"] == row["kernels"]

@@ -257,6 +257,7 @@ def qada_decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
+    ALL_DENSE: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split of its virtual block list, for all ``G`` query heads.
 
@@ -270,7 +271,9 @@ def qada_decode_split_kernel(
     ``SOFTCAP`` the scores are soft-capped, ``c tanh(s / c)`` with ``c = softcap`` (``qk_scale`` is then the
     plain ``scale``, and the capped score is taken to the log2 domain). With ``PDL`` (launched as a programmatic
     dependent launch after the launch that wrote ``LOCAL``) it lets the combine launch start, and waits for the
-    previous launch before reading ``LOCAL``.
+    previous launch before reading ``LOCAL``. With ``ALL_DENSE`` every head attends over its whole row (the
+    ``dense`` criterion's decision: a row without a bulk attends over its window, as the group policy makes it
+    local) and ``LOCAL`` is not read.
     """
     qk_scale, softcap = as_float32(qk_scale), as_float32(softcap)  # (fp64 where torch.compile launches)
     let_next_start(PDL)
@@ -288,8 +291,11 @@ def qada_decode_split_kernel(
     has_bulk = t_bulk > 0
 
     wait_for_previous(PDL)  # (the decision: LOCAL)
-    is_local = tl.load(LOCAL + row64 * stride_lb + heads.to(tl.int64) * stride_lh, mask=g_ok, other=1)
-    dense = (is_local == 0) & g_ok  # [BLOCK_G]
+    if ALL_DENSE:
+        dense = g_ok  # [BLOCK_G]
+    else:
+        is_local = tl.load(LOCAL + row64 * stride_lb + heads.to(tl.int64) * stride_lh, mask=g_ok, other=1)
+        dense = (is_local == 0) & g_ok  # [BLOCK_G]
     read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
 
     q = group_queries(Q + row64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh, stride_qd, g_ok, D, BLOCK_D,
@@ -304,7 +310,7 @@ def qada_decode_split_kernel(
 def statistics_row(
     LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER, n_heads, H, C, t_local, page_size, heavy, pages, super_page,
     super_pages, exact_reads, G: tl.constexpr, BLOCK_C: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
-    TAIL_READS: tl.constexpr, ADD: tl.constexpr,
+    TAIL_READS: tl.constexpr, ADD: tl.constexpr, ALL_DENSE: tl.constexpr,
 ):  # fmt: skip
     """The step's statistics row ``ROW [5]`` float64 (:func:`~qada.models.statistics.step_counts`): the fraction of
     the ``n_heads = b H`` query heads ``LOCAL`` (``[b, H]`` bool), of the ``b H_kv`` bulks not ``READ``, 1, the
@@ -316,17 +322,20 @@ def statistics_row(
     pages per super-page: ``n_c = min(n_p, super_pages S)``, ``bounds = 2 ceil(n_p / S) + 2 n_c``; ``n_p =
     ceil(filled / P)``, ``filled`` the row's end), over ``2 T`` per (row, KV head). Sums of integers in float64:
     exact, as the torch row's. With ``ADD``, the row is also added to ``SUMS [L, 5]`` float64 at the layer index
-    ``LAYER`` (int64, the run's statistics sums)."""
+    ``LAYER`` (int64, the run's statistics sums). With ``ALL_DENSE`` (the ``dense`` criterion's step: ``LOCAL``,
+    ``READ`` and ``BROKEN`` not read) a row's heads are local exactly when it has no bulk, its bulks read when it
+    has one (:func:`~qada.attention.group_policy.apply_group_policy`), no head forced dense."""
     offs = tl.arange(0, BLOCK_C)
     H_kv = H // G
     n_pairs = n_heads // G
     n_local = tl.zeros([BLOCK_C], dtype=tl.int64)
     n_broken = tl.zeros([BLOCK_C], dtype=tl.int64)
-    for c0 in range(0, n_heads, BLOCK_C):
-        idx = c0 + offs
-        ok = idx < n_heads
-        n_local += tl.load(LOCAL + idx, mask=ok, other=0).to(tl.int64)
-        n_broken += tl.load(BROKEN + idx, mask=ok, other=0).to(tl.int64)
+    if not ALL_DENSE:
+        for c0 in range(0, n_heads, BLOCK_C):
+            idx = c0 + offs
+            ok = idx < n_heads
+            n_local += tl.load(LOCAL + idx, mask=ok, other=0).to(tl.int64)
+            n_broken += tl.load(BROKEN + idx, mask=ok, other=0).to(tl.int64)
     reads = tl.zeros([BLOCK_C], dtype=tl.float64)
     dense = tl.zeros([BLOCK_C], dtype=tl.float64)
     n_read = tl.zeros([BLOCK_C], dtype=tl.int64)
@@ -343,8 +352,13 @@ def statistics_row(
             last = tl.zeros([BLOCK_C], dtype=tl.int64) + C
         T = (tl.maximum(last - first - t_local, 0) + t_local).to(tl.float64)
         row_read = tl.zeros([BLOCK_C], dtype=tl.int64)
-        for h in range(0, H_kv):
-            row_read += tl.load(READ + rows.to(tl.int64) * H_kv + h, mask=ok, other=0).to(tl.int64)
+        if ALL_DENSE:
+            has_bulk = ok & (last - first - t_local > 0)
+            row_read += tl.where(has_bulk, H_kv, 0)
+            n_local += tl.where(ok & (has_bulk == 0), H, 0)
+        else:
+            for h in range(0, H_kv):
+                row_read += tl.load(READ + rows.to(tl.int64) * H_kv + h, mask=ok, other=0).to(tl.int64)
         extra = tl.zeros([BLOCK_C], dtype=tl.float64)
         if TAIL_READS:
             n_pages = ((last + page_size - 1) // page_size).to(tl.float64)
@@ -383,11 +397,13 @@ def qada_decode_combine_kernel(
     BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_SINKS: tl.constexpr, STATS: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
     TAIL_READS: tl.constexpr, ADD: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr,
+    ALL_DENSE: tl.constexpr,
 ):  # fmt: skip
     """Programs ``0 .. b*H-1``: one (row, query head) each, merge its splits by log-sum-exp into ``OUT [b, H, 1,
     d]`` (the query dtype; a split with ``m = -inf`` weighs 0 and a head with nothing attended gets 0). Program
     ``b*H``: sum the bulk-only block counts ``COUNTS[:, 0]`` into the 0-d int64 ``BULK_BLOCKS``; with ``STATS``,
-    also the step's statistics row (:func:`statistics_row`, added to ``SUMS[LAYER]`` with ``ADD``). With ``EXTRA``
+    also the step's statistics row (:func:`statistics_row`, added to ``SUMS[LAYER]`` with ``ADD``; with
+    ``ALL_DENSE`` the ``dense`` criterion's, ``LOCAL``, ``READ`` and ``BROKEN`` not read). With ``EXTRA``
     a head that ``EXTRA_LOCAL [b, H]`` (bool) marks local also attends over its extra set, whose attention is one
     more split: ``EXTRA_M, EXTRA_L [b, H]`` and ``EXTRA_ACC [b, H, d]`` float32 (contiguous, log2 domain, as a
     split's; :func:`~qada.functional.extra_set.merge_extra`'s merge by masses). With ``PDL`` (launched as a
@@ -406,7 +422,7 @@ def qada_decode_combine_kernel(
         if STATS:
             statistics_row(LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER, n_heads, H, C, t_local, page_size,
                            heavy, pages, super_page, super_pages, exact_reads, G, BLOCK_C, HAS_START, HAS_END,
-                           TAIL_READS, ADD)
+                           TAIL_READS, ADD, ALL_DENSE)
     else:
         row = pid // H
         head = pid % H

@@ -140,12 +140,25 @@ class TritonExecutor(AttentionExecutor):
         launch = self.launch(step, decision)
         return launch.output, launch.bulk_blocks
 
-    def launch(self, step: DecodeStep, decision: GroupDecision, statistics: StepStatistics | None = None,
+    def attend_dense(self, step: DecodeStep,
+                     add_to: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        """Every head of ``step`` over its whole row (the ``dense`` criterion's decision after the group policy),
+        in the two launches and nothing else: ``(output [b, H, 1, d], bulk_blocks 0-d int64, row [5] float64)``,
+        the step's statistics row written by the combine launch (and added to ``sums[layer]`` with ``add_to =
+        (sums, layer)``, :class:`StepStatistics`)."""
+        row = torch.empty(5, dtype=torch.float64, device=step.query.device)
+        statistics = StepStatistics(None, None, None, step.start, step.end, step.keys.shape[2], step.window.t_local,
+                                    row, None, add_to)
+        done = self.launch(step, None, statistics)
+        return done.output, done.bulk_blocks, row
+
+    def launch(self, step: DecodeStep, decision: GroupDecision | None, statistics: StepStatistics | None = None,
                pdl: bool = False, extra: ExtraAttention | None = None) -> TritonLaunch:
         """Run both kernels on ``step`` (reads ``query``, ``keys``, ``values``, ``start``, ``end``, the window and
-        ``decision.local``) and return every buffer they wrote (:class:`TritonLaunch`); with ``statistics``, the
-        combine launch writes the step's statistics row too, and with ``extra`` the local heads attend over their
-        extra set too (:func:`combine`). ``pdl``: both as programmatic
+        ``decision.local``; ``decision=None``: every head dense, the ``dense`` criterion's decision after the group
+        policy, nothing read for it) and return every buffer they wrote (:class:`TritonLaunch`); with
+        ``statistics``, the combine launch writes the step's statistics row too, and with ``extra`` the local heads
+        attend over their extra set too (:func:`combine`). ``pdl``: both as programmatic
         dependent launches (sm_90+: each may start while the launch before it runs, and waits for it before
         reading what it wrote; the caller's launch right before wrote ``decision.local`` and nothing else the split
         reads)."""
@@ -161,7 +174,8 @@ class TritonExecutor(AttentionExecutor):
         BLOCK_G, BLOCK_D = _tile(G), _tile(d)
         pairs = b * H_kv
         S = self.splits(query.device, pairs, C)
-        local, window = decision.local, step.window
+        all_dense = decision is None
+        local, window = query if all_dense else decision.local, step.window  # (the query: a pointer never read)
         f32 = dict(dtype=torch.float32, device=query.device)
         acc = torch.empty(pairs, S, G, d, **f32)
         m = torch.empty(pairs, S, G, **f32)
@@ -174,13 +188,13 @@ class TritonExecutor(AttentionExecutor):
             _triton_kernel.qada_decode_split_kernel, (pairs, S),
             query, key, value, local, query if start is None else start, query if end is None else end,
             acc, m, l, counts,
-            *query.stride(), *key.stride(), *value.stride(), *local.stride(),
+            *query.stride(), *key.stride(), *value.stride(), *((0, 0) if all_dense else local.stride()),
             C, H_kv, window.t_sink, window.t_local, S,
             float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0),
             G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D,
             HAS_START=start is not None, HAS_END=end is not None,
             INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
-            DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
+            DOT_FP32=dot_fp32, SOFTCAP=bool(softcap), ALL_DENSE=all_dense,
             num_warps=self.num_warps, num_stages=self.num_stages, **pdl_launch_options(pdl),
         )  # fmt: skip
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)
@@ -194,7 +208,9 @@ class StepStatistics(NamedTuple):
 
     Attributes:
         local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool; ``broken``: ``[b, H]`` bool,
-            the heads forced dense (all contiguous).
+            the heads forced dense (all contiguous). All three ``None``: the ``dense`` criterion's step (every row
+            with a bulk reads it, every head of a row without one is local, none forced dense), computed from the
+            bounds.
         start, end: the rows' bounds ``[b]`` (``None``: 0, and the cache's ``length``).
         length: the cache's slots ``C``; ``t_local``: the window's size.
         row: ``[5]`` float64, written: sparsity, kv_sparsity, 1, heads forced dense, kv_read.
@@ -204,9 +220,9 @@ class StepStatistics(NamedTuple):
             to ``sums[layer]`` (a run's :attr:`~qada.models.statistics.DecodeStatistics.sums`); ``None``: not.
     """
 
-    local: torch.Tensor
-    read: torch.Tensor
-    broken: torch.Tensor
+    local: torch.Tensor | None
+    read: torch.Tensor | None
+    broken: torch.Tensor | None
     start: torch.Tensor | None
     end: torch.Tensor | None
     length: int
@@ -287,9 +303,15 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
     bulk_blocks = torch.empty(1, dtype=torch.int64, device=query.device).view(())
     BLOCK_S = _next_pow2(S)
     stats = statistics if statistics is not None else StepStatistics(m, m, m, None, None, 0, 0, m)
+    all_dense = stats.local is None
+    if all_dense != (stats.read is None) or all_dense != (stats.broken is None):
+        raise ValueError("expected local, read and broken all given or all None (the dense criterion's step)")
+    if all_dense:
+        stats = stats._replace(local=m, read=m, broken=m)  # (pointers the kernel does not read)
     if statistics is not None:
-        for name, tensor, shape in (("local", stats.local, (b, H)), ("read", stats.read, (b, H // G)),
-                                    ("broken", stats.broken, (b, H)), ("row", stats.row, (5,))):
+        flag_shapes = () if all_dense else (("local", stats.local, (b, H)), ("read", stats.read, (b, H // G)),
+                                            ("broken", stats.broken, (b, H)))
+        for name, tensor, shape in (*flag_shapes, ("row", stats.row, (5,))):
             if tuple(tensor.shape) != shape or not tensor.is_contiguous():
                 raise ValueError(f"expected a contiguous {name} of shape {list(shape)} but got {tuple(tensor.shape)}")
         if statistics.add_to is not None:
@@ -322,7 +344,7 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
         G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=_tile(d), BLOCK_C=256,
         HAS_SINKS=sinks is not None, STATS=statistics is not None, HAS_START=stats.start is not None,
         HAS_END=stats.end is not None, TAIL_READS=stats.tail_reads is not None, ADD=stats.add_to is not None,
-        EXTRA=extra is not None, **pdl_launch_options(pdl),
+        EXTRA=extra is not None, ALL_DENSE=all_dense, **pdl_launch_options(pdl),
     )  # fmt: skip
     return output, bulk_blocks
 

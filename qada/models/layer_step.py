@@ -229,6 +229,11 @@ INTERPRETED_STEP_EAGER = "the fused kernels run in Triton's interpreter, which t
 """The :attr:`LayerStep.eager_reason` of a ``triton_fused`` run under Triton's interpreter (no GPU): expected."""
 
 
+DENSE_STEP_EAGER = "the dense criterion's layer step is the executor's two launches, run eagerly"
+"""The :attr:`LayerStep.eager_reason` of a run on the ``dense`` criterion whose executor attends densely in its own
+launches (:mod:`qada.models.dense_step`): by choice, not a fallback."""
+
+
 def resolve_compile(compile: Any) -> Any:
     """The ``torch.compile`` backend of ``compile`` (``None``: eager): ``True`` is inductor, a string or a callable
     a backend, ``None`` the :data:`COMPILE_ENV` default (inductor when unset)."""
@@ -270,7 +275,7 @@ class LayerStep:
         self._bound = bound
         self.eager = functools.partial(layer_step, **bound)
         self.eager_reason: str | None = None
-        self.fused: Any = None  # the executor that makes the decision in its kernel (fuse), else None
+        self.fused: Any = None  # the executor whose launches are the step (fuse, take_dense_step), else None
         self._compiled: Any = None
         self._merge: Any = None
         self.ahead: Any = None  # the CPU's ahead-of-time step (qada.models.ahead_step), inductor only
@@ -316,6 +321,23 @@ class LayerStep:
                 self.eager_reason = FUSED_STEP_EAGER
             else:
                 self._compiled = compile_layer_step(bound, self.backend, fused_layer_step)
+
+    def take_dense_step(self, executor: Any) -> None:
+        """Make every step :func:`~qada.models.dense_step.dense_layer_step` on ``executor`` (the ``dense`` criterion
+        on an executor that attends densely in its own launches, :func:`~qada.models.dense_step.takes_dense_step`):
+        two launches, run eagerly (inside a model's CUDA graph as they are; nothing to compile around them). Raises
+        ``ValueError`` for another criterion, a moment source, or an executor without ``attend_dense``."""
+        from qada.models.dense_step import dense_layer_step, takes_dense_step
+
+        if not takes_dense_step(self.criterion, self.moments, executor):
+            raise ValueError(f"the dense layer step takes the plain 'dense' criterion without a moment source on an "
+                             f"executor with attend_dense, not {self.criterion.registry_name!r} on {executor!r}")
+        self._bound = {name: value for name, value in self._bound.items()
+                       if name not in ("attend_window", "host_plan")}
+        self.fused = executor
+        self.eager = functools.partial(dense_layer_step, **dict(self._bound, executor=executor))
+        self._compiled, self.ahead = None, None
+        self.eager_reason = None if self.backend is None else DENSE_STEP_EAGER
 
     def __call__(self, buffered: bool, *args: Any) -> LayerStepResult:
         """:func:`layer_step` on ``args``; compiled when ``buffered`` (fixed shapes) and :attr:`compiled`."""

@@ -22,6 +22,7 @@ import torch
 from qada.attention.base import AttentionExecutor, ExecutorOutput, GroupDecision
 from qada.criteria.base import HeadCriterion
 from qada.functional.capping import hermite_rule
+from qada.models.dense_step import dense_decision, takes_dense_step
 from qada.models.guards import CacheGuard, StaleStateError, UnsupportedModelError
 from qada.models.layer_step import LayerStep, LayerStepResult, resolve_compile
 from qada.models.layer_types import LayerTypes
@@ -112,6 +113,8 @@ class QAdARun:
                                    host_plan)
             if getattr(self.executor, "fuses_decision", False):
                 self._step.fuse(self.executor)
+            elif takes_dense_step(self.criterion, moments, self.executor):
+                self._step.take_dense_step(self.executor)
         return self._step
 
     @property
@@ -278,6 +281,9 @@ class QAdARun:
         else:
             output, bulk_blocks = self.executor.attend(step, GroupDecision(result.local, result.read))
         output = self.layer_step.merge(buffered, output, result)  # local heads: window ∪ the criterion's extra set
+        if self.fanout.observers and result.decided is None:  # the dense step: its decision made for them only
+            decided, local, read = dense_decision(step, getattr(self.executor, "group_policy", "exact"))
+            result = result._replace(decided=decided, local=local, read=read)
         if self.fanout.observers:
             executed = ExecutorOutput(output, result.local, result.counts[0, 0].float(), result.counts[0, 1].float(),
                                       bulk_blocks, result.read)

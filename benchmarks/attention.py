@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 from benchmarks.common import graphed, measure
 from qada.attention import EXECUTORS, decode_attention
+from qada.step import DecodeStep
 from qada.window import Window
 
-__all__ = ["Shape", "copy_bandwidth", "dense_launch_sweep", "group_local_mask", "run_attention"]
+__all__ = ["Shape", "copy_bandwidth", "dense_launch_sweep", "graph_call", "group_local_mask", "run_attention"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ def run_attention(
                                error)  # fmt: skip
                     row["kv_sparsity_reported"] = float(out.kv_sparsity)
                     if getattr(executor, "static_shapes", False):
-                        row |= _graphed(call, device, reps, inner, row["kv_bytes_ideal"])
+                        captured, row["graphed_call"] = graph_call(executor, forced, q, k, v, local, window, scale)
+                        row |= _graphed(captured, device, reps, inner, row["kv_bytes_ideal"])
                     rows.append(row)
                     log(
                         f"  attention {shape.name} T={T} {name} rho_kv={row['rho_kv']:.3f} {timing.ms()} ms "
@@ -141,9 +143,23 @@ def run_attention(
     return rows
 
 
+def graph_call(executor: Any, forced: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: torch.Tensor,
+               window: Window, scale: float) -> tuple[Any, str]:
+    """``(call, name)``: what a graph-captured row of ``executor`` captures, as a run's decode step runs it. With
+    every group dense (``forced == 0``) on an executor with ``attend_dense`` (``triton``): the dense step's two
+    launches alone (:mod:`qada.models.dense_step`, what qada's all-dense path runs), the step built outside the
+    graph; else :func:`~qada.attention.decode_attention`, the executor's group policy and sparsities included
+    (in a run the layer step computes those)."""
+    if forced == 0 and callable(getattr(executor, "attend_dense", None)):
+        step = DecodeStep.from_attention(q, k, v, window, scale)
+        return (lambda: executor.attend_dense(step)[0]), "attend_dense"
+    return (lambda: decode_attention(executor, q, k, v, local, window, scale)), "decode_attention"
+
+
 def dense_launch_sweep(shapes: list[Shape], lengths: list[int], device: torch.device | str, reps: int,
                        inner: int = 1, log=print, rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """CUDA only: the ``triton`` executor with every KV group dense, graph-captured, over its launch parameters
+    """CUDA only: the ``triton`` executor's dense step (``attend_dense``: its two launches, as qada's all-dense path
+    runs them), graph-captured, over its launch parameters
     (``block_size`` 64 / 128, ``num_splits`` auto / ~4 / ~8 programs per SM, ``num_warps`` 4 / 8, ``num_stages`` 2 /
     3), at every ``T >= 32768`` of ``lengths``: one row per setting with its bandwidth, so that a GPU run shows how
     close the executor's dense path gets to copy bandwidth and which setting gets there. Empty on the CPU. ``rows``:
@@ -170,10 +186,8 @@ def dense_launch_sweep(shapes: list[Shape], lengths: list[int], device: torch.de
                                        "num_warps": warps, "num_stages": stages}  # fmt: skip
                             executor = EXECUTORS.build(setting)
 
-                            def call(executor=executor, q=q, k=k, v=v, local=local, scale=shape.d**-0.5):
-                                return decode_attention(executor, q, k, v, local, window, scale)
-
-                            row = {"shape": shape.name, "b": shape.b, "T": T, "setting": setting,
+                            call, how = graph_call(executor, 0, q, k, v, local, window, shape.d**-0.5)
+                            row = {"shape": shape.name, "b": shape.b, "T": T, "setting": setting, "graphed_call": how,
                                    "kv_bytes_ideal": nbytes} | _graphed(call, device, reps, inner, nbytes)
                             rows.append(row)
                             if "graphed_bandwidth_gbs" in row:

@@ -197,8 +197,8 @@ class Sm90Compiler:
         report["async_copies"] = async_copies(compiled.asm["ptx"])
         report.update(grid_dependency(compiled.asm["ptx"]))
         shared = int(compiled.metadata.shared)
-        flags = {name: kwargs[name] for name in ("ATTEND", "SCORE", "CANDIDATES", "SOFTCAP", "PDL", "PAGE_TOPS")
-                 if name in kwargs}
+        flags = {name: kwargs[name] for name in ("ATTEND", "SCORE", "CANDIDATES", "SOFTCAP", "PDL", "PAGE_TOPS",
+                                                 "ALL_DENSE") if name in kwargs}
         self.kernels[key] = {"kernel": kernel.fn.__name__, "configs": [self.config], "flags": flags,
                              "warps": options.num_warps, "stages": options.num_stages, "maxnreg": options.maxnreg,
                              "shared": shared, **report,

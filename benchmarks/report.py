@@ -307,7 +307,9 @@ def markdown(results: dict[str, Any]) -> str:
                          _fmt(r["max_abs_err_vs_reference"], 1) if r["max_abs_err_vs_reference"] is None
                          else f"{r['max_abs_err_vs_reference']:.1e}"])  # fmt: skip
         out.append("Graph-captured columns (CUDA only): the same call captured in a CUDA graph and timed by replays, "
-                   "the kernels without Python dispatch, as inside a captured decode step.\n\n")
+                   "the kernels without Python dispatch, as inside a captured decode step (`triton` with every group "
+                   "dense: its dense step's two launches alone, `attend_dense`, as qada's all-dense path runs them; "
+                   "before 2026-12-06 the executor's group policy and sparsities were captured with them).\n\n")
         out.append(table(["shape", "T", "executor", "rho_kv", "ms median [min-max] xreps", "x dense", "GB/s",
                           "graphed ms", "graphed GB/s", "max err vs reference"], rows))  # fmt: skip
     sweep = [r for r in results.get("dense_sweep", []) if "graphed_bandwidth_gbs" in r]
@@ -437,11 +439,13 @@ def _kernel_time_section(counted: list[dict[str, Any]]) -> str:
 
 
 def _e2e_cells(r: dict[str, Any]) -> list[Any]:
-    from qada.models.layer_step import FUSED_STEP_EAGER, INTERPRETED_STEP_EAGER
+    from qada.models.layer_step import DENSE_STEP_EAGER, FUSED_STEP_EAGER, INTERPRETED_STEP_EAGER
 
-    eager = r.get("layer_step_eager")  # a fallback, or by design: the fused step's default, Triton's interpreter
-    config = r["config"] + ("" if not eager else " (layer step eager)"
-                            if eager in (FUSED_STEP_EAGER, INTERPRETED_STEP_EAGER) else " (layer step eager!)")
+    eager = r.get("layer_step_eager")  # a fallback, or by design: the fused step's default, the dense step's two
+    # launches, Triton's interpreter
+    by_design = (FUSED_STEP_EAGER, DENSE_STEP_EAGER, INTERPRETED_STEP_EAGER)
+    config = r["config"] + ("" if not eager else " (layer step eager)" if eager in by_design
+                            else " (layer step eager!)")
     head = [r["T"], r.get("B", 1), config, r.get("cache", "")]
     if "skipped" in r:
         return head + ["skipped: " + r["skipped"]] + [""] * 14

@@ -482,14 +482,16 @@ def test_configs_pick_rows_and_keep_the_dense_reference():
 
 def test_a_row_says_when_its_layer_step_ran_eagerly():
     """A configuration whose layer step fell back to eager is flagged; the fused step's eager default (its kernels
-    run alike, and a CUDA graph replays them) and Triton's interpreter are named without the alarm."""
+    run alike, and a CUDA graph replays them), the dense step's two launches and Triton's interpreter are named
+    without the alarm."""
     from benchmarks.report import _e2e_cells
-    from qada.models.layer_step import FUSED_STEP_EAGER, INTERPRETED_STEP_EAGER
+    from qada.models.layer_step import DENSE_STEP_EAGER, FUSED_STEP_EAGER, INTERPRETED_STEP_EAGER
 
     row = {"config": "qada fused compiled", "T": 7680, "B": 1, "skipped": "(the label only)"}
     assert _e2e_cells(row)[2] == "qada fused compiled"
     assert _e2e_cells(row | {"layer_step_eager": FUSED_STEP_EAGER})[2] == "qada fused compiled (layer step eager)"
     assert _e2e_cells(row | {"layer_step_eager": INTERPRETED_STEP_EAGER})[2].endswith("(layer step eager)")
+    assert _e2e_cells(row | {"layer_step_eager": DENSE_STEP_EAGER})[2].endswith("(layer step eager)")
     fallback = row | {"layer_step_eager": "SubprocException: ..."}
     assert _e2e_cells(fallback)[2] == "qada fused compiled (layer step eager!)"
 

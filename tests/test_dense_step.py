@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from tiny_models import tiny_model  # noqa: E402
 
-from qada.attention import EXECUTORS, TritonExecutor  # noqa: E402
+from qada.attention import EXECUTORS, TritonExecutor, decode_attention  # noqa: E402
 from qada.attention.base import GroupDecision  # noqa: E402
 from qada.criteria import CRITERIA  # noqa: E402
 from qada.criteria.baselines import DenseCriterion  # noqa: E402
@@ -171,3 +171,31 @@ def test_model_dense_step_launches_two_kernels_per_layer(model, monkeypatch):
 def test_dense_step_executor_is_the_triton_executor():
     """``attend_dense`` is the ``triton`` executor's (the fused executor inherits it but fuses decisions instead)."""
     assert callable(TritonExecutor.attend_dense)
+
+
+def test_the_bandwidth_benchmark_captures_the_dense_step():
+    """``benchmarks/attention.py``'s graph-captured rows: with every group dense on ``triton``, the dense step's two
+    launches (what qada's all-dense path runs; the harness's group policy and sparsities are no longer timed with
+    them), the same output as the executor's whole call; with local groups, or on ``sdpa``, that whole call."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.attention import graph_call
+
+    query, keys, values, _, _, scale = step_arguments(b=2, starts=(0, 0), ends=(96, 96))
+    triton = EXECUTORS.build("triton", block_size=16)
+    dense = torch.zeros(2, 8, dtype=torch.bool, device=DEVICE)
+    call, name = graph_call(triton, 0, query, keys, values, dense, WINDOW, scale)
+    assert name == "attend_dense"
+    whole = decode_attention(triton, query, keys, values, dense, WINDOW, scale)
+    assert torch.equal(call(), whole.output)
+    half = dense.clone()
+    half[:, :4] = True
+    for executor, forced, local in ((triton, 1, half), (EXECUTORS.build("sdpa"), 0, dense)):
+        call, name = graph_call(executor, forced, query, keys, values, local, WINDOW, scale)
+        assert name == "decode_attention"
+        expected = decode_attention(executor, query, keys, values, local, WINDOW, scale).output
+        assert torch.equal(call().output, expected)

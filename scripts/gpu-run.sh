@@ -46,7 +46,7 @@
 # to the call that carries the last part and run tail-b1 or parity in the freed call. wide-b32 comes before lean-b1
 # (7 rows at B = 1, LIMIT_lean_b1=340: the next lent session's third call): B = 32's 2x goal was the nearest to met
 # (1.90x on 2026-11-28) and wide-b32 also times qada_tail fused against qada fused there.
-# Stages: env, tests, fused (the triton_fused tests, on CUDA), graphs (triton_fused inside a model's CUDA graph, and
+# Stages: env, tests, fused (the triton_fused tests and the dense step's, on CUDA), graphs (triton_fused inside a model's CUDA graph, and
 # its layer step compiled by Inductor, against eager, over a decode, call by call and launch by launch on the same
 # inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
 # model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
@@ -88,7 +88,7 @@ for s in "$@"; do
     tests) stage tests 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_attention_triton.py \
              tests/test_attention_triton_buffer.py tests/test_buffer_decode.py tests/test_auto_executor.py ;;
     fused) stage fused 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decision.py tests/test_fused_tail.py \
-        tests/test_fused_budget.py tests/test_moment_step_kernel.py ;;
+        tests/test_fused_budget.py tests/test_moment_step_kernel.py tests/test_dense_step.py ;;
     graphs) stage graphs 360 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_decision.py \
              tests/test_buffer_decode.py -k "cuda_graphs or compiles_and_decides or same_inputs or each_fused_launch or programmatic" ;;
     parity) stage parity 540 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;

@@ -199,3 +199,25 @@ def test_the_bandwidth_benchmark_captures_the_dense_step():
         assert name == "decode_attention"
         expected = decode_attention(executor, query, keys, values, local, WINDOW, scale).output
         assert torch.equal(call().output, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_dense_step_cuda_graphs_replay_equals_eager(model, monkeypatch):
+    """The dense step inside a model compiled with ``mode="reduce-overhead"`` (CUDA graphs), over two sequences: the
+    replayed steps give the tokens and statistics of the general step run eagerly on the same executor."""
+    from tests.test_buffer_decode import greedy_compiled
+
+    torch._dynamo.reset()
+    run = dense_run(compile=True)
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    for seed in (3, 5):
+        graphs = greedy_compiled(model, run, 8, {}, device=DEVICE, seed=seed, forward=forward)
+        with monkeypatch.context() as patched:  # the general step, eagerly
+            patched.setattr(run_module, "takes_dense_step", lambda *args: False)
+            general = dense_run(compile=False)
+            eager = greedy_compiled(model, general, 8, {"disable": True}, device=DEVICE, seed=seed)
+        assert run.layer_step.fused is run.executor and general.layer_step.fused is None
+        assert torch.equal(graphs[0], eager[0])
+        for key in ("sparsity", "kv_sparsity", "kv_read", "decode_steps"):
+            assert graphs[1][key] == pytest.approx(eager[1][key])

@@ -4,9 +4,9 @@ The ``dense`` criterion decides nothing: every head attends over its whole row (
 window is all local, as the group policy makes it). On the ``triton`` executor (:class:`~qada.attention.TritonExecutor`)
 :func:`dense_layer_step` is that step's whole device work, two launches: the split kernel reading every block of
 each row, and the combine kernel, whose last program also writes the step's statistics row (added to the run's sums)
-from the rows' bounds. The general :func:`~qada.models.layer_step.layer_step` made the same decision in six to eight
-kernels of its own before those two (the decision, the group policy, the statistics, the window gather): qada's
-all-dense path, the dense anchor of a GPU benchmark, launches what a dense decode needs and no more.
+from the rows' bounds. The general :func:`~qada.models.layer_step.layer_step` made the same decision in eight
+kernels of its own before those two, compiled for a GPU (the decision, the group policy, the statistics, the window
+gather): qada's all-dense path, the dense anchor of a GPU benchmark, launches what a dense decode needs and no more.
 
 It returns a :class:`~qada.models.layer_step.LayerStepResult` with the attention's ``output``; its ``decided``,
 ``local`` and ``read`` are ``None`` (nothing computes them: :func:`dense_decision` makes them where an observer asks).

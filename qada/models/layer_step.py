@@ -55,7 +55,9 @@ class LayerStepResult(NamedTuple):
 
     Attributes:
         decided: ``[b, H]`` bool, the criterion's decision (True = local).
-        local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool, the bulks to read.
+        local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool, the bulks to read. All three
+            ``None`` from the ``dense`` criterion's step (:func:`~qada.models.dense_step.dense_layer_step`), which
+            computes no decision.
         counts: ``[1, 5]`` float64, the step's row of :class:`~qada.models.statistics.DecodeStatistics`.
         fail_safe: 0-d, the heads the criterion forced dense (non-finite values).
         window_keys, window_values: ``[b, H_kv, W, d]``; ``window_valid``: ``[b, W]`` bool.
@@ -82,9 +84,9 @@ class LayerStepResult(NamedTuple):
             ``read``, ``local``, ``end``, ``start``), where it asks for it (``host_plan``); else ``None``.
     """
 
-    decided: torch.Tensor
-    local: torch.Tensor
-    read: torch.Tensor
+    decided: torch.Tensor | None
+    local: torch.Tensor | None
+    read: torch.Tensor | None
     counts: torch.Tensor
     fail_safe: torch.Tensor
     window_keys: torch.Tensor

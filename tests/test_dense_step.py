@@ -106,8 +106,9 @@ def test_dense_step_in_bfloat16_with_sinks_and_a_soft_cap():
 
 
 def test_which_runs_take_the_dense_step():
-    """The plain ``dense`` criterion without moments on the ``triton`` executor; not a subclass, not with a moment
-    source fed, not on ``sdpa`` or ``triton_fused`` (which refuses the criterion), not another criterion."""
+    """The plain ``dense`` criterion without moments on the ``triton`` executor, or ``triton_fused`` (nothing to
+    fuse: its run builds, where another criterion it does not decide is refused); not a subclass, not with a moment
+    source fed, not on ``sdpa``, not another criterion."""
 
     class Denser(DenseCriterion):
         pass
@@ -117,7 +118,11 @@ def test_which_runs_take_the_dense_step():
     assert not takes_dense_step(Denser(), None, triton)
     assert not takes_dense_step(DenseCriterion(), StoredMoments(), triton)
     assert not takes_dense_step(DenseCriterion(), None, EXECUTORS.build("sdpa"))
-    assert not takes_dense_step(DenseCriterion(), None, EXECUTORS.build("triton_fused"))
+    assert takes_dense_step(DenseCriterion(), None, EXECUTORS.build("triton_fused"))
+    fused = build_run(criterion="dense", moments="none", executor="triton_fused")
+    assert fused.layer_step.fused is fused.executor and fused.layer_step.eager.func is dense_layer_step
+    with pytest.raises(ValueError, match="plain 'qada' criterion"):
+        build_run(criterion="local", moments="none", executor="triton_fused")
     assert not takes_dense_step(CRITERIA.build("local"), None, triton)
     step = LayerStep(CRITERIA.build("oracle", tau=0.5), None, WINDOW, "exact", None)
     with pytest.raises(ValueError, match="plain 'dense' criterion"):

@@ -39,9 +39,10 @@ should choose between). Where a row spans more than ``pages_per_program`` pages,
 page-top programs (:mod:`qada.attention.page_tops`) that the moment step's launch runs besides its own, and the
 decision merges their lists: the same launches either way.
 
-Anything else (another criterion, such as ``quest`` or a composed one; no moment source) is an error when the run
-is built: use ``triton``. Called as a plain executor (with a decision given, e.g.
-:func:`~qada.attention.decode_attention`), it is the ``triton`` executor.
+The ``dense`` criterion has no decision to fuse: its run's step is the dense step (:mod:`qada.models.dense_step`,
+the split and combine alone, as on ``triton``). Anything else (another criterion, such as ``quest`` or a composed
+one; no moment source) is an error when the run is built: use ``triton``. Called as a plain executor (with a
+decision given, e.g. :func:`~qada.attention.decode_attention`), it is the ``triton`` executor.
 """
 
 from __future__ import annotations
@@ -339,8 +340,9 @@ class FusedTritonExecutor(TritonExecutor):
     In a run it applies when the criterion is the plain ``qada`` one (:class:`~qada.criteria.QAdACriterion`, any
     ``tau``), ``qada_budget``, ``qada_tail`` or ``qada_tail_budget`` (:class:`~qada.criteria.BudgetedQAdACriterion`,
     :class:`~qada.criteria.TailCriterion`, :class:`~qada.criteria.TailBudgetCriterion`, any settings) with a moment
-    source (``stored``, ``current``, ...);
-    any other criterion is an error when the run is built (``triton`` decodes for every criterion). Its decisions,
+    source (``stored``, ``current``, ...); the ``dense`` criterion takes the dense step (the split and combine alone,
+    :mod:`qada.models.dense_step`); any other criterion is an error when the run is built (``triton`` decodes for
+    every criterion). Its decisions,
     statistics and output are those of the criterion with the ``triton`` executor, up to float32 rounding (and
     ``qada_tail``'s tail index after each step too). Arguments as for :class:`~qada.attention.TritonExecutor`.
     """

@@ -1,8 +1,9 @@
 """The layer step of a run whose criterion is ``dense``, on an executor that attends densely in its own launches.
 
 The ``dense`` criterion decides nothing: every head attends over its whole row (a row with no more tokens than the
-window is all local, as the group policy makes it). On the ``triton`` executor (:class:`~qada.attention.TritonExecutor`)
-:func:`dense_layer_step` is that step's whole device work, two launches: the split kernel reading every block of
+window is all local, as the group policy makes it). On the ``triton`` executor (:class:`~qada.attention.TritonExecutor`,
+and ``triton_fused``, which has no decision to fuse for it) :func:`dense_layer_step` is that step's whole device
+work, two launches: the split kernel reading every block of
 each row, and the combine kernel, whose last program also writes the step's statistics row (added to the run's sums)
 from the rows' bounds. The general :func:`~qada.models.layer_step.layer_step` made the same decision in eight
 kernels of its own before those two, compiled for a GPU (the decision, the group policy, the statistics, the window
@@ -30,11 +31,11 @@ __all__ = ["dense_decision", "dense_layer_step", "takes_dense_step"]
 def takes_dense_step(criterion: HeadCriterion, moments: MomentSource | None, executor: Any) -> bool:
     """Whether a run's layer step is :func:`dense_layer_step`: the plain ``dense`` criterion (not a subclass, which
     may decide otherwise), no moment source fed (an observer that wants the estimate feeds it) and an executor that
-    attends densely in its own launches (``attend_dense``: the ``triton`` executor) without fusing a decision."""
+    attends densely in its own launches (``attend_dense``: ``triton``, and ``triton_fused``, which has no decision to
+    fuse here)."""
     from qada.criteria.baselines import DenseCriterion
 
-    return (type(criterion) is DenseCriterion and moments is None and callable(getattr(executor, "attend_dense", None))
-            and not getattr(executor, "fuses_decision", False))
+    return type(criterion) is DenseCriterion and moments is None and callable(getattr(executor, "attend_dense", None))
 
 
 def dense_layer_step(

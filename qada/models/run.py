@@ -80,8 +80,9 @@ class QAdARun:
         self._kept_inputs: dict[int, tuple] = {}  # layer -> the last arguments, kept across sequences
         self.inline = False  # see inlines(); True: a traced model on the CPU takes the layer step into its graph
         self.executor_choice: str | None = None  # why an ``auto`` executor became run.executor (resolve_executor)
-        if getattr(executor, "fuses_decision", False):  # the decision is made in the executor's kernel: said now
-            from qada.models.fused_step import check_fusable
+        fed = self.moments if self.uses_moments else None
+        if getattr(executor, "fuses_decision", False) and not takes_dense_step(criterion, fed, executor):
+            from qada.models.fused_step import check_fusable  # the decision is made in the executor's kernel: said now
 
             check_fusable(criterion, moments, executor)
 
@@ -111,10 +112,10 @@ class QAdARun:
             host_plan = getattr(self.executor, "host_plan", False)
             self._step = LayerStep(self.criterion, moments, self.window, policy, self.backend, attend_window,
                                    host_plan)
-            if getattr(self.executor, "fuses_decision", False):
-                self._step.fuse(self.executor)
-            elif takes_dense_step(self.criterion, moments, self.executor):
+            if takes_dense_step(self.criterion, moments, self.executor):
                 self._step.take_dense_step(self.executor)
+            elif getattr(self.executor, "fuses_decision", False):
+                self._step.fuse(self.executor)
         return self._step
 
     @property

@@ -173,7 +173,6 @@ def test_model_dense_step_launches_two_kernels_per_layer(model, monkeypatch):
     assert names == ["qada_decode_split_kernel", "qada_decode_combine_kernel"] * (2 * layers)
 
 
-
 def test_the_bandwidth_benchmark_captures_the_dense_step():
     """``benchmarks/attention.py``'s graph-captured rows: with every group dense on ``triton``, the dense step's two
     launches (what qada's all-dense path runs; the harness's group policy and sparsities are no longer timed with

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from tiny_models import tiny_model  # noqa: E402
 
-from qada.attention import EXECUTORS, decode_attention  # noqa: E402
+from qada.attention import EXECUTORS, TritonExecutor, decode_attention  # noqa: E402
 from qada.attention.base import GroupDecision  # noqa: E402
 from qada.criteria import CRITERIA  # noqa: E402
 from qada.criteria.baselines import DenseCriterion  # noqa: E402
@@ -108,14 +108,25 @@ def test_dense_step_in_bfloat16_with_sinks_and_a_soft_cap():
 def test_which_runs_take_the_dense_step():
     """The plain ``dense`` criterion without moments on the ``triton`` executor, or ``triton_fused`` (nothing to
     fuse: its run builds, where another criterion it does not decide is refused); not a subclass, not with a moment
-    source fed, not on ``sdpa``, not another criterion."""
+    source fed, not on ``sdpa``, not on a subclass of ``triton`` that overrides ``attend`` alone, not another
+    criterion."""
 
     class Denser(DenseCriterion):
         pass
 
+    class OwnAttention(TritonExecutor):  # a user's executor that changes attend: its attend must run
+        def attend(self, step, decision):
+            return super().attend(step, decision)
+
+    class OwnDense(OwnAttention):  # ... unless it defines attend_dense too
+        def attend_dense(self, step, add_to=None):
+            return super().attend_dense(step, add_to)
+
     triton = EXECUTORS.build("triton")
     assert takes_dense_step(DenseCriterion(), None, triton)
     assert not takes_dense_step(Denser(), None, triton)
+    assert not takes_dense_step(DenseCriterion(), None, OwnAttention())
+    assert takes_dense_step(DenseCriterion(), None, OwnDense())
     assert not takes_dense_step(DenseCriterion(), StoredMoments(), triton)
     assert not takes_dense_step(DenseCriterion(), None, EXECUTORS.build("sdpa"))
     assert takes_dense_step(DenseCriterion(), None, EXECUTORS.build("triton_fused"))

@@ -32,10 +32,23 @@ def takes_dense_step(criterion: HeadCriterion, moments: MomentSource | None, exe
     """Whether a run's layer step is :func:`dense_layer_step`: the plain ``dense`` criterion (not a subclass, which
     may decide otherwise), no moment source fed (an observer that wants the estimate feeds it) and an executor that
     attends densely in its own launches (``attend_dense``: ``triton``, and ``triton_fused``, which has no decision to
-    fuse here)."""
+    fuse here) and attends as that method does (a subclass that overrides ``attend`` but not ``attend_dense`` keeps
+    the general step, so that its own ``attend`` runs)."""
     from qada.criteria.baselines import DenseCriterion
 
-    return type(criterion) is DenseCriterion and moments is None and callable(getattr(executor, "attend_dense", None))
+    if type(criterion) is not DenseCriterion or moments is not None:
+        return False
+    if not callable(getattr(executor, "attend_dense", None)):
+        return False
+    return _defined_together(type(executor), "attend_dense", "attend")
+
+
+def _defined_together(cls: type, method: str, other: str) -> bool:
+    """Whether the class of ``cls``'s MRO that defines ``method`` also defines ``other`` or inherits it (``other`` is
+    not overridden below it)."""
+    owner = next(c for c in cls.__mro__ if method in c.__dict__)
+    other_owner = next((c for c in cls.__mro__ if other in c.__dict__), object)
+    return issubclass(owner, other_owner)
 
 
 def dense_layer_step(

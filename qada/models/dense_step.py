@@ -3,11 +3,11 @@
 The ``dense`` criterion decides nothing: every head attends over its whole row (a row with no more tokens than the
 window is all local, as the group policy makes it). On the ``triton`` executor (:class:`~qada.attention.TritonExecutor`,
 and ``triton_fused``, which has no decision to fuse for it) :func:`dense_layer_step` is that step's whole device
-work, two launches: the split kernel reading every block of
-each row, and the combine kernel, whose last program also writes the step's statistics row (added to the run's sums)
-from the rows' bounds. The general :func:`~qada.models.layer_step.layer_step` made the same decision in eight
-kernels of its own before those two, compiled for a GPU (the decision, the group policy, the statistics, the window
-gather): qada's all-dense path, the dense anchor of a GPU benchmark, launches what a dense decode needs and no more.
+work, two launches: the split kernel reading every block of each row, and the combine kernel, whose last program also
+writes the step's statistics row (added to the run's sums) from the rows' bounds. The general
+:func:`~qada.models.layer_step.layer_step` made the same decision in eight kernels of its own before those two,
+compiled for a GPU (the decision, the group policy, the statistics, the window gather): qada's all-dense path, the
+dense anchor of a GPU benchmark, launches what a dense decode needs and no more.
 
 It returns a :class:`~qada.models.layer_step.LayerStepResult` with the attention's ``output``; its ``decided``,
 ``local`` and ``read`` are ``None`` (nothing computes them: :func:`dense_decision` makes them where an observer asks).
@@ -45,10 +45,10 @@ def takes_dense_step(criterion: HeadCriterion, moments: MomentSource | None, exe
 
 def _defined_together(cls: type, method: str, other: str) -> bool:
     """Whether the class of ``cls``'s MRO that defines ``method`` also defines ``other`` or inherits it (``other`` is
-    not overridden below it)."""
-    owner = next(c for c in cls.__mro__ if method in c.__dict__)
+    not overridden below it); ``False`` where no class defines ``method``."""
+    owner = next((c for c in cls.__mro__ if method in c.__dict__), None)
     other_owner = next((c for c in cls.__mro__ if other in c.__dict__), object)
-    return issubclass(owner, other_owner)
+    return owner is not None and issubclass(owner, other_owner)
 
 
 def dense_layer_step(

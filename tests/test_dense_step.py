@@ -99,7 +99,7 @@ def test_dense_step_in_bfloat16_with_sinks_and_a_soft_cap():
                            criterion=DenseCriterion(), moments=None, window=WINDOW, policy="exact", executor=executor)
     step = DecodeStep(query[:, :, 0], keys, scale, WINDOW, start=start, end=end, values=values, sink_logits=sinks,
                       softcap=30.0)
-    decided, local, read = dense_decision(step, "exact")
+    decided, local, read = dense_decision(DenseCriterion(), step, "exact")
     expected, _ = executor.attend(step, GroupDecision(local, read))
     assert torch.equal(got.output, expected) and got.output.dtype == torch.bfloat16
     assert not decided.any() and torch.equal(read, torch.tensor([[True, True], [True, True], [False, False]]))

@@ -625,8 +625,8 @@ class FusedTritonExecutor(TritonExecutor):
         if budget is not None:
             self._rank(step, log_ratio, budget, flags, read, policy)
         tail_reads = None if tail is None else tail.reads()
-        row = torch.empty(5, dtype=torch.float64, device=device)
-        statistics = StepStatistics(flags[1], read, flags[2], start, end, C, window.t_local, row, tail_reads, add_to)
+        statistics = StepStatistics.of(step, flags[1], read, flags[2], tail_reads, add_to)
+        row = statistics.row
         if apart:  # the triton executor's two launches on the decision just made
             done = self.launch(step, GroupDecision(flags[1], read), statistics, pdl, extra)
             return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts,
@@ -670,11 +670,10 @@ class FusedTritonExecutor(TritonExecutor):
             INPUT_PRECISION=input_precision, DOT_FP32=dot_fp32, num_warps=self.num_warps,
         )  # fmt: skip
         self._rank(step, score, budget, flags, read, policy)
-        row = torch.empty(5, dtype=torch.float64, device=device)
-        statistics = StepStatistics(flags[1], read, flags[2], start, end, C, step.window.t_local, row, None, add_to)
+        statistics = StepStatistics.of(step, flags[1], read, flags[2], add_to=add_to)
         done = self.launch(step, GroupDecision(flags[1], read), statistics, self.programmatic(device))
         return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts, score, None,
-                           row)
+                           statistics.row)
 
     def _decided_in_estimate(self, step: DecodeStep, tau: float, policy: str,
                              add_to: tuple[torch.Tensor, torch.Tensor] | None,
@@ -692,13 +691,11 @@ class FusedTritonExecutor(TritonExecutor):
             if flag.shape != (b, H) or flag.dtype != torch.bool:
                 raise ValueError(f"expected the decision's {name} as a bool tensor of shape [{b}, {H}] but got "
                                  f"{flag.dtype} {tuple(flag.shape)}")
-        row = torch.empty(5, dtype=torch.float64, device=step.query.device)
-        statistics = StepStatistics(decision.local, decision.read, decision.broken, step.start, step.end,
-                                    step.keys.shape[2], step.window.t_local, row, None, add_to)
+        statistics = StepStatistics.of(step, decision.local, decision.read, decision.broken, add_to=add_to)
         done = self.launch(step, GroupDecision(decision.local, decision.read), statistics,
                            self.programmatic(step.query.device))
         return FusedLaunch(done.output, done.bulk_blocks, decision.decided, decision.local, decision.read,
-                           decision.broken, done.counts, None, None, row)
+                           decision.broken, done.counts, None, None, statistics.row)
 
     def decides_once(self, tail: FusedTail | None = None) -> bool:
         """Whether a threshold decision (``tail``: a ``qada_tail`` one) is a launch of its own (:attr:`decide_once`,

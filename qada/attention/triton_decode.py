@@ -146,11 +146,9 @@ class TritonExecutor(AttentionExecutor):
         in the two launches and nothing else: ``(output [b, H, 1, d], bulk_blocks 0-d int64, row [5] float64)``,
         the step's statistics row written by the combine launch (and added to ``sums[layer]`` with ``add_to =
         (sums, layer)``, :class:`StepStatistics`)."""
-        row = torch.empty(5, dtype=torch.float64, device=step.query.device)
-        statistics = StepStatistics(None, None, None, step.start, step.end, step.keys.shape[2], step.window.t_local,
-                                    row, None, add_to)
+        statistics = StepStatistics.of(step, None, None, None, add_to=add_to)
         done = self.launch(step, None, statistics)
-        return done.output, done.bulk_blocks, row
+        return done.output, done.bulk_blocks, statistics.row
 
     def launch(self, step: DecodeStep, decision: GroupDecision | None, statistics: StepStatistics | None = None,
                pdl: bool = False, extra: ExtraAttention | None = None) -> TritonLaunch:
@@ -230,6 +228,15 @@ class StepStatistics(NamedTuple):
     row: torch.Tensor
     tail_reads: TailReads | None = None
     add_to: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, step: DecodeStep, local: torch.Tensor | None, read: torch.Tensor | None, broken: torch.Tensor | None,
+           tail_reads: TailReads | None = None,
+           add_to: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepStatistics:
+        """The statistics of ``step`` (its bounds, cache slots and window) with these flags, a new ``row`` to write."""
+        row = torch.empty(5, dtype=torch.float64, device=step.query.device)
+        return cls(local, read, broken, step.start, step.end, step.keys.shape[2], step.window.t_local, row, tail_reads,
+                   add_to)
 
 
 class TailReads(NamedTuple):

@@ -84,10 +84,11 @@ def dense_layer_step(
                            step.start, step.end, output=output, bulk_blocks=bulk_blocks)
 
 
-def dense_decision(step: DecodeStep, policy: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(decided [b, H], local [b, H], read [b, H_kv])``: the ``dense`` criterion's decision on ``step`` and the
+def dense_decision(criterion: HeadCriterion, step: DecodeStep,
+                   policy: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(decided [b, H], local [b, H], read [b, H_kv])``: the ``dense`` ``criterion``'s decision on ``step`` and the
     group ``policy``'s result (rows without a bulk all local), as :func:`~qada.models.layer_step.layer_step` makes
     them."""
-    decided = torch.zeros(step.batch_size, step.num_heads, dtype=torch.bool, device=step.device)
+    decided = criterion(step)
     local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
     return decided, local, read

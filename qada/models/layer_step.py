@@ -307,13 +307,7 @@ class LayerStep:
         from qada.models.fused_step import check_fusable, fused_layer_step
 
         check_fusable(self.criterion, self.moments, executor)
-        # the executor attends over the window itself, without a host read: the fused step takes the components only
-        self._bound = {name: value for name, value in self._bound.items()
-                       if name not in ("attend_window", "host_plan")}
-        bound = dict(self._bound, executor=executor)
-        self.fused = executor
-        self.eager = functools.partial(fused_layer_step, **bound)
-        self._compiled, self.eager_reason, self.ahead = None, None, None
+        bound = self._run_on(executor, fused_layer_step)
         if self.backend is not None:
             from qada.attention import _triton_kernel
 
@@ -334,12 +328,21 @@ class LayerStep:
         if not takes_dense_step(self.criterion, self.moments, executor):
             raise ValueError(f"the dense layer step takes the plain 'dense' criterion without a moment source on an "
                              f"executor with attend_dense, not {self.criterion.registry_name!r} on {executor!r}")
+        self._run_on(executor, dense_layer_step)
+        self.eager_reason = None if self.backend is None else DENSE_STEP_EAGER
+
+    def _run_on(self, executor: Any, function: Any) -> dict[str, Any]:
+        """Make every step ``function`` (:func:`~qada.models.fused_step.fused_layer_step` or
+        :func:`~qada.models.dense_step.dense_layer_step`: the executor's launches), eager until the caller compiles
+        it; returns its keyword arguments (the components and ``executor``)."""
+        # the executor attends over the window itself, without a host read: the step takes the components only
         self._bound = {name: value for name, value in self._bound.items()
                        if name not in ("attend_window", "host_plan")}
+        bound = dict(self._bound, executor=executor)
         self.fused = executor
-        self.eager = functools.partial(dense_layer_step, **dict(self._bound, executor=executor))
-        self._compiled, self.ahead = None, None
-        self.eager_reason = None if self.backend is None else DENSE_STEP_EAGER
+        self.eager = functools.partial(function, **bound)
+        self._compiled, self.eager_reason, self.ahead = None, None, None
+        return bound
 
     def __call__(self, buffered: bool, *args: Any) -> LayerStepResult:
         """:func:`layer_step` on ``args``; compiled when ``buffered`` (fixed shapes) and :attr:`compiled`."""

@@ -80,8 +80,7 @@ class QAdARun:
         self._kept_inputs: dict[int, tuple] = {}  # layer -> the last arguments, kept across sequences
         self.inline = False  # see inlines(); True: a traced model on the CPU takes the layer step into its graph
         self.executor_choice: str | None = None  # why an ``auto`` executor became run.executor (resolve_executor)
-        fed = self.moments if self.uses_moments else None
-        if getattr(executor, "fuses_decision", False) and not takes_dense_step(criterion, fed, executor):
+        if getattr(executor, "fuses_decision", False) and not takes_dense_step(criterion, self.fed_moments, executor):
             from qada.models.fused_step import check_fusable  # the decision is made in the executor's kernel: said now
 
             check_fusable(criterion, moments, executor)
@@ -97,7 +96,7 @@ class QAdARun:
             return
         from qada.models.fused_step import is_fusable
 
-        fusable = is_fusable(self.criterion, self.moments if self.uses_moments else None)
+        fusable = is_fusable(self.criterion, self.fed_moments)
         self.executor, reason = self.executor.choose(device, dtype, fusable)
         self.executor_choice = f"auto chose {self.executor.registry_name}: {reason}"
         self._step = None  # built for the chosen executor on first use
@@ -106,7 +105,7 @@ class QAdARun:
     def layer_step(self) -> LayerStep:
         """The run's :class:`~qada.models.layer_step.LayerStep` (built on first use)."""
         if self._step is None:
-            moments = self.moments if self.uses_moments else None
+            moments = self.fed_moments
             policy = getattr(self.executor, "group_policy", "exact")
             attend_window = getattr(self.executor, "uses_window_output", False)
             host_plan = getattr(self.executor, "host_plan", False)
@@ -126,6 +125,11 @@ class QAdARun:
     def uses_moments(self) -> bool:
         """Whether the moment source is fed: the criterion needs moments or an observer wants the estimate."""
         return self.moments is not None and (self.criterion.needs_moments or self.fanout.wants_oracle)
+
+    @property
+    def fed_moments(self) -> MomentSource | None:
+        """The moment source where it is fed (:attr:`uses_moments`), else ``None``: what the layer step steps."""
+        return self.moments if self.uses_moments else None
 
     def reset_stats(self) -> None:
         """Forget the accumulated statistics and the cache bookkeeping (a new prefill follows)."""
@@ -283,7 +287,7 @@ class QAdARun:
             output, bulk_blocks = self.executor.attend(step, GroupDecision(result.local, result.read))
         output = self.layer_step.merge(buffered, output, result)  # local heads: window ∪ the criterion's extra set
         if self.fanout.observers and result.decided is None:  # the dense step: its decision made for them only
-            decided, local, read = dense_decision(step, getattr(self.executor, "group_policy", "exact"))
+            decided, local, read = dense_decision(self.criterion, step, getattr(self.executor, "group_policy", "exact"))
             result = result._replace(decided=decided, local=local, read=read)
         if self.fanout.observers:
             executed = ExecutorOutput(output, result.local, result.counts[0, 0].float(), result.counts[0, 1].float(),

@@ -146,10 +146,10 @@ def run_attention(
 def graph_call(executor: Any, forced: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: torch.Tensor,
                window: Window, scale: float) -> tuple[Any, str]:
     """``(call, name)``: what a graph-captured row of ``executor`` captures, as a run's decode step runs it. With
-    every group dense (``forced == 0``) on an executor with ``attend_dense`` (``triton``): the dense step's two
-    launches alone (:mod:`qada.models.dense_step`, what qada's all-dense path runs), the step built outside the
-    graph; else :func:`~qada.attention.decode_attention`, the executor's group policy and sparsities included
-    (in a run the layer step computes those)."""
+    every group dense (``forced == 0``) on an executor with ``attend_dense`` (``triton``: its two launches,
+    ``sdpa``): the dense step alone (:mod:`qada.models.dense_step`, what qada's all-dense path runs), the step built
+    outside the graph; else :func:`~qada.attention.decode_attention`, the executor's group policy and sparsities
+    included (in a run the layer step computes those)."""
     if forced == 0 and callable(getattr(executor, "attend_dense", None)):
         step = DecodeStep.from_attention(q, k, v, window, scale)
         return (lambda: executor.attend_dense(step)[0]), "attend_dense"

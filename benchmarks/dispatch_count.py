@@ -35,6 +35,7 @@ importing this module does not import torch (``tests/test_benchmarks.py`` checks
 
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]] | None] = {  # name: (criterion, executor) or dense
     "dense (transformers sdpa)": None,
+    "dense criterion, sdpa": ("dense", {"name": "sdpa"}),  # qada's all-dense path on the CPU: the executor alone
     "dense criterion, triton": ("dense", {"name": "triton"}),  # qada's all-dense path: the executor alone
     "qada, sdpa": ({"name": "qada", "tau": 0.6}, {"name": "sdpa"}),
     "qada, triton": ({"name": "qada", "tau": 0.6}, {"name": "triton"}),

@@ -15,10 +15,11 @@ per configuration), the copies built afresh in an order rotated by one each time
 built in each position; the ratios are the median over the rounds of every rotation, and each rotation's own is
 reported too.
 
-Configurations: ``dense packed`` (the unwrapped model, packed grouped-query attention) or a criterion (``qada``,
-``qada_tail``, ``qada_tail_budget``, with the suite's tau / sparsity and stored moments; ``qada_tail+E/lean`` and
-``qada_tail_budget+E/lean/group``, the read-lean settings of the RULER tables, ``qada.criteria.READ_LEAN``), then
-modifiers:
+Configurations: ``dense`` (the unwrapped model, transformers' own attention), ``dense packed`` (the unwrapped model,
+packed grouped-query attention) or a criterion (``qada dense``: the ``dense`` criterion, qada's all-dense path;
+``qada``, ``qada_tail``, ``qada_tail_budget``, with the suite's tau / sparsity and stored moments;
+``qada_tail+E/lean`` and ``qada_tail_budget+E/lean/group``, the read-lean settings of the RULER tables,
+``qada.criteria.READ_LEAN``), then modifiers:
 ``compiled`` (``torch.compile(model.forward, fullgraph=True)``), ``no small-matmul pass`` (the layer step
 compiled without :class:`~qada.models.small_matmul.SmallMatmulPass`, to measure what it gains) and ``no
 ahead-of-time`` (the layer step through ``torch.compile`` rather than compiled ahead of time,
@@ -59,6 +60,7 @@ from qada.models import attach, build_run, load_default_model, prepare_run
 __all__ = ["CRITERIA", "parse_config", "run_interleaved"]
 
 CRITERIA = {
+    "qada dense": {"name": "dense"},
     "qada": {"name": "qada", "tau": 0.6},
     "qada_tail": {"name": "qada_tail", "tau": 0.3},
     "qada_tail_budget": {"name": "qada_tail_budget", "sparsity": 0.85},
@@ -73,7 +75,8 @@ OWN_WINDOW = "own window"
 
 def parse_config(name: str) -> dict[str, Any]:
     """``"qada_tail compiled no small-matmul pass"`` -> ``{"criterion": ..., "compiled": True, "small_matmul":
-    False, "ahead": True, "step_window": True}``; ``criterion`` is ``None`` for ``dense packed``. The modifiers after
+    False, "ahead": True, "step_window": True}``; ``criterion`` is ``None`` for the unwrapped model (``dense``,
+    ``dense packed``; ``packed`` says which). The modifiers after
     the criterion, in any order: ``compiled``, :data:`NO_PASS`, :data:`NO_AHEAD` (the layer step through
     ``torch.compile`` instead of :mod:`qada.models.ahead_step`), :data:`OWN_WINDOW` (the executor attends over the
     window itself)."""
@@ -87,13 +90,13 @@ def parse_config(name: str) -> dict[str, Any]:
                 flags[flag], rest, found = True, rest.removesuffix(flag).strip(), True
     config = {"compiled": flags["compiled"], "small_matmul": not flags[NO_PASS], "ahead": not flags[NO_AHEAD],
               "step_window": not flags[OWN_WINDOW]}
-    if rest == "dense packed":
+    if rest in ("dense", "dense packed"):
         if flags[NO_PASS] or flags[NO_AHEAD] or flags[OWN_WINDOW]:
             raise ValueError(f"{name!r}: the dense model has no layer step to compile otherwise")
-        return {"criterion": None, **config}
+        return {"criterion": None, "packed": rest == "dense packed", **config}
     if rest not in CRITERIA:
-        raise ValueError(f"unknown configuration {name!r}: expected 'dense packed' or one of {sorted(CRITERIA)}, "
-                         f"then 'compiled', '{NO_PASS}', '{NO_AHEAD}' and/or '{OWN_WINDOW}'")
+        raise ValueError(f"unknown configuration {name!r}: expected 'dense', 'dense packed' or one of "
+                         f"{sorted(CRITERIA)}, then 'compiled', '{NO_PASS}', '{NO_AHEAD}' and/or '{OWN_WINDOW}'")
     return {"criterion": CRITERIA[rest], **config}
 
 
@@ -170,7 +173,8 @@ def _interleave(order: list[str], parsed: dict[str, dict[str, Any]], base_model:
             cache = fresh_cache(model, base, "static", length + warmup + steps + 8, 1)
             run = None
             if config["criterion"] is None:
-                stack.enter_context(packed_attention(model))
+                if config["packed"]:
+                    stack.enter_context(packed_attention(model))
             else:
                 executor = {"name": "sdpa", "step_window": config["step_window"]}
                 run = prepare_run(build_run(criterion=config["criterion"], moments="stored", executor=executor), model,

@@ -549,7 +549,9 @@ def test_interleaved_configurations_parse():
         main(["--configs", "qada compiled,qada compiled"])
 
     plain = {"small_matmul": True, "ahead": True, "step_window": True}
-    assert parse_config("dense packed compiled") == {"criterion": None, "compiled": True, **plain}
+    assert parse_config("dense packed compiled") == {"criterion": None, "packed": True, "compiled": True, **plain}
+    assert parse_config("dense") == {"criterion": None, "packed": False, "compiled": False, **plain}
+    assert parse_config("qada dense") == {"criterion": {"name": "dense"}, "compiled": False, **plain}
     assert parse_config(f"qada_tail compiled {NO_PASS}") == {"criterion": CRITERIA["qada_tail"], "compiled": True,
                                                              **plain, "small_matmul": False}
     assert parse_config(f"qada compiled {NO_AHEAD}") == {"criterion": CRITERIA["qada"], "compiled": True,

@@ -107,9 +107,9 @@ def test_dense_step_in_bfloat16_with_sinks_and_a_soft_cap():
 
 def test_which_runs_take_the_dense_step():
     """The plain ``dense`` criterion without moments on the ``triton`` executor, or ``triton_fused`` (nothing to
-    fuse: its run builds, where another criterion it does not decide is refused); not a subclass, not with a moment
-    source fed, not on ``sdpa``, not on a subclass of ``triton`` that overrides ``attend`` alone, not another
-    criterion."""
+    fuse: its run builds, where another criterion it does not decide is refused), or ``sdpa``
+    (``tests/test_dense_step_sdpa.py``); not a subclass, not with a moment source fed, not on a subclass of
+    ``triton`` that overrides ``attend`` alone, not on ``flex`` (no ``attend_dense``), not another criterion."""
 
     class Denser(DenseCriterion):
         pass
@@ -128,7 +128,8 @@ def test_which_runs_take_the_dense_step():
     assert not takes_dense_step(DenseCriterion(), None, OwnAttention())
     assert takes_dense_step(DenseCriterion(), None, OwnDense())
     assert not takes_dense_step(DenseCriterion(), StoredMoments(), triton)
-    assert not takes_dense_step(DenseCriterion(), None, EXECUTORS.build("sdpa"))
+    assert takes_dense_step(DenseCriterion(), None, EXECUTORS.build("sdpa"))
+    assert not takes_dense_step(DenseCriterion(), None, EXECUTORS.build("flex"))
     assert takes_dense_step(DenseCriterion(), None, EXECUTORS.build("triton_fused"))
     fused = build_run(criterion="dense", moments="none", executor="triton_fused")
     assert fused.layer_step.fused is fused.executor and fused.layer_step.eager.func is dense_layer_step
@@ -185,9 +186,10 @@ def test_model_dense_step_launches_two_kernels_per_layer(model, monkeypatch):
 
 
 def test_the_bandwidth_benchmark_captures_the_dense_step():
-    """``benchmarks/attention.py``'s graph-captured rows: with every group dense on ``triton``, the dense step's two
-    launches (what qada's all-dense path runs; the harness's group policy and sparsities are no longer timed with
-    them), the same output as the executor's whole call; with local groups, or on ``sdpa``, that whole call."""
+    """``benchmarks/attention.py``'s graph-captured rows: with every group dense on an executor with a dense step
+    (``triton``, ``sdpa``), that step alone (what qada's all-dense path runs; the harness's group policy and
+    sparsities are no longer timed with it), the same output as the executor's whole call; with local groups, that
+    whole call."""
     import sys
     from pathlib import Path
 
@@ -197,18 +199,17 @@ def test_the_bandwidth_benchmark_captures_the_dense_step():
     from benchmarks.attention import graph_call
 
     query, keys, values, _, _, scale = step_arguments(b=2, starts=(0, 0), ends=(96, 96))
-    triton = EXECUTORS.build("triton", block_size=16)
     dense = torch.zeros(2, 8, dtype=torch.bool, device=DEVICE)
-    call, name = graph_call(triton, 0, query, keys, values, dense, WINDOW, scale)
-    assert name == "attend_dense"
-    whole = decode_attention(triton, query, keys, values, dense, WINDOW, scale)
-    assert torch.equal(call(), whole.output)
     half = dense.clone()
     half[:, :4] = True
-    for executor, forced, local in ((triton, 1, half), (EXECUTORS.build("sdpa"), 0, dense)):
-        call, name = graph_call(executor, forced, query, keys, values, local, WINDOW, scale)
+    for executor in (EXECUTORS.build("triton", block_size=16), EXECUTORS.build("sdpa")):
+        call, name = graph_call(executor, 0, query, keys, values, dense, WINDOW, scale)
+        assert name == "attend_dense"
+        whole = decode_attention(executor, query, keys, values, dense, WINDOW, scale)
+        assert torch.equal(call(), whole.output)
+        call, name = graph_call(executor, 1, query, keys, values, half, WINDOW, scale)
         assert name == "decode_attention"
-        expected = decode_attention(executor, query, keys, values, local, WINDOW, scale).output
+        expected = decode_attention(executor, query, keys, values, half, WINDOW, scale).output
         assert torch.equal(call().output, expected)
 
 

@@ -15,7 +15,8 @@ from qada.functional.capping import soft_cap, softmax_with_sink_column
 from qada.functional.checks import accumulation_dtype
 from qada.step import DecodeStep
 
-__all__ = ["HostPlan", "SDPAExecutor", "pack_host_plan", "products_attention", "skips_on_host", "split_k_attention"]
+__all__ = ["HostPlan", "SDPAExecutor", "dense_row", "pack_host_plan", "products_attention", "skips_on_host",
+           "split_k_attention"]
 
 
 @register_executor("sdpa")
@@ -121,28 +122,62 @@ class SDPAExecutor(AttentionExecutor):
 
     def attend(self, step: DecodeStep, decision: GroupDecision) -> tuple[torch.Tensor, None]:
         local, read = decision
+        if skips_on_host(self.host_skip, step.device):
+            return self._attend_planned(step, HostPlan.read(step, local, read), local), None  # the one host read
+        # every group in full, the window result chosen per head: no sync, no loop
+        b, H, d = step.query.shape
+        # GQA without a repeat of K/V: the G query heads of a group attend as G query rows of its one KV head.
+        rows = step.query.reshape(b, step.num_kv_heads, H // step.num_kv_heads, d)
+        sdpa = _attention_for(step)
+        out = self._window(step, rows, sdpa).reshape(b, H, 1, d)  # GPU kernels may return it strided
+        if step.length <= step.window.t_local:  # the window is the whole cache: nothing else to read
+            return out, None
+        real = step.real
+        mask = None if real is None else real[:, None, None, :]
+        full = sdpa(rows, step.keys, step.values, attn_mask=mask, scale=step.scale).reshape(b, H, 1, d)
+        return torch.where(local[:, :, None, None], out, full), None
+
+    def attend_dense(self, step: DecodeStep, add_to: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, None, torch.Tensor]:
+        """Every head of ``step`` over its whole row (the ``dense`` criterion's decision after the group policy: the
+        heads of a row without a bulk are local, their window being the row), with no decision to compute or read:
+        ``(output [b, H, 1, d], None, row [5] float64)``, ``row`` the step's statistics (:func:`dense_row`), also
+        added to ``sums[layer]`` with ``add_to = (sums, layer)``. Where this executor skips on the host (the CPU) the
+        rows' bounds are its one host read (:meth:`HostPlan.dense`) and every row with a bulk attends as
+        :meth:`attend` attends a read group; elsewhere every row attends in full under its mask, on the device."""
+        b, H, d = step.query.shape
+        if skips_on_host(self.host_skip, step.device):
+            plan, bulkless = HostPlan.dense(step)
+            local = torch.tensor(bulkless, device=step.device)[:, None].expand(b, H) if plan.any_local else None
+            output = self._attend_planned(step, plan, local)
+            skipped = sum(bulkless) / b
+            row = torch.tensor([skipped, skipped, 1.0, 0.0, 1.0], dtype=torch.float64, device=step.device)
+        else:
+            rows = step.query.reshape(b, step.num_kv_heads, H // step.num_kv_heads, d)
+            real = step.real
+            mask = None if real is None else real[:, None, None, :]
+            output = _attention_for(step)(rows, step.keys, step.values, attn_mask=mask, scale=step.scale)
+            output = output.reshape(b, H, 1, d)
+            row = dense_row(step.t_bulk > 0)
+        if add_to is not None:
+            sums, layer = add_to
+            sums.index_add_(0, layer.reshape(1), row[None])
+        return output, None, row
+
+    def _attend_planned(self, step: DecodeStep, plan: HostPlan, local: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`attend`'s host-skipping path after its host read: the window for the ``local [b, H]`` heads where
+        ``plan`` has some, the bulk of ``plan``'s pairs (``[b, H, 1, d]``)."""
         b, H, d = step.query.shape
         H_kv, T = step.num_kv_heads, step.length
         G = H // H_kv
         key, value, scale = step.keys, step.values, step.scale
-        # GQA without a repeat of K/V: the G query heads of a group attend as G query rows of its one KV head.
         rows = step.query.reshape(b, H_kv, G, d)
-        host = skips_on_host(self.host_skip, step.device)
         sdpa = _attention_for(step)
-        if not host:  # every group in full, the window result chosen per head: no sync, no loop
-            out = self._window(step, rows, sdpa).reshape(b, H, 1, d)  # GPU kernels may return it strided
-            if T <= step.window.t_local:  # the window is the whole cache: nothing else to read
-                return out, None
-            real = step.real
-            mask = None if real is None else real[:, None, None, :]
-            full = sdpa(rows, key, value, attn_mask=mask, scale=scale).reshape(b, H, 1, d)
-            return torch.where(local[:, :, None, None], out, full), None
-        plan = HostPlan.read(step, local, read)  # the one host read of the step
         out = None
         if plan.any_local:  # the window, for the local heads
             out = self._window(step, rows, sdpa)  # [b, H_kv, G, d]
             if T <= step.window.t_local or not plan.pairs:  # nothing else to read
-                return out.reshape(b, H, 1, d), None
+                return out.reshape(b, H, 1, d)
         # the mask of the keys attended, built only where some row needs one (~100 us a layer on a 2-core CPU)
         if step.end is not None:  # a preallocated buffer: attend only as far as some row reaches
             key, value = key[:, :, : plan.reach], value[:, :, : plan.reach]
@@ -178,7 +213,7 @@ class SDPAExecutor(AttentionExecutor):
                             scale=scale, groups=run)[0]
         if out is not None:  # some heads local, among them maybe some of a read group's
             full = torch.where(local.reshape(b, H_kv, G, 1), out, full)
-        return full.reshape(b, H, 1, d), None
+        return full.reshape(b, H, 1, d)
 
     def _streams(self, step: DecodeStep, real: torch.Tensor | None) -> bool:
         """Whether qada's streamed kernel may attend this call's read groups (:attr:`streamed`): on the CPU in
@@ -231,6 +266,34 @@ class HostPlan(NamedTuple):
         ends, starts = bounds[:b], bounds[b:]
         reach = max(ends)
         return cls(pairs, any_local, reach, min(ends) == reach and not any(starts))
+
+    @classmethod
+    def dense(cls, step: DecodeStep) -> tuple[HostPlan, list[bool]]:
+        """The plan of the ``dense`` criterion's step (every row with a bulk reads it, every head of a row without
+        one is local) and which rows have no bulk: made from the rows' bounds alone, read in one host read where the
+        step has them."""
+        b, H_kv, t_local = step.batch_size, step.num_kv_heads, step.window.t_local
+        if step.end is None:  # a growing cache: every row ends at its length
+            starts = [0] * b if step.start is None else step.start.tolist()
+            ends, reach, unmasked = [step.length] * b, step.length, step.start is None
+        else:
+            bounds = (step.end if step.start is None else torch.cat([step.end, step.start])).tolist()
+            ends, starts = bounds[:b], bounds[b:] or [0] * b
+            reach = max(ends)
+            unmasked = min(ends) == reach and not any(starts)
+        bulkless = [end - start <= t_local for start, end in zip(starts, ends, strict=True)]
+        pairs = [(row, group) for row in range(b) if not bulkless[row] for group in range(H_kv)]
+        return cls(pairs, any(bulkless), reach, unmasked), bulkless
+
+
+def dense_row(has_bulk: torch.Tensor) -> torch.Tensor:
+    """The ``dense`` criterion's statistics row from ``has_bulk [b]`` bool, ``[5]`` float64 as a run's statistics
+    hold it (:class:`~qada.attention.triton_decode.StepStatistics`' ``row``): the fraction of heads local and of bulks
+    not read (the rows without a bulk), 1 (a step), no head forced dense, and ``kv_read`` 1 (a row without a bulk
+    reads its window, which is the whole row). Device work only."""
+    skipped = (~has_bulk).to(torch.float64).mean()
+    one, zero = torch.ones_like(skipped), torch.zeros_like(skipped)
+    return torch.stack([skipped, skipped, one, zero, one])
 
 
 def skips_on_host(host_skip: bool | None, device: torch.device) -> bool:

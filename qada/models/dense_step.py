@@ -1,13 +1,18 @@
-"""The layer step of a run whose criterion is ``dense``, on an executor that attends densely in its own launches.
+"""The layer step of a run whose criterion is ``dense``, on an executor that attends densely on its own.
 
 The ``dense`` criterion decides nothing: every head attends over its whole row (a row with no more tokens than the
-window is all local, as the group policy makes it). On the ``triton`` executor (:class:`~qada.attention.TritonExecutor`,
-and ``triton_fused``, which has no decision to fuse for it) :func:`dense_layer_step` is that step's whole device
-work, two launches: the split kernel reading every block of each row, and the combine kernel, whose last program also
-writes the step's statistics row (added to the run's sums) from the rows' bounds. The general
-:func:`~qada.models.layer_step.layer_step` made the same decision in eight kernels of its own before those two,
-compiled for a GPU (the decision, the group policy, the statistics, the window gather): qada's all-dense path, the
-dense anchor of a GPU benchmark, launches what a dense decode needs and no more.
+window is all local, as the group policy makes it). On an executor with ``attend_dense`` :func:`dense_layer_step` is
+that step's whole work:
+
+* ``triton`` (:class:`~qada.attention.TritonExecutor`, and ``triton_fused``, which has no decision to fuse for it):
+  two launches, the split kernel reading every block of each row and the combine kernel, whose last program also
+  writes the step's statistics row (added to the run's sums) from the rows' bounds. The general
+  :func:`~qada.models.layer_step.layer_step` made the same decision in eight kernels of its own before those two,
+  compiled for a GPU (the decision, the group policy, the statistics, the window gather): qada's all-dense path, the
+  dense anchor of a GPU benchmark, launches what a dense decode needs and no more.
+* ``sdpa`` (:class:`~qada.attention.SDPAExecutor`): on the CPU the rows' bounds are its one host read and every row
+  attends as the executor attends a read group (qada's streamed kernel, in float32), the statistics row made on the
+  host; the general step's decision, window attention and host plan (a compiled step of its own) are not computed.
 
 It returns a :class:`~qada.models.layer_step.LayerStepResult` with the attention's ``output``; its ``decided``,
 ``local`` and ``read`` are ``None`` (nothing computes them: :func:`dense_decision` makes them where an observer asks).
@@ -31,9 +36,9 @@ __all__ = ["dense_decision", "dense_layer_step", "takes_dense_step"]
 def takes_dense_step(criterion: HeadCriterion, moments: MomentSource | None, executor: Any) -> bool:
     """Whether a run's layer step is :func:`dense_layer_step`: the plain ``dense`` criterion (not a subclass, which
     may decide otherwise), no moment source fed (an observer that wants the estimate feeds it) and an executor that
-    attends densely in its own launches (``attend_dense``: ``triton``, and ``triton_fused``, which has no decision to
-    fuse here) and attends as that method does (a subclass that overrides ``attend`` but not ``attend_dense`` keeps
-    the general step, so that its own ``attend`` runs)."""
+    attends densely on its own (``attend_dense``: ``triton``, ``triton_fused``, which has no decision to fuse here,
+    and ``sdpa``) and attends as that method does (a subclass that overrides ``attend`` but not ``attend_dense``
+    keeps the general step, so that its own ``attend`` runs)."""
     from qada.criteria.baselines import DenseCriterion
 
     if type(criterion) is not DenseCriterion or moments is not None:

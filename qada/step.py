@@ -21,11 +21,10 @@ from qada.functional import (
     gather_window,
     log_bulk_mass,
     log_local_mass,
-    lognormal_log_bulk_from_moments,
 )
 from qada.functional.capping import add_sink_logits, log_mean_exp_score, soft_cap
 from qada.functional.checks import check_float, check_ndim, check_positive, group_size
-from qada.functional.lognormal import score_moments_unchecked
+from qada.functional.lognormal import log_bulk_from_mean_exp, score_moments_unchecked
 from qada.functional.masses import grouped_scores_unchecked
 from qada.window import Window
 
@@ -328,16 +327,23 @@ class DecodeStep:
     @cached_property
     def log_bulk_estimate(self) -> torch.Tensor:
         """``[b, H]`` lognormal estimate ``log T_bulk + mu_s + sigma_s^2/2`` (paper eq. 7); under a soft cap
-        ``log T_bulk + log E[exp(c tanh(s / c))]`` (:func:`~qada.functional.capping.log_mean_exp_score`)."""
-        mu_s, var_s = self.score_moments
-        return lognormal_log_bulk_from_moments(mu_s, var_s, self.t_bulk, self.softcap)
+        ``log T_bulk + log E[exp(c tanh(s / c))]`` (:func:`~qada.functional.capping.log_mean_exp_score`): from
+        :attr:`log_mean_exp_bulk`."""
+        return log_bulk_from_mean_exp(self.log_mean_exp_bulk, self.t_bulk)
 
     @cached_property
     def log_mean_exp_bulk(self) -> torch.Tensor:
         """``[b, H]`` ``log E[exp(s)]`` of one bulk score under the lognormal model (capped when the step has a
-        ``softcap``): ``mu_s + sigma_s^2 / 2`` without a cap."""
+        ``softcap``): ``mu_s + sigma_s^2 / 2`` without a cap; the value given by :meth:`take_log_mean_exp` where
+        one was."""
         mu_s, var_s = self.score_moments
         return log_mean_exp_score(mu_s, var_s, self.softcap)
+
+    def take_log_mean_exp(self, log_mean_exp: torch.Tensor) -> None:
+        """Take :attr:`log_mean_exp_bulk` (``[b, H]`` float32) as computed elsewhere from this step's moments and
+        queries (the moment step's launch, :class:`~qada.attention.moment_step.BulkEstimate`), instead of from
+        :attr:`score_moments` here: a criterion that reads only the estimate then computes no score moments."""
+        self.__dict__["log_mean_exp_bulk"] = log_mean_exp
 
     # --- bookkeeping -------------------------------------------------------------------------------------
     def share(self, *, window_keys: torch.Tensor, window_valid: torch.Tensor, window_values: torch.Tensor,

@@ -371,11 +371,14 @@ UNFUSED_SCRIPT = textwrap.dedent(
 def test_the_compiled_torch_step_on_cuda_makes_its_few_row_products_loops():
     """The layer step compiled for a CUDA GPU with a criterion the kernels do not decide (here on ``triton``): its
     window scores, heavy keys and page bounds (a KV group's few query heads against keys) are reductions in
-    Inductor's own kernels (:func:`~qada.models.layer_step.gpu_step_options`), not a cuBLAS launch each."""
+    Inductor's own kernels (:func:`~qada.models.layer_step.gpu_step_options`), not a cuBLAS launch each; the stored
+    source's step is its one launch (``moment_launch``), first, where Inductor made several kernels of it."""
     rows = rows_on_fake_cuda(UNFUSED_SCRIPT, 40)
     for name, row in rows.items():
         assert row["extern"] == 0, (name, row["kernels"])
         assert row["inductor"] > 0
+        launches = [k["name"] for k in row["kernels"] if k["kind"] == "launch"]
+        assert launches == ["stored_moment_step_kernel"] == [row["kernels"][0]["name"]], (name, row["kernels"])
 
 
 DENSE_SCRIPT = textwrap.dedent(

@@ -108,6 +108,14 @@ class BulkEstimate(NamedTuple):
     pdl: bool = False
     page_tops: Any = None
 
+    @classmethod
+    def uncapped(cls, query: torch.Tensor, scale: float) -> BulkEstimate:
+        """The estimate of ``query [b, H, d]`` without a soft cap (no Gauss-Hermite rule to read), into a new ``out``,
+        and no decision: what the general layer step's moment launch writes (``moment_launch`` of
+        :func:`~qada.models.layer_step.layer_step`)."""
+        out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        return cls(query, scale, None, out, out, out)
+
     def kernel_args(self) -> tuple[tuple, tuple]:
         """``(Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN)`` and ``(stride_qb, stride_qh, stride_qd,
         scale, softcap, n_nodes, C, t_sink, log_tau)``, the decision's placeholders where there is none."""

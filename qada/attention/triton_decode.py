@@ -125,6 +125,18 @@ class TritonExecutor(AttentionExecutor):
         if self.num_warps & (self.num_warps - 1):  # Triton launches a power of two of warps
             raise ValueError(f"expected num_warps to be a power of two but got {self.num_warps}")
 
+    @property
+    def moment_launch(self) -> bool:
+        """Whether a run's general layer step (a criterion whose decision these kernels do not make) steps the
+        moment source in one launch where the source has a kernel (``moment_launch`` of
+        :func:`~qada.models.layer_step.layer_step`): on a GPU, where the source's torch step compiled to several
+        kernels; not under Triton's interpreter, which ``torch.compile`` cannot trace (the CPU's tests)."""
+        try:
+            from qada.attention import _triton_kernel
+        except ImportError:  # no Triton: nothing of this executor runs
+            return False
+        return not _triton_kernel.INTERPRETED
+
     def to_device(self, device: torch.device) -> None:
         """Check, eagerly at a run's prefill, that the kernels can run on ``device`` (a compiled step does not)."""
         name = "triton_fused" if getattr(self, "fuses_decision", False) else "triton"

@@ -17,7 +17,8 @@ import torch
 from qada.functional.capping import log_mean_exp_score
 from qada.functional.checks import accumulation_dtype, check_float, check_ndim, group_size
 
-__all__ = ["lognormal_log_bulk_from_moments", "lognormal_log_bulk_mass", "lognormal_score_moments"]
+__all__ = ["log_bulk_from_mean_exp", "lognormal_log_bulk_from_moments", "lognormal_log_bulk_mass",
+           "lognormal_score_moments"]
 
 
 def lognormal_score_moments(
@@ -81,6 +82,11 @@ def lognormal_log_bulk_from_moments(mu_s: torch.Tensor, var_s: torch.Tensor, t_b
     check_ndim("t_bulk", t_bulk, 1, "[batch]")
     if t_bulk.shape[0] != mu_s.shape[0]:
         raise ValueError(f"expected t_bulk of shape [{mu_s.shape[0]}] but got {tuple(t_bulk.shape)}")
-    log_t = torch.log(t_bulk.to(device=mu_s.device, dtype=mu_s.dtype))[:, None]
-    estimate = log_t + log_mean_exp_score(mu_s, var_s, softcap)
-    return estimate.masked_fill(t_bulk.to(mu_s.device)[:, None] <= 0, float("-inf"))  # no host->device copy
+    return log_bulk_from_mean_exp(log_mean_exp_score(mu_s, var_s, softcap), t_bulk)
+
+
+def log_bulk_from_mean_exp(log_mean_exp: torch.Tensor, t_bulk: torch.Tensor) -> torch.Tensor:
+    """``log T_bulk + log E[exp(s)]`` (eq. 7) from each head's ``log_mean_exp [b, H]`` of one bulk score and
+    ``t_bulk [b]`` (``-inf`` where 0); unchecked."""
+    log_t = torch.log(t_bulk.to(device=log_mean_exp.device, dtype=log_mean_exp.dtype))[:, None]
+    return (log_t + log_mean_exp).masked_fill(t_bulk.to(log_mean_exp.device)[:, None] <= 0, float("-inf"))

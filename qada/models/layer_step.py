@@ -127,6 +127,7 @@ def layer_step(
     policy: str,
     attend_window: bool = False,
     host_plan: bool | None = False,
+    moment_launch: bool = False,
 ) -> LayerStepResult:
     """The decision of one decode step of one layer, and what the executor reuses.
 
@@ -147,9 +148,26 @@ def layer_step(
             instead of an attention call of its own), merged with the extra set's where there is one.
         host_plan: also what a host-skipping executor reads of the decision, packed into one tensor (``True``: on
             every device; ``None``: where the query is on the CPU; ``False``: never): its host read is then one call.
+        moment_launch: the moment source's step as one Triton launch where the source has one
+            (:func:`~qada.models.fused_step.fused_moment_step`: the plain ``stored`` and ``current`` sources), for an
+            executor on a GPU (:attr:`~qada.attention.TritonExecutor.moment_launch`): compiled for a GPU, the
+            source's torch step was several kernels of Inductor's. Without a soft cap the same launch also writes
+            each head's ``log E[exp(s)]`` (:class:`~qada.attention.moment_step.BulkEstimate`), which eq. 7 then
+            reads (:meth:`~qada.step.DecodeStep.take_log_mean_exp`): two kernels of the score moments fewer. The
+            same moments and estimate up to float rounding.
     """
+    step_moments = estimate = None
+    if moment_launch and moments is not None:
+        from qada.attention.moment_step import BulkEstimate
+        from qada.models.fused_step import fused_moment_step
+
+        if softcap is None:  # (under a cap the estimate needs the Gauss-Hermite rule: the step computes it)
+            estimate = BulkEstimate.uncapped(query[:, :, 0], scale)
+        step_moments = functools.partial(fused_moment_step, moments, estimate=estimate)
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
-                            sink_logits, softcap, moments, window)
+                            sink_logits, softcap, moments, window, step_moments)
+    if estimate is not None:  # log E[exp(s)] written by the same launch: eq. 7 needs no score moments
+        step.take_log_mean_exp(estimate.out)
     decided = criterion(step)
     local, read = apply_group_policy(decided, step.has_bulk, step.num_kv_heads, policy)
     counts = statistics_row(step, local, read, step.forced_heads, criterion)
@@ -270,10 +288,11 @@ class LayerStep:
     """
 
     def __init__(self, criterion: HeadCriterion, moments: MomentSource | None, window: Window, policy: str,
-                 backend: str | None, attend_window: bool = False, host_plan: bool | None = False) -> None:
+                 backend: str | None, attend_window: bool = False, host_plan: bool | None = False,
+                 moment_launch: bool = False) -> None:
         self.criterion, self.moments, self.backend = criterion, moments, backend
         bound = dict(criterion=criterion, moments=moments, window=window, policy=policy, attend_window=attend_window,
-                     host_plan=host_plan)
+                     host_plan=host_plan, moment_launch=moment_launch)
         self._bound = bound
         self.eager = functools.partial(layer_step, **bound)
         self.eager_reason: str | None = None
@@ -337,7 +356,7 @@ class LayerStep:
         it; returns its keyword arguments (the components and ``executor``)."""
         # the executor attends over the window itself, without a host read: the step takes the components only
         self._bound = {name: value for name, value in self._bound.items()
-                       if name not in ("attend_window", "host_plan")}
+                       if name not in ("attend_window", "host_plan", "moment_launch")}
         bound = dict(self._bound, executor=executor)
         self.fused = executor
         self.eager = functools.partial(function, **bound)

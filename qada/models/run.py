@@ -109,8 +109,9 @@ class QAdARun:
             policy = getattr(self.executor, "group_policy", "exact")
             attend_window = getattr(self.executor, "uses_window_output", False)
             host_plan = getattr(self.executor, "host_plan", False)
+            moment_launch = getattr(self.executor, "moment_launch", False)
             self._step = LayerStep(self.criterion, moments, self.window, policy, self.backend, attend_window,
-                                   host_plan)
+                                   host_plan, moment_launch)
             if takes_dense_step(self.criterion, moments, self.executor):
                 self._step.take_dense_step(self.executor)
             elif getattr(self.executor, "fuses_decision", False):

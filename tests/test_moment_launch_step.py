@@ -1,0 +1,89 @@
+"""The general layer step with the moment source's step as one Triton launch (``moment_launch``): what a run on the
+``triton`` executor compiles for a GPU, where the source's torch step was several of Inductor's kernels. On the CPU
+the launch runs in Triton's interpreter, eagerly: the same decisions, statistics and tokens as the torch step."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must happen before triton is imported anywhere
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from tiny_models import tiny_model  # noqa: E402
+
+from qada import step as step_module  # noqa: E402
+from qada.attention import EXECUTORS, TritonExecutor, _triton_kernel  # noqa: E402
+from qada.models.layer_step import LayerStep  # noqa: E402
+from qada.moments.reference import collect_reference_keys  # noqa: E402
+from tests.test_attention_triton import DEVICE  # noqa: E402
+from tests.test_fused_decision import greedy, make_run  # noqa: E402
+from tests.triton_launches import LaunchRecorder  # noqa: E402
+
+CRITERIA = {"qada": {"name": "qada", "tau": 0.3}, "qada_tail": {"name": "qada_tail", "tau": 0.3, "page_size": 4}}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama").to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    return collect_reference_keys(model, ids, chunk_size=16)
+
+
+def test_the_triton_executor_asks_for_the_launch_on_a_gpu_only():
+    """Not under Triton's interpreter (``torch.compile`` cannot trace it: the CPU's compiled steps stay torch); a
+    run passes the executor's choice to its layer step, and the fused and dense steps do not take it."""
+    executor = EXECUTORS.build("triton")
+    assert executor.moment_launch is (not _triton_kernel.INTERPRETED)
+    assert getattr(EXECUTORS.build("sdpa"), "moment_launch", False) is False
+    run = make_run("current", {"name": "triton", "block_size": 16}, None)
+    assert run.layer_step._bound["moment_launch"] is executor.moment_launch
+    fused = make_run("current", {"name": "triton_fused", "block_size": 16}, None)
+    assert "moment_launch" not in fused.layer_step._bound
+
+
+@pytest.mark.parametrize("source", ["stored", "current"])
+@pytest.mark.parametrize("criterion", sorted(CRITERIA))
+def test_the_moment_launch_decides_as_the_torch_step(monkeypatch, model, reference, source, criterion):
+    """The tiny model on ``triton`` (eager steps, a static cache): with the launch, each layer step launches the
+    source's kernel once and the decode gives the torch step's tokens and statistics (the launch's moments and plain
+    qada's estimate, written by the same launch, equal the torch step's up to float rounding; no ratio lies that
+    close to tau here)."""
+    executor = {"name": "triton", "block_size": 16}
+    torch_tokens, torch_summary = greedy(model, make_run(source, executor, reference, CRITERIA[criterion]), "static",
+                                         steps=3)
+    monkeypatch.setattr(TritonExecutor, "moment_launch", property(lambda self: True))
+    run = make_run(source, executor, reference, CRITERIA[criterion])
+    assert run.layer_step._bound["moment_launch"] is True
+    record = LaunchRecorder(monkeypatch)
+    steps: list[list[str]] = []
+    original = LayerStep.__call__
+
+    def recorded(self, buffered, *args):
+        launches = len(record.launches)
+        result = original(self, buffered, *args)
+        steps.append([name for name, _ in record.launches[launches:]])
+        return result
+
+    monkeypatch.setattr(LayerStep, "__call__", recorded)
+    moments_computed = []  # eq. 5-6 in torch: the plain qada criterion reads the launch's estimate instead
+    score_moments = step_module.score_moments_unchecked
+    monkeypatch.setattr(step_module, "score_moments_unchecked",
+                        lambda *args: moments_computed.append(1) or score_moments(*args))
+    with record:
+        tokens, summary = greedy(model, run, "static", steps=3)
+    assert steps and all(launches == [f"{source}_moment_step_kernel"] for launches in steps), steps
+    assert (len(moments_computed) == 0) is (criterion == "qada"), len(moments_computed)  # qada_tail: its moments
+    assert torch.equal(tokens, torch_tokens)
+    for key in ("sparsity", "kv_sparsity", "kv_read"):
+        assert summary[key] == pytest.approx(torch_summary[key], abs=1e-12), key
+    assert 0.0 < summary["sparsity"] < 1.0  # not vacuous: some heads local, some dense

@@ -30,6 +30,7 @@ from qada.moments import StoredMoments  # noqa: E402
 from qada.step import DecodeStep  # noqa: E402
 from qada.window import Window  # noqa: E402
 from tests.test_attention_triton import DEVICE  # noqa: E402
+from tests.test_dense_step_sdpa import assert_same_dense_decisions  # noqa: E402
 from tests.test_fused_decision import greedy  # noqa: E402
 from tests.triton_launches import ALLOCATIONS_AND_VIEWS, LaunchRecorder, refusing_host_reads  # noqa: E402
 
@@ -168,11 +169,7 @@ def test_model_decodes_the_same_through_the_dense_step(model, monkeypatch, cache
     sdpa_tokens, _ = greedy(model, dense_run("sdpa"), cache, steps=3)
     assert torch.equal(tokens, general_tokens) and torch.equal(tokens, sdpa_tokens)
     assert summary == general_summary and summary["sparsity"] == 0 and summary["kv_read"] == 1
-    events, general_events = run.observers[0].events, general.observers[0].events
-    assert len(events) == len(general_events) == 3 * model.config.num_hidden_layers
-    for event, expected in zip(events, general_events, strict=True):
-        assert torch.equal(event.local, expected.local) and not event.local.any()
-        assert torch.equal(event.effective_local, expected.effective_local)
+    assert_same_dense_decisions(run, general, 3 * model.config.num_hidden_layers)
 
 
 def test_model_dense_step_launches_two_kernels_per_layer(model, monkeypatch):

@@ -177,8 +177,14 @@ def test_model_decodes_the_same_through_the_dense_step(model, monkeypatch, cache
     assert general.layer_step.fused is None
     assert torch.equal(tokens, general_tokens)
     assert summary == general_summary and summary["sparsity"] == 0 and summary["kv_read"] == 1
+    assert_same_dense_decisions(run, general, 3 * model.config.num_hidden_layers)
+
+
+def assert_same_dense_decisions(run, general, steps):
+    """The dense step's ``run`` and the general step's ``general`` recorded (``DecisionRecorder``, their first
+    observer) the same ``steps`` layer steps' decisions, every head dense."""
     events, general_events = run.observers[0].events, general.observers[0].events
-    assert len(events) == len(general_events) == 3 * model.config.num_hidden_layers
+    assert len(events) == len(general_events) == steps
     for event, expected in zip(events, general_events, strict=True):
         assert torch.equal(event.local, expected.local) and not event.local.any()
         assert torch.equal(event.effective_local, expected.effective_local)

@@ -132,10 +132,7 @@ class SDPAExecutor(AttentionExecutor):
         out = self._window(step, rows, sdpa).reshape(b, H, 1, d)  # GPU kernels may return it strided
         if step.length <= step.window.t_local:  # the window is the whole cache: nothing else to read
             return out, None
-        real = step.real
-        mask = None if real is None else real[:, None, None, :]
-        full = sdpa(rows, step.keys, step.values, attn_mask=mask, scale=step.scale).reshape(b, H, 1, d)
-        return torch.where(local[:, :, None, None], out, full), None
+        return torch.where(local[:, :, None, None], out, _whole_rows(step, rows, sdpa)), None
 
     def attend_dense(self, step: DecodeStep, add_to: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, None, torch.Tensor]:
@@ -154,11 +151,8 @@ class SDPAExecutor(AttentionExecutor):
             row = torch.tensor([skipped, skipped, 1.0, 0.0, 1.0], dtype=torch.float64, device=step.device)
         else:
             rows = step.query.reshape(b, step.num_kv_heads, H // step.num_kv_heads, d)
-            real = step.real
-            mask = None if real is None else real[:, None, None, :]
-            output = _attention_for(step)(rows, step.keys, step.values, attn_mask=mask, scale=step.scale)
-            output = output.reshape(b, H, 1, d)
-            row = dense_row(step.t_bulk > 0)
+            output = _whole_rows(step, rows, _attention_for(step))
+            row = dense_row(step.has_bulk)
         if add_to is not None:
             sums, layer = add_to
             sums.index_add_(0, layer.reshape(1), row[None])
@@ -263,9 +257,7 @@ class HostPlan(NamedTuple):
         bounds = rest[local.numel() :]
         if not bounds:  # a growing cache: every row ends at its length
             return cls(pairs, any_local, step.length, step.start is None)
-        ends, starts = bounds[:b], bounds[b:]
-        reach = max(ends)
-        return cls(pairs, any_local, reach, min(ends) == reach and not any(starts))
+        return cls(pairs, any_local, *_reach(bounds[:b], bounds[b:]))
 
     @classmethod
     def dense(cls, step: DecodeStep) -> tuple[HostPlan, list[bool]]:
@@ -279,11 +271,26 @@ class HostPlan(NamedTuple):
         else:
             bounds = (step.end if step.start is None else torch.cat([step.end, step.start])).tolist()
             ends, starts = bounds[:b], bounds[b:] or [0] * b
-            reach = max(ends)
-            unmasked = min(ends) == reach and not any(starts)
+            reach, unmasked = _reach(ends, starts)
         bulkless = [end - start <= t_local for start, end in zip(starts, ends, strict=True)]
         pairs = [(row, group) for row in range(b) if not bulkless[row] for group in range(H_kv)]
         return cls(pairs, any(bulkless), reach, unmasked), bulkless
+
+
+def _reach(ends: list[int], starts: list[int]) -> tuple[int, bool]:
+    """``(reach, unmasked)`` of :class:`HostPlan` for a buffer's rows ending at ``ends`` and starting at ``starts``
+    (empty: all at 0)."""
+    reach = max(ends)
+    return reach, min(ends) == reach and not any(starts)
+
+
+def _whole_rows(step: DecodeStep, rows: torch.Tensor, sdpa) -> torch.Tensor:
+    """Every head of ``step`` over its whole row under the mask of the keys attended (none for full rows), on the
+    device: ``[b, H, 1, d]`` from its query ``rows [b, H_kv, G, d]`` and ``sdpa`` (:func:`_attention_for`)."""
+    b, H, d = step.query.shape
+    real = step.real
+    mask = None if real is None else real[:, None, None, :]
+    return sdpa(rows, step.keys, step.values, attn_mask=mask, scale=step.scale).reshape(b, H, 1, d)
 
 
 def dense_row(has_bulk: torch.Tensor) -> torch.Tensor:

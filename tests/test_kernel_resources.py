@@ -101,8 +101,8 @@ def test_kernels_compile_as_torch_compile_launches_them():
     kernels = compile_decode_steps("fp64", ((9, 3, 64), (16, 8, 256)))
     names = {k["kernel"] for k in kernels}
     assert names >= {"qada_fused_split_kernel", "qada_tail_fused_split_kernel", "current_moment_step_kernel",
-                     "qada_decode_split_kernel", "qada_decode_combine_kernel", "qada_budget_decision_kernel",
-                     "qada_budget_score_kernel"}, names
+                     "qada_decode_split_kernel", "qada_decode_combine_kernel", "qada_budget_score_kernel"}, names
+    assert any(k["kernel"] == "qada_decode_split_kernel" and k["flags"].get("RANK") for k in kernels)
     assert any(k["flags"].get("PAGE_TOPS") for k in kernels), "no launch ran page-top programs"
     assert any(k["flags"].get("SOFTCAP") for k in kernels)
 
@@ -111,8 +111,8 @@ def test_kernels_compile_as_torch_compile_launches_them():
 def test_every_kernel_of_a_decode_step_was_compiled(kernels):
     names = {k["kernel"] for k in kernels}
     assert names >= {"qada_decode_split_kernel", "qada_decode_combine_kernel", "current_moment_step_kernel",
-                     "qada_fused_split_kernel", "qada_tail_fused_split_kernel", "qada_budget_decision_kernel",
-                     "qada_budget_score_kernel"}
+                     "qada_fused_split_kernel", "qada_tail_fused_split_kernel", "qada_budget_score_kernel"}
+    assert any(k["kernel"] == "qada_decode_split_kernel" and k["flags"].get("RANK") for k in kernels)
     assert "qada_tail_page_top_kernel" not in names  # (a step's page-top programs run in its moment launch)
     tops = [k for k in kernels if k["kernel"] == "current_moment_step_kernel" and k["flags"].get("PAGE_TOPS")]
     assert tops, "no moment step at the longer cache ran page-top programs"
@@ -150,11 +150,14 @@ def test_only_the_splits_that_hold_the_most_state_are_capped_and_compile_within_
 @pytest.mark.slow
 def test_the_attention_inside_the_fused_kernels_is_pipelined_as_the_plain_split(kernels):
     """A split that attends issues its next blocks' loads asynchronously (``cp.async``) while it computes, as the
-    plain ``triton`` split does; before, the decision made in the fused kernels left their attention loop
-    unpipelined (bounds derived from the window loop's result)."""
-    plain = {k["configs"][0][0]: k["async_copies"] for k in kernels if k["kernel"] == "qada_decode_split_kernel"}
+    plain ``triton`` split does, and so does the split that ranks a budget's scores; before, the decision made in
+    the fused kernels left their attention loop unpipelined (bounds derived from the window loop's result)."""
+    plain = {k["configs"][0][0]: k["async_copies"] for k in kernels if k["kernel"] == "qada_decode_split_kernel"
+             and not k["flags"].get("RANK") and not k["flags"].get("ALL_DENSE")}
     attending = [k for k in kernels if k["kernel"].endswith("fused_split_kernel") and k["flags"].get("ATTEND")]
-    assert attending and all(n > 0 for n in plain.values())
+    ranking = [k for k in kernels if k["kernel"] == "qada_decode_split_kernel" and k["flags"].get("RANK")]
+    attending += ranking  # (the split that ranks a budget's scores: its bounds come from the ranking)
+    assert attending and ranking and all(n > 0 for n in plain.values())
     for k in attending:
         label = k["configs"][0][0]
         assert k["async_copies"] >= plain[label], (k["kernel"], k["flags"], label, k["async_copies"], plain[label])

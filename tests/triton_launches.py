@@ -59,9 +59,9 @@ def fused_step_launches(source: str, criterion: str, decide_once: bool = False) 
     """The kernels one ``triton_fused`` layer step launches, in order: the moment step of ``source`` (``stored`` or
     ``current``; it runs a ``qada_tail`` step's page-top programs too, where its pages are spread over them), the
     fused split of ``criterion`` (``qada``, or a name starting ``qada_tail``; none for ``qada`` with
-    ``decide_once``: the moment step's launch decides; ``qada_budget...``: its score launch instead), a budget's
-    ranking (``qada_tail_budget...``, ``qada_budget...``), the ``triton`` split where the decision is made apart
-    (``decide_once`` or a budget), then the combine."""
+    ``decide_once``: the moment step's launch decides; ``qada_budget...``: its score launch instead), the ``triton``
+    split where the decision is made apart (``decide_once`` or a budget, which that split ranks), then the
+    combine."""
     tail = criterion.startswith("qada_tail")
     if criterion.startswith("qada_budget"):
         split = ["qada_budget_score_kernel"]
@@ -70,6 +70,5 @@ def fused_step_launches(source: str, criterion: str, decide_once: bool = False) 
     else:
         split = []
     budget = criterion.startswith(("qada_tail_budget", "qada_budget"))
-    rank = ["qada_budget_decision_kernel"] if budget else []
-    apart = ["qada_decode_split_kernel"] if decide_once or rank else []
-    return [f"{source}_moment_step_kernel", *split, *rank, *apart, "qada_decode_combine_kernel"]
+    apart = ["qada_decode_split_kernel"] if decide_once or budget else []
+    return [f"{source}_moment_step_kernel", *split, *apart, "qada_decode_combine_kernel"]

@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from qada.attention._budget_rank import budget_group_decision
+
 try:  # programmatic dependent launch (Triton >= 3.3): the kernels use it only when asked, on sm_90+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -247,7 +249,7 @@ def attend_split(
 
 @triton.jit
 def qada_decode_split_kernel(
-    Q, K, V, LOCAL, START, END, ACC, M, L, COUNTS,
+    Q, K, V, LOCAL, START, END, ACC, M, L, COUNTS, SCORE, COUNT, DECIDED, BROKEN, READ,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -257,7 +259,8 @@ def qada_decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
-    ALL_DENSE: tl.constexpr,
+    ALL_DENSE: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+    PER_GROUP: tl.constexpr, PROMOTE: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split of its virtual block list, for all ``G`` query heads.
 
@@ -273,7 +276,12 @@ def qada_decode_split_kernel(
     dependent launch after the launch that wrote ``LOCAL``) it lets the combine launch start, and waits for the
     previous launch before reading ``LOCAL``. With ``ALL_DENSE`` every head attends over its whole row (the
     ``dense`` criterion's decision: a row without a bulk attends over its window, as the group policy makes it
-    local) and ``LOCAL`` is not read.
+    local) and ``LOCAL`` is not read. With ``RANK`` the decision is the budget rule's, made in each program
+    (:func:`~qada.attention._budget_rank.budget_group_decision`: the row's heads of ``SCORE [b, H]`` float32 ranked,
+    the layer's ``COUNT`` (0-d int64) best local, per KV group with ``PER_GROUP``, the group policy ``PROMOTE``;
+    ``BLOCK_H >= H``, ``BLOCK_KV >= H_kv``), and split 0 of each (row, KV head) writes it: ``DECIDED``, ``LOCAL``
+    (contiguous, the effective mask), ``BROKEN [b, H]`` and ``READ [b, H_kv]`` (bool, as bytes). Without,
+    ``SCORE``, ``COUNT``, ``DECIDED``, ``BROKEN`` and ``READ`` are not read (any tensor may stand for them).
     """
     qk_scale, softcap = as_float32(qk_scale), as_float32(softcap)  # (fp64 where torch.compile launches)
     let_next_start(PDL)
@@ -290,9 +298,12 @@ def qada_decode_split_kernel(
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
     has_bulk = t_bulk > 0
 
-    wait_for_previous(PDL)  # (the decision: LOCAL)
+    wait_for_previous(PDL)  # (the decision: LOCAL, or the scores ranked)
     if ALL_DENSE:
         dense = g_ok  # [BLOCK_G]
+    elif RANK:  # the budget rule, made here (split 0 writes the decision)
+        dense = budget_group_decision(SCORE, COUNT, DECIDED, LOCAL, BROKEN, READ, row, kv_head, split, has_bulk, H_KV,
+                                      G, BLOCK_G, BLOCK_H, BLOCK_KV, PER_GROUP, PROMOTE)
     else:
         is_local = tl.load(LOCAL + row64 * stride_lb + heads.to(tl.int64) * stride_lh, mask=g_ok, other=1)
         dense = (is_local == 0) & g_ok  # [BLOCK_G]

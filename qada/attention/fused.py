@@ -57,6 +57,7 @@ from qada.attention.base import GroupDecision, register_executor
 from qada.attention.moment_step import BulkEstimate, EstimateDecision, estimate_launch
 from qada.attention.page_tops import PageTops
 from qada.attention.triton_decode import (
+    BudgetRank,
     ExtraAttention,
     StepStatistics,
     TailReads,
@@ -311,6 +312,12 @@ class FusedBudget(NamedTuple):
     count: torch.Tensor
     per_group: bool = False
 
+    def rank(self, score: torch.Tensor, policy: str, flags: tuple[torch.Tensor, ...]) -> BudgetRank:
+        """The rule as the ``triton`` split launch makes it (:class:`~qada.attention.triton_decode.BudgetRank`):
+        ``score [b, H]`` ranked, the group ``policy``, writing ``flags`` (decided, local, broken: each ``[b, H]``;
+        the launch's ``decision`` holds local and the bulks read)."""
+        return BudgetRank(score, self.count, self.per_group, policy == "promote", flags[0], flags[2])
+
 
 def _score_precision(dtype: torch.dtype) -> tuple[str | None, bool]:
     """How the kernels compute window scores for queries of ``dtype``: ``(INPUT_PRECISION, DOT_FP32)`` (``ieee``
@@ -500,10 +507,10 @@ class FusedTritonExecutor(TritonExecutor):
         with ``tail``, the ``qada_tail`` decision (:mod:`qada.attention._fused_tail_kernel`), whose split launch
         also makes the step's key join its page in ``tail``'s extrema (in place, as
         :func:`~qada.criteria.tail_index.append_step_key` does); with ``tail`` and ``budget``, the
-        ``qada_tail_budget`` decision (``tau`` unused) in four launches: the tail kernel writes each head's score
-        (one program per (row, KV head)), :mod:`qada.attention._fused_budget_kernel` ranks a row's heads (one
-        program per row), then the ``triton`` split and combine launches; with ``budget`` alone, the ``qada_budget``
-        decision so (:meth:`_budget_decision`: eq. 7's scores).
+        ``qada_tail_budget`` decision (``tau`` unused) in three launches: the tail kernel writes each head's score
+        (one program per (row, KV head)), then the ``triton`` split launch, each of whose programs ranks its row's
+        heads (:class:`~qada.attention.triton_decode.BudgetRank`: no launch of its own), and the combine launch; with
+        ``budget`` alone, the ``qada_budget`` decision so (:meth:`_budget_decision`: eq. 7's scores).
 
         Reads ``step.query [b, H, d]``, ``keys, values [b, H_kv, C, d]``, ``start``, ``end``, the window, the scale,
         ``softcap``, ``sink_logits [H]`` and ``step.bulk_moments`` (mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``,
@@ -622,13 +629,12 @@ class FusedTritonExecutor(TritonExecutor):
                                **common,
                                **constants, **tail.split_constants(), **cap,
                                **pdl_launch_options(pdl and stretches == 1))  # (not with page-top lists: merged first)
-        if budget is not None:
-            self._rank(step, log_ratio, budget, flags, read, policy)
         tail_reads = None if tail is None else tail.reads()
         statistics = StepStatistics.of(step, flags[1], read, flags[2], tail_reads, add_to)
         row = statistics.row
-        if apart:  # the triton executor's two launches on the decision just made
-            done = self.launch(step, GroupDecision(flags[1], read), statistics, pdl, extra)
+        if apart:  # the triton executor's two launches on the decision just made (a budget: ranked in the split)
+            rank = None if budget is None else budget.rank(log_ratio, policy, flags)
+            done = self.launch(step, GroupDecision(flags[1], read), statistics, pdl, extra, rank)
             return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts,
                                log_ratio, n_exact, row)
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)
@@ -640,8 +646,8 @@ class FusedTritonExecutor(TritonExecutor):
         """The ``qada_budget`` decision (:class:`~qada.criteria.BudgetedQAdACriterion`, eq. 7's scores ranked) and
         the attention: a launch of one program per (row, KV head) writes each head's score
         (:func:`~qada.attention._fused_budget_kernel.qada_budget_score_kernel`, from ``log_mean_exp``, the moment step
-        launch's ``[b, H]``; ``None``: one estimate launch more makes it), one per row ranks them (:meth:`_rank`),
-        then the ``triton`` executor's split and combine launches."""
+        launch's ``[b, H]``; ``None``: one estimate launch more makes it), then the ``triton`` executor's split launch,
+        which ranks them (:meth:`FusedBudget.rank`), and its combine launch."""
         from qada.attention import _fused_budget_kernel, _triton_kernel
 
         query, key = step.query, step.keys
@@ -669,9 +675,9 @@ class FusedTritonExecutor(TritonExecutor):
             HAS_END=end is not None, SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None,
             INPUT_PRECISION=input_precision, DOT_FP32=dot_fp32, num_warps=self.num_warps,
         )  # fmt: skip
-        self._rank(step, score, budget, flags, read, policy)
         statistics = StepStatistics.of(step, flags[1], read, flags[2], add_to=add_to)
-        done = self.launch(step, GroupDecision(flags[1], read), statistics, self.programmatic(device))
+        done = self.launch(step, GroupDecision(flags[1], read), statistics, self.programmatic(device),
+                           rank=budget.rank(score, policy, flags))
         return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts, score, None,
                            statistics.row)
 
@@ -703,27 +709,6 @@ class FusedTritonExecutor(TritonExecutor):
         if self.decide_once is not None:
             return self.decide_once
         return tail is not None and tail.bounded_pages() > self.pages_per_program
-
-    def _rank(self, step: DecodeStep, score: torch.Tensor, budget: FusedBudget, flags: tuple[torch.Tensor, ...],
-              read: torch.Tensor, policy: str) -> None:
-        """The budget launch: each row's best ``budget.count`` heads (groups) of ``score [b, H]`` local, the group
-        policy, into ``flags`` (decided, local, broken: each ``[b, H]``) and ``read [b, H_kv]`` (bool)."""
-        from qada.attention import _fused_budget_kernel, _triton_kernel
-
-        b, H = score.shape
-        H_kv = read.shape[1]
-        start, end = step.start, step.end
-        if budget.count.shape != () or budget.count.dtype != torch.long:
-            raise ValueError(f"expected the budget's count as a 0-d int64 tensor but got {budget.count.dtype} "
-                             f"{tuple(budget.count.shape)}")
-        _triton_kernel.run(
-            _fused_budget_kernel.qada_budget_decision_kernel, (b,),
-            score, score if start is None else start, score if end is None else end, budget.count,
-            flags[0], flags[1], flags[2], read, step.length, step.window.t_local,
-            H=H, G=H // H_kv, H_KV=H_kv, BLOCK_H=_tile(H), BLOCK_KV=_tile(H_kv),
-            PER_GROUP=budget.per_group, PROMOTE=policy == "promote", HAS_START=start is not None,
-            HAS_END=end is not None,
-        )  # fmt: skip
 
     def _launch_page_tops(self, page_tops: PageTops) -> PageTops:
         """The page-top launch of its own: ``page_tops.stretches`` programs per (row, KV head), each filling its

@@ -25,8 +25,8 @@ import torch
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
 from qada.step import DecodeStep
 
-__all__ = ["TRITON_DTYPES", "ExtraAttention", "StepStatistics", "TailReads", "TritonExecutor", "TritonLaunch",
-           "check_triton_runtime"]
+__all__ = ["TRITON_DTYPES", "BudgetRank", "ExtraAttention", "StepStatistics", "TailReads", "TritonExecutor",
+           "TritonLaunch", "check_triton_runtime"]
 
 _LOG2E = 1.4426950408889634  # the kernel works in base 2: exp(x) = exp2(x * log2(e))
 
@@ -163,7 +163,7 @@ class TritonExecutor(AttentionExecutor):
         return done.output, done.bulk_blocks, statistics.row
 
     def launch(self, step: DecodeStep, decision: GroupDecision | None, statistics: StepStatistics | None = None,
-               pdl: bool = False, extra: ExtraAttention | None = None) -> TritonLaunch:
+               pdl: bool = False, extra: ExtraAttention | None = None, rank: BudgetRank | None = None) -> TritonLaunch:
         """Run both kernels on ``step`` (reads ``query``, ``keys``, ``values``, ``start``, ``end``, the window and
         ``decision.local``; ``decision=None``: every head dense, the ``dense`` criterion's decision after the group
         policy, nothing read for it) and return every buffer they wrote (:class:`TritonLaunch`); with
@@ -171,7 +171,9 @@ class TritonExecutor(AttentionExecutor):
         attend over their extra set too (:func:`combine`). ``pdl``: both as programmatic
         dependent launches (sm_90+: each may start while the launch before it runs, and waits for it before
         reading what it wrote; the caller's launch right before wrote ``decision.local`` and nothing else the split
-        reads)."""
+        reads). With ``rank`` the split launch makes the budget rule's decision itself (:class:`BudgetRank`) and
+        writes it into ``decision.local`` and ``decision.read`` (and ``rank.decided``, ``rank.broken``): no launch
+        of its own ranks the scores."""
         query, key, value = step.query, step.keys, step.values  # [b, H, d], [b, H_kv, C, d] twice
         check_triton_runtime(query.device, query.dtype)
         from qada.attention import _triton_kernel
@@ -193,18 +195,21 @@ class TritonExecutor(AttentionExecutor):
         counts = torch.empty(pairs, S, 2, dtype=torch.int32, device=query.device)
         start, end = step.start, step.end  # [b] long or None: read inside the kernel only
         softcap, sinks = step.softcap, step.sink_logits
+        ranked = () if rank is None else rank.kernel_inputs(decision, b, H, H_kv)
         run = _triton_kernel.run  # (a graph break under the interpreter: torch.compile must not trace it)
         run(
             _triton_kernel.qada_decode_split_kernel, (pairs, S),
             query, key, value, local, query if start is None else start, query if end is None else end,
-            acc, m, l, counts,
+            acc, m, l, counts, *(ranked or (query,) * 5),
             *query.stride(), *key.stride(), *value.stride(), *((0, 0) if all_dense else local.stride()),
             C, H_kv, window.t_sink, window.t_local, S,
             float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0),
             G=G, D=d, BLOCK_G=BLOCK_G, BLOCK_N=self.block_size, BLOCK_D=BLOCK_D,
             HAS_START=start is not None, HAS_END=end is not None,
             INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
-            DOT_FP32=dot_fp32, SOFTCAP=bool(softcap), ALL_DENSE=all_dense,
+            DOT_FP32=dot_fp32, SOFTCAP=bool(softcap), ALL_DENSE=all_dense, RANK=rank is not None,
+            BLOCK_H=_tile(H), BLOCK_KV=_tile(H_kv), PER_GROUP=rank is not None and rank.per_group,
+            PROMOTE=rank is not None and rank.promote,
             num_warps=self.num_warps, num_stages=self.num_stages, **pdl_launch_options(pdl),
         )  # fmt: skip
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)
@@ -366,6 +371,47 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
         EXTRA=extra is not None, ALL_DENSE=all_dense, **pdl_launch_options(pdl),
     )  # fmt: skip
     return output, bulk_blocks
+
+
+class BudgetRank(NamedTuple):
+    """The budget rule of ``qada_budget`` and ``qada_tail_budget`` as the split launch makes it
+    (:meth:`TritonExecutor.launch`'s ``rank``, the split kernel's ``RANK`` mode,
+    :func:`~qada.attention._budget_rank.budget_group_decision`): every program ranks its row's heads by ``score``
+    and attends as its own KV group's heads decide; split 0 of each (row, KV head) writes the decision.
+
+    Attributes:
+        score: ``[b, H]`` float32 (contiguous), each head's score (NaN where an input is: never local).
+        count: 0-d int64 on the device, the heads (with ``per_group``: KV groups) of each row that are local.
+        per_group: rank KV groups by their heads' minimum score instead of heads.
+        promote: the ``promote`` group policy (a group reading its bulk makes its local heads attend over it).
+        decided, broken: ``[b, H]`` bool (contiguous), written: the rule's decision (every head of a row without a
+            bulk local) and the heads forced dense by a non-finite score.
+    """
+
+    score: torch.Tensor
+    count: torch.Tensor
+    per_group: bool
+    promote: bool
+    decided: torch.Tensor
+    broken: torch.Tensor
+
+    def kernel_inputs(self, decision: GroupDecision | None, b: int, H: int, H_kv: int) -> tuple[torch.Tensor, ...]:
+        """``(SCORE, COUNT, DECIDED, BROKEN, READ)`` as the split kernel takes them, after checking them and the
+        ``decision`` it writes into (``local [b, H]``, ``read [b, H_kv]``, bool, contiguous); no host read."""
+        if decision is None:
+            raise ValueError("a budget ranked in the split launch writes its decision into decision.local and "
+                             "decision.read: pass them")
+        if self.count.shape != () or self.count.dtype != torch.long:
+            raise ValueError(f"expected the budget's count as a 0-d int64 tensor but got {self.count.dtype} "
+                             f"{tuple(self.count.shape)}")
+        expected = (("score", self.score, (b, H), torch.float32), ("decided", self.decided, (b, H), torch.bool),
+                    ("broken", self.broken, (b, H), torch.bool), ("local", decision.local, (b, H), torch.bool),
+                    ("read", decision.read, (b, H_kv), torch.bool))
+        for name, tensor, shape, dtype in expected:
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
+                raise ValueError(f"expected {name} as a contiguous {dtype} tensor of shape {list(shape)} but got "
+                                 f"{tensor.dtype} {tuple(tensor.shape)}")
+        return self.score, self.count, self.decided, self.broken, decision.read
 
 
 class TritonLaunch(NamedTuple):

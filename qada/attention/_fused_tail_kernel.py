@@ -429,7 +429,7 @@ def qada_tail_fused_split_kernel(
     """One program = one (row, KV head) and one split: the step's key joins its page, the group's ``qada_tail``
     decision (module docstring), then its split of the attention. With ``SCORE`` (and neither ``ATTEND`` nor more
     than one split): no decision, ``LOG_RATIO`` gets the budget's score ``log A_local - log Â_bulk`` (NaN where an
-    input is, for the fail-safe) for :mod:`qada.attention._fused_budget_kernel` to rank. With ``CANDIDATES`` each
+    input is, for the fail-safe) for the ``triton`` split launch to rank (:mod:`qada.attention._budget_rank`). With ``CANDIDATES`` each
     head's top pages are merged from the ``n_stretches`` lists :func:`qada_tail_page_top_kernel` wrote
     (``CAND_*``) instead of bounding every page here.
 

@@ -5,7 +5,7 @@ model's device and dtype and from whether the criterion's decision can be made i
 
 * a CUDA device, Triton installed, float16 / bfloat16 / float32, and a criterion the fused kernels decide (plain
   ``qada``, ``qada_budget``, ``qada_tail``, ``qada_tail_budget`` with a moment source): ``triton_fused`` (three to
-  five launches per layer and step: moment step, decision, attention, combine);
+  four launches per layer and step: moment step, decision, attention, combine);
 * the same for any other criterion: ``triton`` (the split-K kernel that skips the bulk of local KV groups);
 * anything else (the CPU, no Triton, another dtype): ``sdpa``.
 

@@ -48,14 +48,14 @@ def eager(criterion, step, state, policy):
     return decided, local, read, fail_safe, criterion.score(step), state, step
 
 
-def fused(criterion, step, state, policy, block=16, splits=3, pages_per_program=256):
+def fused(criterion, step, state, policy, block=16, splits=3, pages_per_program=256, heads_apart=None):
     state = {name: t.clone() for name, t in state.items()}
     G = step.num_heads // step.num_kv_heads
     count = state["count"] if not criterion.per_group else state[f"group_count_{G}"]
     tail = FusedTail(*(state[name] for name in STATE), criterion.page_size, criterion.pages,
                      None if criterion.heavy else 0)
     executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits,
-                                   pages_per_program=pages_per_program)
+                                   pages_per_program=pages_per_program, heads_apart=heads_apart)
     launch = executor.decide_and_attend(fresh(step), 0.0, policy, tail,
                                         FusedBudget(count.to(DEVICE), criterion.per_group))
     return launch, state
@@ -98,6 +98,34 @@ def test_fused_budget_equals_eager(case, pages_per_program):
     G = H // H_kv
     assert_keeps_its_count(decided, eager_step.has_bulk, int(state["count"] if not per_group
                                                                 else state[f"group_count_{G}"]), per_group, H_kv)
+
+
+@pytest.mark.parametrize("pages_per_program", [256, 7], ids=["one-program", "spread"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"C{c[3]}-H{c[1]}-{str(c[7])[6:]}-{c[10]}-s{c[11]}-g{c[12]}")
+def test_scores_heads_apart_equal_the_groups(case, pages_per_program):
+    """The score launch with one program per query head (``heads_apart``) writes the same scores, sizes of the exact
+    set and tail index as one program per KV group, so the same decision and output."""
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, sparsity, per_group, sizes = case
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C + H, softcap=softcap, sinks=sinks)
+    criterion, state = prepared(step, C, sparsity, per_group, **sizes)
+    group, group_state = fused(criterion, step, state, policy, pages_per_program=pages_per_program, heads_apart=False)
+    apart, apart_state = fused(criterion, step, state, policy, pages_per_program=pages_per_program, heads_apart=True)
+    assert torch.equal(apart.log_ratio.isnan(), group.log_ratio.isnan())
+    torch.testing.assert_close(apart.log_ratio, group.log_ratio, atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(apart.n_exact, group.n_exact) and torch.equal(apart.decided, group.decided)
+    assert torch.equal(apart.local, group.local) and torch.equal(apart.read, group.read)
+    assert torch.equal(apart.output, group.output) and torch.equal(apart.row, group.row)
+    assert_same_state({name: apart_state[name] for name in STATE}, {name: group_state[name] for name in STATE})
+
+
+def test_heads_apart_by_default_where_the_grid_fits_one_wave():
+    executor = FusedTritonExecutor()
+    assert executor.scores_heads_apart(torch.device("cpu"), 2) and not executor.scores_heads_apart(
+        torch.device("cpu"), 3)  # (the interpreter counts one SM: two programs)
+    assert FusedTritonExecutor(heads_apart=True).scores_heads_apart(torch.device("cpu"), 1000)
+    assert not FusedTritonExecutor(heads_apart=False).scores_heads_apart(torch.device("cpu"), 1)
+    with pytest.raises(ValueError, match="heads_apart"):
+        FusedTritonExecutor(heads_apart=1)
 
 
 def assert_keeps_its_count(decided, has_bulk, count, per_group, H_kv):

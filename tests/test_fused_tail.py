@@ -610,7 +610,7 @@ COMPILE = textwrap.dedent(
                          HAS_SINKS=features, PROMOTE=features, INPUT_PRECISION="ieee" if dtype == "fp32" else None,
                          DOT_FP32=False, SOFTCAP=features, ATTEND=not features, SCORE=features,
                          CANDIDATES=features, PDL=not features, SUPER=16 if lean else 0, SUPER_TOP=4 if lean else 1,
-                         BLOCK_SM=4 if lean else 2, EXACT=lean, TOKEN_STAGES=2)
+                         BLOCK_SM=4 if lean else 2, EXACT=lean, TOKEN_STAGES=2, HEADS_APART=features)
         floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
         for kernel in (K.qada_tail_fused_split_kernel, K.qada_tail_page_top_kernel):
             names = kernel.arg_names
@@ -626,9 +626,9 @@ COMPILE = textwrap.dedent(
 def test_fused_tail_kernel_compiles_for_the_gpu():
     """The ``qada_tail`` split kernel compiles (TTIR .. cubin) for sm_90 without a GPU, at the benchmarks' sizes
     (32 heavy tokens, 8 pages of 16): with bfloat16 inputs (and page extrema), rows, a soft cap, sink logits and
-    ``promote`` in the budget's score mode (no attention) merging page lists, and with float32 inputs and none of
-    them, attending; with a page hierarchy (super-pages of 16 pages) and ``attend_exact``; and the page-top kernel
-    alike."""
+    ``promote`` in the budget's score mode (no attention) merging page lists, one program per query head, and with
+    float32 inputs and none of them, attending; with a page hierarchy (super-pages of 16 pages) and
+    ``attend_exact``; and the page-top kernel alike."""
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:

@@ -425,13 +425,14 @@ def qada_tail_fused_split_kernel(
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
     ATTEND: tl.constexpr, SCORE: tl.constexpr, CANDIDATES: tl.constexpr, PDL: tl.constexpr,
+    HEADS_APART: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the step's key joins its page, the group's ``qada_tail``
     decision (module docstring), then its split of the attention. With ``SCORE`` (and neither ``ATTEND`` nor more
     than one split): no decision, ``LOG_RATIO`` gets the budget's score ``log A_local - log Â_bulk`` (NaN where an
-    input is, for the fail-safe) for the ``triton`` split launch to rank (:mod:`qada.attention._budget_rank`). With ``CANDIDATES`` each
-    head's top pages are merged from the ``n_stretches`` lists :func:`qada_tail_page_top_kernel` wrote
-    (``CAND_*``) instead of bounding every page here.
+    input is, for the fail-safe) for the ``triton`` split launch to rank (:mod:`qada.attention._budget_rank`). With
+    ``CANDIDATES`` each head's top pages are merged from the ``n_stretches`` lists
+    :func:`qada_tail_page_top_kernel` wrote (``CAND_*``) instead of bounding every page here.
 
     Reads, besides what :func:`~qada.attention._fused_kernel.qada_fused_split_kernel` reads, the layer's tail index
     (:class:`~qada.criteria.tail_index.LayerTail`): ``HEAVY [b, H_kv, k]`` int64 slots (``n_heavy = k``),
@@ -458,6 +459,13 @@ def qada_tail_fused_split_kernel(
     With ``PDL`` (launched as a programmatic dependent launch after the moment step's launch, which wrote ``LME``;
     not with ``CANDIDATES``, which a launch in between wrote) it lets the next launch start, makes the whole
     decision but the bulk estimate while the moment step may still run, and waits for it before reading ``LME``.
+
+    With ``HEADS_APART`` (``SCORE`` only, a launch of one split) program ``(pair, g)`` scores query head ``g`` of the
+    group alone: the same window, heavy set and page choice as the group's program, then only head ``g``'s top
+    pages' tokens (``CHUNKS`` chunks where the group's program reads ``G x CHUNKS`` one after the other), storing
+    its head's ``LOG_RATIO`` and ``N_EXACT``; program ``(pair, 0)`` writes the step key's page. ``G`` times the
+    programs, each a ``G``-th of the serial token loop: for a launch of few (row, KV head) pairs, as at batch size 1,
+    whose time is its longest program's chain of dependent loads.
     """
     scale, qk_scale = as_float32(scale), as_float32(qk_scale)  # (fp64 where torch.compile launches)
     softcap, log_tau = as_float32(softcap), as_float32(log_tau)
@@ -469,6 +477,9 @@ def qada_tail_fused_split_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < G
+    if HEADS_APART:  # program (pair, g): head g alone, each its own (only) split
+        g_ok = g_ok & (offs_g == split)
+        split = split * 0
     d_ok = offs_d < D
     heads = kv_head * G + offs_g
     row64 = row.to(tl.int64)
@@ -497,7 +508,7 @@ def qada_tail_fused_split_kernel(
     # The step key's page, as append_step_key leaves it, written first so that its extrema hold no registers
     # through the rest of the decision. Any order is safe: every split takes the page's extrema from registers, and
     # a split reading the extrema after this write gets the same min / max again.
-    if split == 0:
+    if tl.program_id(1) == 0:  # (split 0; with HEADS_APART, head 0's program)
         store_step_key_page(KMIN, KMAX, HALVES, END, row, row64, kv64, low, high, stride_eb, stride_eh, stride_ep,
                             stride_ed, stride_fb, stride_fh, stride_fp, stride_fx, C, n_pages, D, BLOCK_D, PAGE,
                             HAS_END)  # fmt: skip
@@ -505,7 +516,7 @@ def qada_tail_fused_split_kernel(
         new_super, super_low, super_high = step_key_page(
             SUPER_KMIN, SUPER_KMAX, END, row, row64, kv64, k_base, stride_kt, stride_kd, stride_sb, stride_sh,
             stride_sp, stride_sd, C, n_super, D, BLOCK_D, PAGE * SUPER, HAS_END)  # fmt: skip
-        if split == 0:
+        if tl.program_id(1) == 0:
             store_step_key_page(SUPER_KMIN, SUPER_KMAX, SUPER_HALVES, END, row, row64, kv64, super_low, super_high,
                                 stride_sb, stride_sh, stride_sp, stride_sd, stride_tb, stride_th, stride_tp,
                                 stride_tx, C, n_super, D, BLOCK_D, PAGE * SUPER, HAS_END)  # fmt: skip
@@ -556,7 +567,7 @@ def qada_tail_fused_split_kernel(
             c = c0 + offs_c // BLOCK_M
             at = ((pair.to(tl.int64) * n_stretches + c[None, :]) * BLOCK_G + offs_g[:, None]) * BLOCK_M \
                 + (offs_c % BLOCK_M)[None, :]
-            there = (c < n_stretches)[None, :] & (offs_g >= 0)[:, None]
+            there = (c < n_stretches)[None, :] & (g_ok if HEADS_APART else offs_g >= 0)[:, None]
             vals, ids, oks = insert_top(vals, ids, oks, tl.load(CAND_VALS + at, mask=there, other=float("-inf")),
                                         tl.load(CAND_IDS + at, mask=there, other=0),
                                         tl.load(CAND_OKS + at, mask=there, other=0), TOP, BLOCK_M)  # fmt: skip
@@ -573,11 +584,13 @@ def qada_tail_fused_split_kernel(
     # bytes); a split that bounds its pages keeps its registers for the attention.
     CHUNKS: tl.constexpr = (TOP + ENTRIES - 1) // ENTRIES
     member_base = MEMBER + row64 * stride_ub + kv64 * stride_uh
+    i_begin = tl.program_id(1) * CHUNKS if HEADS_APART else 0  # (HEADS_APART: head g's chunks only)
+    i_end = i_begin + CHUNKS if HEADS_APART else G * CHUNKS
     if TOKEN_STAGES > 1:
-        _, slots, valid = list_chunk(0, ids, oks, bulk_lo, bulk_hi, CHUNKS, BLOCK_G, BLOCK_M, BLOCK_S, ENTRIES,
+        _, slots, valid = list_chunk(i_begin, ids, oks, bulk_lo, bulk_hi, CHUNKS, BLOCK_G, BLOCK_M, BLOCK_S, ENTRIES,
                                      PAGE, TOP)  # fmt: skip
         heavy_next = tl.load(member_base + slots.to(tl.int64) * stride_ut, mask=valid, other=0).to(tl.int8)
-    for i in tl.range(0, G * CHUNKS, num_stages=TOKEN_STAGES):
+    for i in tl.range(i_begin, i_end, num_stages=TOKEN_STAGES):
         g, slots, valid = list_chunk(i, ids, oks, bulk_lo, bulk_hi, CHUNKS, BLOCK_G, BLOCK_M, BLOCK_S, ENTRIES, PAGE,
                                      TOP)  # fmt: skip
         if TOKEN_STAGES == 1:

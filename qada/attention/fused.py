@@ -63,6 +63,7 @@ from qada.attention.triton_decode import (
     TailReads,
     TritonExecutor,
     _next_pow2,
+    _num_sms,
     _tile,
     check_triton_runtime,
     combine,
@@ -404,6 +405,16 @@ class FusedTritonExecutor(TritonExecutor):
     registers: two programs per SM). The same kernels and results either way; what the cap is worth in time awaits
     a GPU (the GPU suite's ``qada_tail+E/lean fused uncapped`` row)."""
 
+    heads_apart: bool | None = None
+    """Whether the score launch of a ``qada_tail_budget`` step runs one program per (row, query head) instead of one
+    per (row, KV head) (the ``qada_tail`` kernel's ``HEADS_APART``): each scores one head, reading its own top pages'
+    tokens where the group's program reads every head's one chunk after the other (``G`` times the programs, each a
+    ``G``-th of that serial loop; the window, the heavy set and the page choice read by each, from L2 after the
+    first). ``None`` (the default): where the ``G``-fold grid still fits one wave of the split launch's target,
+    ``b H <= programs_per_sm x SMs`` (Llama-3-8B at batch size 1: 32 programs instead of 8 on a 132-SM GPU; SmolLM2
+    at 32 rows: not, 288 > 264); under Triton's interpreter (one SM counted) at most 2 heads. The same scores
+    either way."""
+
     _hermite_held: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
                                                                       compare=False)
 
@@ -420,6 +431,15 @@ class FusedTritonExecutor(TritonExecutor):
             raise ValueError(f"expected cap_registers to be a bool but got {self.cap_registers!r}")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"expected pdl to be a bool but got {self.pdl!r}")
+        if self.heads_apart is not None and not isinstance(self.heads_apart, bool):
+            raise ValueError(f"expected heads_apart to be a bool or None but got {self.heads_apart!r}")
+
+    def scores_heads_apart(self, device: torch.device, heads: int) -> bool:
+        """Whether a budget's score launch over ``heads = b H`` query heads runs one program per head
+        (:attr:`heads_apart`)."""
+        if self.heads_apart is not None:
+            return self.heads_apart
+        return heads <= self.programs_per_sm * _num_sms(device)
 
     def programmatic(self, device: torch.device) -> bool:
         """Whether this step's launches on ``device`` are programmatic dependent launches (:attr:`pdl`)."""
@@ -595,7 +615,8 @@ class FusedTritonExecutor(TritonExecutor):
         sizes = (C, H_kv, window.t_sink, window.t_local, S, float(step.scale),
                  float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau)
         log_ratio = n_exact = extra = None
-        grid = (pairs, S)
+        heads_apart = budget is not None and self.scores_heads_apart(device, b * H)  # (the score launch)
+        grid = (pairs, G if heads_apart else S)
         pdl = self.programmatic(device)  # each launch below may start while the one before it runs
         if tail is None:  # (the decision made in every split: not apart)
             _triton_kernel.run(_fused_kernel.qada_fused_split_kernel, grid, *inputs, *outputs, *strides,
@@ -626,6 +647,7 @@ class FusedTritonExecutor(TritonExecutor):
                                tail.n_super(), CANDIDATES=stretches > 1,
                                SCORE=budget is not None,  # SCORE: the heads' scores, the budget decides
                                ATTEND=not apart, TOKEN_STAGES=TOKEN_STAGES if apart or stretches > 1 else 1,
+                               HEADS_APART=heads_apart,
                                **common,
                                **constants, **tail.split_constants(), **cap,
                                **pdl_launch_options(pdl and stretches == 1))  # (not with page-top lists: merged first)

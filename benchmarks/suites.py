@@ -79,7 +79,7 @@ LLAMA8B_CASES = Workload("llama3-8b-random", (32768, 131072), batches=(1, 8),
                          compiled=("dense", "dense packed", "qada dense", "qada", "qada fused", "qada_tail fused",
                                    "qada_tail fused once", "qada_tail_budget", "qada_tail_budget fused",
                                    "qada_tail_budget/group fused", "qada_tail_budget/group fused wide",
-                                   "static rho_kv=0.875"),
+                                   "qada_tail_budget/group fused together", "static rho_kv=0.875"),
                          tail=True, moments="current")  # fmt: skip
 
 SPREAD_PAGES = 32
@@ -115,6 +115,8 @@ FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
                                      {"name": "triton_fused"}),
     "qada_tail_budget/group fused wide": ({"name": "qada_tail_budget", "sparsity": 0.85, "per_group": True},
                                           {"name": "triton_fused", "programs_per_sm": WIDE_PROGRAMS}),
+    "qada_tail_budget/group fused together": ({"name": "qada_tail_budget", "sparsity": 0.85, "per_group": True},
+                                              {"name": "triton_fused", "heads_apart": False}),
     "qada_tail+E/lean fused uncapped": (LEAN_TAIL, {"name": "triton_fused", "cap_registers": False}),
 }  # fmt: skip
 """Rows built only where a workload's compiled rows name them (the GPU suite's; on the CPU, under Triton's
@@ -126,7 +128,9 @@ of :data:`SPREAD_PAGES` pages; ``wide``: splits for :data:`WIDE_PROGRAMS` progra
 more splits); ``qada_tail_budget/group``: the budget rule over whole KV groups (``per_group``: 85%
 of each row's groups local, so that a budget skips whole groups' bytes; a criterion given as its arguments);
 ``uncapped``: the read-lean split kernel without its register cap (``cap_registers=False``: what ``ptxas`` chooses,
-two programs per SM with Triton 3.6, against the default's three)."""
+two programs per SM with Triton 3.6, against the default's three); ``together``: the budget's score launch one
+program per (row, KV head) (``heads_apart=False``), against the default's one per query head where that grid fits
+one wave (as at B = 1)."""
 
 LEAN_ROWS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qada_tail+E/lean": (LEAN_TAIL, {"name": "triton"}),

@@ -27,6 +27,9 @@
 #                                                       # fused (in the splits and once: issue 33's within-10% goal):
 #                                                       # one batch size per stage (7 rows; the 6-row goals-smollm2
 #                                                       # stages took 180-240 s on an H200)
+#   bash scripts/gpu-run.sh budget-heads                # Llama-3-8B shapes at 128k, B = 1: the group budget's fused row
+#                                                       # with its score launch one program per query head (the
+#                                                       # default there) and per KV head (together), beside dense
 #   bash scripts/gpu-run.sh cap-b1 cap-b32              # the read-lean fused row with and without the split kernel's
 #                                                       # register cap (cap_registers: three programs per SM against
 #                                                       # ptxas's own choice, two with Triton 3.6), beside dense
@@ -54,7 +57,8 @@
 # and qada_tail_budget fused, graph-captured), wide-b32 (7.68k, B = 32: dense, qada fused and qada_tail fused with
 # splits for 2 and for 8 programs per SM, qada fused once with 8, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, qada fused, qada_tail
 # fused and fused once, qada_tail+E/lean with its layer step compiled, fused and fused once, graph-captured), cap-b1,
-# cap-b32 (7.68k, one batch size: dense, qada_tail+E/lean fused with and without its register cap), bandwidth
+# cap-b32 (7.68k, one batch size: dense, qada_tail+E/lean fused with and without its register cap), budget-heads
+# (128k, B = 1: dense, the group budget fused with its score launch per query head and per KV head), bandwidth
 # (the triton executor's dense path and its launch settings against copy bandwidth, Llama-3-8B layer shapes at 32k and
 # 128k, B = 1 and 8: no model, no flex), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused
 # over heads and over whole KV groups, graph-captured), llama, llama-32k, llama-128k.
@@ -114,6 +118,9 @@ for s in "$@"; do
              --batches "${s#lean-b}" --configs "$lean_rows" ;;
     cap-b1|cap-b32) stage "$s" 300 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#cap-b}" --configs "$cap_rows" ;;
+    budget-heads) stage budget-heads 360 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end \
+             --models llama3-8b-random --lengths 131072 --batches 1 \
+             --configs "dense compiled,qada_tail_budget/group fused compiled,qada_tail_budget/group fused together compiled" ;;
     goals-llama) stage goals-llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random \
              --lengths 131072 --batches 1 --configs "dense compiled,qada dense compiled,qada_tail_budget fused compiled,qada_tail_budget/group fused compiled,qada_tail_budget/group fused wide compiled" ;;
     llama) stage llama 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models llama3-8b-random ;;

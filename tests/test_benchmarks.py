@@ -438,7 +438,9 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
                                              "qada_tail_budget fused compiled", "static rho_kv=0.875 compiled",
                                              "qada_tail_budget/group fused", "qada_tail_budget/group fused compiled",
                                              "qada_tail_budget/group fused wide",
-                                             "qada_tail_budget/group fused wide compiled"}
+                                             "qada_tail_budget/group fused wide compiled",
+                                             "qada_tail_budget/group fused together",
+                                             "qada_tail_budget/group fused together compiled"}
     assert {("tiny-random", 1, c) for c in random_rows} == {k for k in rows if k[0] == "tiny-random"}
     group = rows[("tiny-random", 1, "qada_tail_budget/group fused")]  # whole KV groups local: every local head's
     assert group["kv_sparsity"] == pytest.approx(group["sparsity"]) and group["sparsity"] > 0  # group skips its bulk
@@ -499,11 +501,11 @@ def test_a_row_says_when_its_layer_step_ran_eagerly():
 @pytest.mark.parametrize("name", ["qada fused inductor", "qada fused pdl", "qada_tail fused pdl",
                                   "qada_tail fused spread", "qada_tail_budget/group fused", "qada fused wide",
                                   "qada fused once wide", "qada_tail fused wide", "qada_tail_budget/group fused wide",
-                                  "qada_tail+E/lean fused uncapped"])
+                                  "qada_tail_budget/group fused together", "qada_tail+E/lean fused uncapped"])
 def test_fused_variant_rows_only_where_a_workload_names_them(name):
     """The fused variants (``inductor``: ``compile_step=True``; ``pdl``: programmatic dependent launches; ``spread``:
     narrow page-top programs; ``/group``: the budget over whole KV groups; ``wide``: splits for more programs per
-    SM; ``uncapped``: no register cap), built only where the workload's compiled
+    SM; ``uncapped``: no register cap; ``together``: the budget's scores one program per KV head), built only where the workload's compiled
     rows name them: the GPU suite (SmolLM2's, or the Llama-3-8B shapes' for the group budget), not its dry run, where
     each would be its plain ``fused`` row again."""
     from dataclasses import replace
@@ -537,6 +539,7 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
     assert run.executor.cap_registers is not name.endswith("uncapped")
     assert run.executor.programs_per_sm == (WIDE_PROGRAMS if name.endswith("wide") else 2)
     assert run.executor.pages_per_program == (SPREAD_PAGES if name.endswith("spread") else 256)
+    assert run.executor.heads_apart is (False if name.endswith("together") else None)
     assert getattr(run.criterion, "per_group", False) is ("/group" in name)
     assert name not in build_configs(suite, replace(named, compiled=()), model, None, 1)
     assert name in (LLAMA8B_CASES if "/group" in name else SMOLLM2_GPU).compiled and name not in DRY_RUN_COMPILED

@@ -63,7 +63,6 @@ from qada.attention.triton_decode import (
     TailReads,
     TritonExecutor,
     _next_pow2,
-    _num_sms,
     _tile,
     check_triton_runtime,
     combine,
@@ -437,9 +436,11 @@ class FusedTritonExecutor(TritonExecutor):
     def scores_heads_apart(self, device: torch.device, heads: int) -> bool:
         """Whether a budget's score launch over ``heads = b H`` query heads runs one program per head
         (:attr:`heads_apart`)."""
+        from qada.attention import triton_decode
+
         if self.heads_apart is not None:
             return self.heads_apart
-        return heads <= self.programs_per_sm * _num_sms(device)
+        return heads <= self.programs_per_sm * triton_decode._num_sms(device)  # (as the split count: one SM on CPU)
 
     def programmatic(self, device: torch.device) -> bool:
         """Whether this step's launches on ``device`` are programmatic dependent launches (:attr:`pdl`)."""

@@ -505,9 +505,9 @@ def test_a_row_says_when_its_layer_step_ran_eagerly():
 def test_fused_variant_rows_only_where_a_workload_names_them(name):
     """The fused variants (``inductor``: ``compile_step=True``; ``pdl``: programmatic dependent launches; ``spread``:
     narrow page-top programs; ``/group``: the budget over whole KV groups; ``wide``: splits for more programs per
-    SM; ``uncapped``: no register cap; ``together``: the budget's scores one program per KV head), built only where the workload's compiled
-    rows name them: the GPU suite (SmolLM2's, or the Llama-3-8B shapes' for the group budget), not its dry run, where
-    each would be its plain ``fused`` row again."""
+    SM; ``uncapped``: no register cap; ``together``: the budget's scores one program per KV head), built only where
+    the workload's compiled rows name them: the GPU suite (SmolLM2's, or the Llama-3-8B shapes' for the group
+    budget), not its dry run, where each would be its plain ``fused`` row again."""
     from dataclasses import replace
 
     from tiny_models import tiny_model

@@ -118,6 +118,41 @@ def test_scores_heads_apart_equal_the_groups(case, pages_per_program):
     assert_same_state({name: apart_state[name] for name in STATE}, {name: group_state[name] for name in STATE})
 
 
+LEAN_CASES = [  # (b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, sparsity, per_group, sizes)
+    (2, 6, 2, 520, 32, [0, 60], [500, 513], torch.bfloat16, None, True, "promote", 0.5, True,
+     dict(heavy=8, observe=4, pages=2, super_page=3, super_pages=3, attend_exact=True)),  # the read-lean settings
+    (2, 8, 2, 400, 32, [10, 0], [385, 300], torch.float32, 4.0, False, "exact", 0.5, False,
+     dict(heavy=16, observe=8, page_size=8, pages=3, attend_exact=True)),  # one level, a soft cap
+]
+
+
+@pytest.mark.parametrize("case", LEAN_CASES, ids=["hierarchy-exact-group", "exact-softcap"])
+def test_scores_heads_apart_with_the_exact_set_and_a_hierarchy(case):
+    """With ``attend_exact`` (each head's attention over ``E``, merged by the combine) and a page hierarchy (the
+    group's best super-pages), one program per query head gives the same scores, attention over ``E``, output and
+    tail index (super-pages included) as one per KV group."""
+    from qada.models.fused_step import fused_tail
+
+    b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, sparsity, per_group, sizes = case
+    step = make_step(b, H, H_kv, C, d, starts, ends, dtype, seed=C + H, softcap=softcap, sinks=sinks)
+    criterion, state = prepared(step, C, sparsity, per_group, **sizes)
+    G = H // H_kv
+    count = state["count"] if not per_group else state[f"group_count_{G}"]
+    launches = []
+    for apart in (False, True):
+        copy = {name: t.clone() for name, t in state.items()}
+        tail = fused_tail(criterion, with_state(step, copy))
+        assert tail.attend_exact and (tail.super_page > 0) == ("super_page" in sizes)
+        executor = FusedTritonExecutor(group_policy=policy, block_size=16, num_splits=3, heads_apart=apart)
+        launch = executor.decide_and_attend(fresh(step), 0.0, policy, tail, FusedBudget(count.to(DEVICE), per_group))
+        launches.append((launch, copy))
+    (group, group_state), (apart, apart_state) = launches
+    torch.testing.assert_close(apart.log_ratio, group.log_ratio, atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(apart.n_exact, group.n_exact) and torch.equal(apart.local, group.local)
+    assert torch.equal(apart.output, group.output) and torch.equal(apart.row, group.row)
+    assert_same_state(apart_state, group_state)
+
+
 def test_heads_apart_by_default_where_the_grid_fits_one_wave():
     executor = FusedTritonExecutor()
     assert executor.scores_heads_apart(torch.device("cpu"), 2) and not executor.scores_heads_apart(

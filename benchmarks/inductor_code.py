@@ -235,10 +235,14 @@ def kernels(code: str) -> list[dict[str, Any]]:
 def eager_launches(step: Any, args: tuple) -> list[dict[str, Any]]:
     """The launches of ``step`` (fused) run eagerly on ``args`` with no kernel run: ``{"name", "args": [value],
     "grid", "names": [parameter], "kernel", "options": {launch option: value}}``, each kernel's arguments bound by
-    name and kept where Inductor passes them too (every parameter not declared ``tl.constexpr``, in order)."""
+    name and kept where Inductor passes them too (every parameter not declared ``tl.constexpr``, in order). The
+    executors plan for the pretended device's SMs (:func:`pretend_cuda_device`), as the compiled step on its fake
+    CUDA copies does, though ``args`` are CPU tensors (for which they count one SM)."""
     import torch
 
-    from qada.attention import _triton_kernel
+    from qada.attention import _triton_kernel, triton_decode
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count  # (the pretended device's)
 
     found = []
 
@@ -252,13 +256,14 @@ def eager_launches(step: Any, args: tuple) -> list[dict[str, Any]]:
                       "grid": tuple(grid), "names": names, "kernel": kernel,
                       "options": {k: v for k, v in keywords.items() if k in options}})
 
-    launch = _triton_kernel.run
+    launch, count = _triton_kernel.run, triton_decode._num_sms
     _triton_kernel.run = record
+    triton_decode._num_sms = lambda device: sms
     try:
         with torch.no_grad():
             step.eager(*args)  # (the fused or dense step: the run's step as it runs eagerly)
     finally:
-        _triton_kernel.run = launch
+        _triton_kernel.run, triton_decode._num_sms = launch, count
     return found
 
 

@@ -1,6 +1,7 @@
 """The budget rule of ``qada_budget`` and ``qada_tail_budget`` inside the ``triton`` split kernel (its ``RANK``
 mode): each program ranks its row's heads (or KV groups) by score and keeps what its own KV group's heads decide, so
-that no launch of its own ranks them. Imported lazily: importing it imports triton.
+that no launch of its own ranks them; the group policy and the stores are the threshold rule's
+(:mod:`qada.attention._group_decision`). Imported lazily: importing it imports triton.
 
 The rule is :meth:`~qada.criteria.BudgetedQAdACriterion.decide`'s: per row the ``k`` best-scored heads (with
 ``PER_GROUP`` the ``k`` best KV groups, a group's score its heads' minimum, ``-inf`` where one of them is not finite)
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from qada.attention._group_decision import group_policy, store_decision
 
 
 @triton.jit
@@ -66,16 +69,8 @@ def budget_group_decision(
     finite_g = tl.max(tl.where(pick, finite.to(tl.int32)[None, :], 0), axis=1) > 0
     decided = (chosen_g | (has_bulk == 0)) & g_ok
     broken = (finite_g == 0) & has_bulk & g_ok
-    dense = (decided == 0) & g_ok
-    read = tl.max(dense.to(tl.int32), axis=0) > 0
-    local = decided
-    if PROMOTE:
-        local = decided & (read == 0)
-    first = (offs_g * 0 + split) == 0  # [BLOCK_G] (a vector mask: the interpreter takes no bool scalar's)
-    out = row64 * H + mine
-    tl.store(DECIDED + out, decided.to(tl.uint8), mask=g_ok & first)
-    tl.store(LOCAL + out, local.to(tl.uint8), mask=g_ok & first)
-    tl.store(BROKEN + out, broken.to(tl.uint8), mask=g_ok & first)
-    read_lanes = (offs_g * 0 + read.to(tl.int32)).to(tl.uint8)  # the group's entry, stored by lane 0
-    tl.store(READ + row64 * H_KV + kv_head + offs_g * 0, read_lanes, mask=(offs_g == 0) & first)
-    return (local == 0) & g_ok
+    local, dense, read = group_policy(decided, g_ok, PROMOTE)
+    if split == 0:
+        store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv_head.to(tl.int64), mine, g_ok, H_KV, G, decided,
+                       local, broken, read)  # fmt: skip
+    return dense

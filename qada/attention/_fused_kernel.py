@@ -8,6 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from qada.attention._group_decision import group_policy, store_decision
 from qada.attention._triton_kernel import (
     as_float32,
     attend_split,
@@ -83,19 +84,6 @@ def window_log_local(
 
 
 @triton.jit
-def store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G: tl.constexpr, decided, local,
-                   broken, read):  # fmt: skip
-    """Store a (row, KV head)'s decision: ``decided, local, broken [BLOCK_G]`` at ``DECIDED, LOCAL, BROKEN [b, H]``
-    and ``read`` (0-d) at ``READ [b, H_kv]``, bool (bytes 0/1). Returns nothing: a store address computed from a call's
-    result would make torch.compile's write analysis take every input of the call as written."""
-    out = row64 * (H_KV * G) + heads.to(tl.int64)
-    tl.store(DECIDED + out, decided.to(tl.uint8), mask=g_ok)
-    tl.store(LOCAL + out, local.to(tl.uint8), mask=g_ok)
-    tl.store(BROKEN + out, broken.to(tl.uint8), mask=g_ok)
-    tl.store(READ + row64 * H_KV + kv64, read.to(tl.uint8))
-
-
-@triton.jit
 def logaddexp(a, b):
     """``log(e^a + e^b)`` elementwise (``-inf`` when both are ``-inf``)."""
     hi = tl.maximum(a, b)
@@ -124,12 +112,7 @@ def threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G: tl.conste
     broken = has_bulk & (finite == 0) & g_ok
     ratio_ok = (log_local - logaddexp(log_local, log_bulk)) >= log_tau
     decided = tl.where(has_bulk, ratio_ok & (broken == 0), 1) != 0
-    dense = (decided == 0) & g_ok  # [BLOCK_G]
-    read = tl.max(dense.to(tl.int32), axis=0) > 0  # some head of the group attends over the bulk
-    local = decided
-    if PROMOTE:
-        local = decided & (read == 0)
-        dense = (local == 0) & g_ok
+    local, dense, read = group_policy(decided, g_ok, PROMOTE)
     return decided, local, broken, dense, read
 
 

@@ -47,10 +47,10 @@ from qada.attention._fused_kernel import (
     cap,
     head_query,
     logaddexp,
-    store_decision,
     threshold_decision,
     window_log_local,
 )
+from qada.attention._group_decision import store_decision
 from qada.attention._triton_kernel import (
     as_float32,
     attend_split,

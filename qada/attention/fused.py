@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from qada.attention import triton_decode
 from qada.attention.base import GroupDecision, register_executor
 from qada.attention.moment_step import BulkEstimate, EstimateDecision, estimate_launch
 from qada.attention.page_tops import PageTops
@@ -436,8 +437,6 @@ class FusedTritonExecutor(TritonExecutor):
     def scores_heads_apart(self, device: torch.device, heads: int) -> bool:
         """Whether a budget's score launch over ``heads = b H`` query heads runs one program per head
         (:attr:`heads_apart`)."""
-        from qada.attention import triton_decode
-
         if self.heads_apart is not None:
             return self.heads_apart
         return heads <= self.programs_per_sm * triton_decode._num_sms(device)  # (as the split count: one SM on CPU)

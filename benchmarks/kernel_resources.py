@@ -198,7 +198,7 @@ class Sm90Compiler:
         report.update(grid_dependency(compiled.asm["ptx"]))
         shared = int(compiled.metadata.shared)
         flags = {name: kwargs[name] for name in ("ATTEND", "SCORE", "CANDIDATES", "SOFTCAP", "PDL", "PAGE_TOPS",
-                                                 "ALL_DENSE", "RANK", "HEADS_APART") if name in kwargs}
+                                                 "ALL_DENSE", "RANK", "HEADS_APART", "POLICY") if name in kwargs}
         self.kernels[key] = {"kernel": kernel.fn.__name__, "configs": [self.config], "flags": flags,
                              "warps": options.num_warps, "stages": options.num_stages, "maxnreg": options.maxnreg,
                              "shared": shared, **report,

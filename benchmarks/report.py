@@ -209,7 +209,8 @@ def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmea
         q, _ = compiled_ratio("qada fused compiled", 7680, "smollm2", B)
         t, _ = compiled_ratio("qada_tail fused compiled", 7680, "smollm2", B)
         goal(f"GPU: SmolLM2 at 7.68k, B={B}: graph-captured qada_tail tau 0.3 / qada tau 0.6 tokens/s, both decided "
-             "in the kernel (triton_fused)", q and t and t / q, 0.9, unmeasured=unmeasured)
+             "in the kernel (triton_fused)", q and t and t / q, 0.9, unmeasured=unmeasured,
+             detail=_tail_variants(compiled_ratio, B, q))
     budgets = [compiled_ratio(name, 131072, "llama3-8b-random", 1)
                for name in ("qada_tail_budget compiled", "qada_tail_budget fused compiled",
                             "qada_tail_budget/group fused compiled", "qada_tail_budget/group fused wide compiled",
@@ -249,6 +250,22 @@ FUSED_QADA_VARIANTS = ("qada fused once", "qada fused wide", "qada fused once wi
                        "qada fused inductor")
 """The launch variants of the ``qada fused`` row whose ratios its goal's detail lists (the default row is the goal's:
 a variant that beats it is a case for changing the executor's defaults, measured)."""
+
+
+FUSED_TAIL_VARIANTS = ("qada_tail fused once", "qada_tail fused once together", "qada_tail fused spread",
+                       "qada_tail fused wide", "qada_tail fused pdl")
+"""The launch variants of the ``qada_tail fused`` row whose ratios to ``qada fused`` its goal's detail lists."""
+
+
+def _tail_variants(compiled_ratio, B: int, qada: float | None) -> str | None:
+    """``"variants: <name> <ratio>, ..."``: the measured :data:`FUSED_TAIL_VARIANTS` at SmolLM2 7.68k and ``B``
+    against ``qada`` (``qada fused``'s ratio to compiled dense), or ``None`` where none was measured."""
+    if not qada:
+        return None
+    measured = [(name, compiled_ratio(f"{name} compiled", 7680, "smollm2", B)[0]) for name in FUSED_TAIL_VARIANTS]
+    cells = [f"{name.removeprefix('qada_tail fused ')} {value / qada:.2f}" for name, value in measured
+             if value is not None]
+    return f"variants: {', '.join(cells)}" if cells else None
 
 
 def _variants(compiled_ratio, B: int) -> str:

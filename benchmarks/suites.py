@@ -79,7 +79,8 @@ LLAMA8B_CASES = Workload("llama3-8b-random", (32768, 131072), batches=(1, 8),
                          compiled=("dense", "dense packed", "qada dense", "qada", "qada fused", "qada_tail fused",
                                    "qada_tail fused once", "qada_tail_budget", "qada_tail_budget fused",
                                    "qada_tail_budget/group fused", "qada_tail_budget/group fused wide",
-                                   "qada_tail_budget/group fused together", "static rho_kv=0.875"),
+                                   "qada_tail_budget/group fused together", "qada_tail fused once together",
+                                   "static rho_kv=0.875"),
                          tail=True, moments="current")  # fmt: skip
 
 SPREAD_PAGES = 32
@@ -118,6 +119,8 @@ FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     "qada_tail_budget/group fused together": ({"name": "qada_tail_budget", "sparsity": 0.85, "per_group": True},
                                               {"name": "triton_fused", "heads_apart": False}),
     "qada_tail+E/lean fused uncapped": (LEAN_TAIL, {"name": "triton_fused", "cap_registers": False}),
+    "qada_tail fused once together": ("qada_tail", {"name": "triton_fused", "decide_once": True,
+                                                    "heads_apart": False}),
 }  # fmt: skip
 """Rows built only where a workload's compiled rows name them (the GPU suite's; on the CPU, under Triton's
 interpreter, each would be its plain ``fused`` row again): name -> (``qada`` or a criterion of
@@ -128,9 +131,9 @@ of :data:`SPREAD_PAGES` pages; ``wide``: splits for :data:`WIDE_PROGRAMS` progra
 more splits); ``qada_tail_budget/group``: the budget rule over whole KV groups (``per_group``: 85%
 of each row's groups local, so that a budget skips whole groups' bytes; a criterion given as its arguments);
 ``uncapped``: the read-lean split kernel without its register cap (``cap_registers=False``: what ``ptxas`` chooses,
-two programs per SM with Triton 3.6, against the default's three); ``together``: the budget's score launch one
-program per (row, KV head) (``heads_apart=False``), against the default's one per query head where that grid fits
-one wave (as at B = 1)."""
+two programs per SM with Triton 3.6, against the default's three); ``together``: the budget's score launch, or
+``qada_tail``'s decision launched apart (``once``), one program per (row, KV head) (``heads_apart=False``), against
+the default's one per query head where that grid fits one wave (as at B = 1: SmolLM2's 9 heads, Llama-3-8B's 32)."""
 
 LEAN_ROWS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qada_tail+E/lean": (LEAN_TAIL, {"name": "triton"}),
@@ -149,7 +152,7 @@ SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32),
                        compiled=("dense", "dense packed", "qada dense", "qada", "qada fused", "qada fused once",
                                  "qada fused inductor", "qada fused pdl", "qada fused wide", "qada fused once wide",
                                  "qada_tail", "qada_tail fused", "qada_tail fused once", "qada_tail fused pdl",
-                                 "qada_tail fused spread", "qada_tail fused wide",
+                                 "qada_tail fused spread", "qada_tail fused wide", "qada_tail fused once together",
                                  "qada_tail_budget", "qada_tail_budget fused", *LEAN_ROWS,
                                  "qada_tail+E/lean fused uncapped"),
                        eager=True, tail=True, lean=True,

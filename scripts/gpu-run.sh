@@ -30,6 +30,10 @@
 #   bash scripts/gpu-run.sh budget-heads                # Llama-3-8B shapes at 128k, B = 1: the group budget's fused row
 #                                                       # with its score launch one program per query head (the
 #                                                       # default there) and per KV head (together), beside dense
+#   bash scripts/gpu-run.sh tail-heads                  # SmolLM2 at B = 1: qada_tail's decision launched apart (once)
+#                                                       # with one program per query head (the default there: 9) and
+#                                                       # per KV head (together: 3), beside dense, qada fused and
+#                                                       # qada_tail fused (in the splits)
 #   bash scripts/gpu-run.sh cap-b1 cap-b32              # the read-lean fused row with and without the split kernel's
 #                                                       # register cap (cap_registers: three programs per SM against
 #                                                       # ptxas's own choice, two with Triton 3.6), beside dense
@@ -58,7 +62,8 @@
 # splits for 2 and for 8 programs per SM, qada fused once with 8, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, qada fused, qada_tail
 # fused and fused once, qada_tail+E/lean with its layer step compiled, fused and fused once, graph-captured), cap-b1,
 # cap-b32 (7.68k, one batch size: dense, qada_tail+E/lean fused with and without its register cap), budget-heads
-# (128k, B = 1: dense, the group budget fused with its score launch per query head and per KV head), bandwidth
+# (128k, B = 1: dense, the group budget fused with its score launch per query head and per KV head), tail-heads
+# (7.68k, B = 1: dense, qada fused, qada_tail fused in the splits, once per query head and once per KV head), bandwidth
 # (the triton executor's dense path and its launch settings against copy bandwidth, Llama-3-8B layer shapes at 32k and
 # 128k, B = 1 and 8: no model, no flex), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused
 # over heads and over whole KV groups, graph-captured), llama, llama-32k, llama-128k.
@@ -74,6 +79,8 @@ qada_tail+E/lean fused compiled,qada_tail+E/lean fused once compiled"
 cap_rows="dense compiled,qada_tail+E/lean fused compiled,qada_tail+E/lean fused uncapped compiled"
 wide_rows="dense compiled,qada fused compiled,qada fused wide compiled,qada fused once wide compiled,\
 qada_tail fused compiled,qada_tail fused wide compiled"
+tail_heads_rows="dense compiled,qada fused compiled,qada_tail fused compiled,qada_tail fused once compiled,\
+qada_tail fused once together compiled"
 tail_rows="dense compiled,qada fused compiled,qada fused once compiled,qada fused inductor compiled,qada_tail fused compiled,\
 qada_tail fused once compiled,qada_tail fused spread compiled,qada_tail_budget fused compiled"
 
@@ -116,6 +123,8 @@ for s in "$@"; do
              --batches 32 --configs "$wide_rows" ;;
     lean-b1|lean-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#lean-b}" --configs "$lean_rows" ;;
+    tail-heads) stage tail-heads 420 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
+             --batches 1 --configs "$tail_heads_rows" ;;
     cap-b1|cap-b32) stage "$s" 300 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#cap-b}" --configs "$cap_rows" ;;
     budget-heads) stage budget-heads 360 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end \

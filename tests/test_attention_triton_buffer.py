@@ -197,7 +197,7 @@ COMPILE = textwrap.dedent(
               dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=has_rows, HAS_END=has_rows,
                    INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features,
                    PDL=features, ALL_DENSE=dense, RANK=False, BLOCK_H=32, BLOCK_KV=16, PER_GROUP=False,
-                   PROMOTE=False),
+                   PROMOTE=False, POLICY=False),
               {"qk_scale": "fp64", "softcap": "fp64"})  # what Inductor may pass for a Python float
         build(K.qada_decode_combine_kernel,  # with features: the statistics row and E's split (the fused step's)
               dict(ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", OUT="*" + dtype, BULK_BLOCKS="*i64",

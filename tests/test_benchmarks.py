@@ -367,6 +367,8 @@ def test_issue33_gpu_goals_from_measured_rows():
         _row("qada compiled", 7680, 1, "smollm2", 80.0, speedup_vs_dense_compiled=0.8),
         _row("qada_tail compiled", 7680, 1, "smollm2", 76.0, speedup_vs_dense_compiled=0.76),
         _row("qada_tail fused compiled", 7680, 1, "smollm2", 47.0, speedup_vs_dense_compiled=0.47),
+        _row("qada_tail fused once compiled", 7680, 1, "smollm2", 45.0, speedup_vs_dense_compiled=0.45),
+        _row("qada_tail fused once together compiled", 7680, 1, "smollm2", 40.0, speedup_vs_dense_compiled=0.40),
         _row("qada_tail_budget compiled", 131072, 1, "llama3-8b-random", 42.0, speedup_vs_dense_compiled=4.2),
         _row("qada_tail_budget fused compiled", 131072, 1, "llama3-8b-random", 40.0, speedup_vs_dense_compiled=4.0),
         _row("qada dense compiled", 131072, 1, "llama3-8b-random", 30.0, speedup_vs_dense_compiled=3.0),
@@ -401,6 +403,9 @@ def test_issue33_gpu_goals_from_measured_rows():
     assert goal("B=1:|qada_tail tau 0.3 / qada|compiled layer step")["measured"] == pytest.approx(0.95)
     assert goal("B=32|qada_tail tau 0.3 / qada|compiled layer step")["status"] == "not measured"  # no rows at B = 32
     assert goal("B=1:|qada_tail tau 0.3 / qada|in the kernel")["measured"] == pytest.approx(0.94)
+    # the variants of the qada_tail fused row, against qada fused (0.5): the default row stays the goal's
+    assert goal("B=1:|qada_tail tau 0.3 / qada|in the kernel")["detail"] == "variants: once 0.90, once together 0.80"
+    assert not goal("B=32|qada_tail tau 0.3 / qada|in the kernel")["detail"]  # (none at B = 32)
     assert goal("qada_tail_budget 0.85 / qada's own")["measured"] == pytest.approx(1.4)  # the faster of the two
     assert "qada_tail_budget compiled," in goal("qada_tail_budget 0.85 / qada's own")["detail"]
     assert goal("qada_tail_budget 0.85 / qada's own")["status"] == "miss"
@@ -440,7 +445,8 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
                                              "qada_tail_budget/group fused wide",
                                              "qada_tail_budget/group fused wide compiled",
                                              "qada_tail_budget/group fused together",
-                                             "qada_tail_budget/group fused together compiled"}
+                                             "qada_tail_budget/group fused together compiled",
+                                             "qada_tail fused once together", "qada_tail fused once together compiled"}
     assert {("tiny-random", 1, c) for c in random_rows} == {k for k in rows if k[0] == "tiny-random"}
     group = rows[("tiny-random", 1, "qada_tail_budget/group fused")]  # whole KV groups local: every local head's
     assert group["kv_sparsity"] == pytest.approx(group["sparsity"]) and group["sparsity"] > 0  # group skips its bulk

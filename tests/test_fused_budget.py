@@ -102,7 +102,7 @@ def test_fused_budget_equals_eager(case, pages_per_program):
 
 @pytest.mark.parametrize("pages_per_program", [256, 7], ids=["one-program", "spread"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"C{c[3]}-H{c[1]}-{str(c[7])[6:]}-{c[10]}-s{c[11]}-g{c[12]}")
-def test_scores_heads_apart_equal_the_groups(case, pages_per_program):
+def test_launches_heads_apart_equal_the_groups(case, pages_per_program):
     """The score launch with one program per query head (``heads_apart``) writes the same scores, sizes of the exact
     set and tail index as one program per KV group, so the same decision and output."""
     b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy, sparsity, per_group, sizes = case
@@ -127,7 +127,7 @@ LEAN_CASES = [  # (b, H, H_kv, C, d, starts, ends, dtype, softcap, sinks, policy
 
 
 @pytest.mark.parametrize("case", LEAN_CASES, ids=["hierarchy-exact-group", "exact-softcap"])
-def test_scores_heads_apart_with_the_exact_set_and_a_hierarchy(case):
+def test_launches_heads_apart_with_the_exact_set_and_a_hierarchy(case):
     """With ``attend_exact`` (each head's attention over ``E``, merged by the combine) and a page hierarchy (the
     group's best super-pages), one program per query head gives the same scores, attention over ``E``, output and
     tail index (super-pages included) as one per KV group."""
@@ -155,10 +155,10 @@ def test_scores_heads_apart_with_the_exact_set_and_a_hierarchy(case):
 
 def test_heads_apart_by_default_where_the_grid_fits_one_wave():
     executor = FusedTritonExecutor()
-    assert executor.scores_heads_apart(torch.device("cpu"), 2) and not executor.scores_heads_apart(
+    assert executor.launches_heads_apart(torch.device("cpu"), 2) and not executor.launches_heads_apart(
         torch.device("cpu"), 3)  # (the interpreter counts one SM: two programs)
-    assert FusedTritonExecutor(heads_apart=True).scores_heads_apart(torch.device("cpu"), 1000)
-    assert not FusedTritonExecutor(heads_apart=False).scores_heads_apart(torch.device("cpu"), 1)
+    assert FusedTritonExecutor(heads_apart=True).launches_heads_apart(torch.device("cpu"), 1000)
+    assert not FusedTritonExecutor(heads_apart=False).launches_heads_apart(torch.device("cpu"), 1)
     with pytest.raises(ValueError, match="heads_apart"):
         FusedTritonExecutor(heads_apart=1)
 
@@ -235,7 +235,7 @@ COMPILE = textwrap.dedent(
                         SCORE="*fp32", COUNT="*i64", DECIDED="*u8", BROKEN="*u8", READ="*u8")
         constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=rows, HAS_END=rows,
                          INPUT_PRECISION=None, DOT_FP32=False, SOFTCAP=False, PDL=False, ALL_DENSE=False, RANK=True,
-                         BLOCK_H=32, BLOCK_KV=16, PER_GROUP=per_group, PROMOTE=per_group)
+                         BLOCK_H=32, BLOCK_KV=16, PER_GROUP=per_group, PROMOTE=per_group, POLICY=False)
         names = kernel.arg_names
         signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n in ("qk_scale", "softcap")
                                      else "i32") for n in names}

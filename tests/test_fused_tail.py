@@ -96,13 +96,14 @@ def assert_same_state(got, expected):
 
 
 def check_tail(criterion, step, state, tau, policy="exact", block=16, splits=3, decide_once=False,
-               pages_per_program=256):
+               pages_per_program=256, **options):
     """The fused launch against the eager criterion (decisions, fail-safe, state after the step), the unfused
-    ``triton`` executor on the fused decision (output, block counts) and :func:`hand_blocks`."""
+    ``triton`` executor on the fused decision (output, block counts) and :func:`hand_blocks`; ``options``: the
+    executor's others."""
     decided, local, read, fail_safe, ratio, state_after, eager_step = eager_tail(criterion, step, state, tau,
                                                                                  policy)
     got, got_state = fused_tail_launch(criterion, step, state, tau, policy, block, splits, decide_once,
-                                       pages_per_program)
+                                       pages_per_program, **options)
     near = (ratio - tau).abs() <= 1e-4 * tau  # rounding may decide these either way (none with tau_between)
     assert torch.equal(got.decided | near, decided | near) and torch.equal(got.decided & ~near, decided & ~near)
     if not near.any():

@@ -113,6 +113,11 @@ def test_every_kernel_of_a_decode_step_was_compiled(kernels):
     assert names >= {"qada_decode_split_kernel", "qada_decode_combine_kernel", "current_moment_step_kernel",
                      "qada_fused_split_kernel", "qada_tail_fused_split_kernel", "qada_budget_score_kernel"}
     assert any(k["kernel"] == "qada_decode_split_kernel" and k["flags"].get("RANK") for k in kernels)
+    # a qada_tail decision launched apart at batch size 1 on an H100's 132 SMs: one program per query head, the
+    # group policy in the split after it
+    assert any(k["kernel"] == "qada_tail_fused_split_kernel" and k["flags"].get("HEADS_APART")
+               and not k["flags"].get("SCORE") for k in kernels)
+    assert any(k["kernel"] == "qada_decode_split_kernel" and k["flags"].get("POLICY") for k in kernels)
     assert "qada_tail_page_top_kernel" not in names  # (a step's page-top programs run in its moment launch)
     tops = [k for k in kernels if k["kernel"] == "current_moment_step_kernel" and k["flags"].get("PAGE_TOPS")]
     assert tops, "no moment step at the longer cache ran page-top programs"
@@ -150,14 +155,17 @@ def test_only_the_splits_that_hold_the_most_state_are_capped_and_compile_within_
 @pytest.mark.slow
 def test_the_attention_inside_the_fused_kernels_is_pipelined_as_the_plain_split(kernels):
     """A split that attends issues its next blocks' loads asynchronously (``cp.async``) while it computes, as the
-    plain ``triton`` split does, and so does the split that ranks a budget's scores; before, the decision made in
-    the fused kernels left their attention loop unpipelined (bounds derived from the window loop's result)."""
+    plain ``triton`` split does, and so do the splits that rank a budget's scores or apply the group policy to heads
+    decided apart; before, the decision made in the fused kernels left their attention loop unpipelined (bounds
+    derived from the window loop's result)."""
     plain = {k["configs"][0][0]: k["async_copies"] for k in kernels if k["kernel"] == "qada_decode_split_kernel"
-             and not k["flags"].get("RANK") and not k["flags"].get("ALL_DENSE")}
+             and not k["flags"].get("RANK") and not k["flags"].get("POLICY") and not k["flags"].get("ALL_DENSE")}
     attending = [k for k in kernels if k["kernel"].endswith("fused_split_kernel") and k["flags"].get("ATTEND")]
     ranking = [k for k in kernels if k["kernel"] == "qada_decode_split_kernel" and k["flags"].get("RANK")]
-    attending += ranking  # (the split that ranks a budget's scores: its bounds come from the ranking)
-    assert attending and ranking and all(n > 0 for n in plain.values())
+    policy = [k for k in kernels if k["kernel"] == "qada_decode_split_kernel" and k["flags"].get("POLICY")]
+    attending += ranking + policy  # (the splits that rank a budget's scores or apply the group policy: their bounds
+    # come from that decision)
+    assert attending and ranking and policy and all(n > 0 for n in plain.values())
     for k in attending:
         label = k["configs"][0][0]
         assert k["async_copies"] >= plain[label], (k["kernel"], k["flags"], label, k["async_copies"], plain[label])

@@ -460,12 +460,14 @@ def qada_tail_fused_split_kernel(
     not with ``CANDIDATES``, which a launch in between wrote) it lets the next launch start, makes the whole
     decision but the bulk estimate while the moment step may still run, and waits for it before reading ``LME``.
 
-    With ``HEADS_APART`` (``SCORE`` only, a launch of one split) program ``(pair, g)`` scores query head ``g`` of the
-    group alone: the same window, heavy set and page choice as the group's program, then only head ``g``'s top
-    pages' tokens (``CHUNKS`` chunks where the group's program reads ``G x CHUNKS`` one after the other), storing
-    its head's ``LOG_RATIO`` and ``N_EXACT``; program ``(pair, 0)`` writes the step key's page. ``G`` times the
-    programs, each a ``G``-th of the serial token loop: for a launch of few (row, KV head) pairs, as at batch size 1,
-    whose time is its longest program's chain of dependent loads.
+    With ``HEADS_APART`` (a launch that only scores or decides: one split, not ``ATTEND``) program ``(pair, g)``
+    takes query head ``g`` of the group alone: the same window, heavy set and page choice as the group's program,
+    then only head ``g``'s top pages' tokens (``CHUNKS`` chunks where the group's program reads ``G x CHUNKS`` one
+    after the other), storing its head's ``LOG_RATIO`` and ``N_EXACT`` (with ``EXACT``, its attention over ``E``),
+    and without ``SCORE`` its own threshold decision, ``DECIDED`` and ``BROKEN`` before the group policy, which the
+    ``triton`` split launch applies (its ``POLICY`` mode; ``LOCAL`` and ``READ`` not written here); program ``(pair,
+    0)`` writes the step key's page. ``G`` times the programs, each a ``G``-th of the serial token loop: for a launch
+    of few (row, KV head) pairs, as at batch size 1, whose time is its longest program's chain of dependent loads.
     """
     scale, qk_scale = as_float32(scale), as_float32(qk_scale)  # (fp64 where torch.compile launches)
     softcap, log_tau = as_float32(softcap), as_float32(log_tau)
@@ -647,9 +649,13 @@ def qada_tail_fused_split_kernel(
     else:  # --- the threshold decision (fail-safe), then the group policy -----------------------------------------
         decided, local, broken, dense, read = threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G,
                                                                  BLOCK_G, PROMOTE)  # fmt: skip
-        if split == 0:
+        if HEADS_APART:  # head g's own decision: the split launch applies the group policy (its POLICY mode)
+            tl.store(DECIDED + out, decided.to(tl.uint8), mask=g_ok)
+            tl.store(BROKEN + out, broken.to(tl.uint8), mask=g_ok)
+        elif split == 0:
             store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
                            read)  # fmt: skip
+        if split == 0:
             tl.store(LOG_RATIO + out, log_local - logaddexp(log_local, log_bulk), mask=g_ok)
             tl.store(N_EXACT + out, n_exact, mask=g_ok)
 

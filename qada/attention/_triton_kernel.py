@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from qada.attention._budget_rank import budget_group_decision
+from qada.attention._group_decision import policy_of_heads
 
 try:  # programmatic dependent launch (Triton >= 3.3): the kernels use it only when asked, on sm_90+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -260,7 +261,7 @@ def qada_decode_split_kernel(
     HAS_START: tl.constexpr, HAS_END: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
     ALL_DENSE: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
-    PER_GROUP: tl.constexpr, PROMOTE: tl.constexpr,
+    PER_GROUP: tl.constexpr, PROMOTE: tl.constexpr, POLICY: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split of its virtual block list, for all ``G`` query heads.
 
@@ -280,8 +281,12 @@ def qada_decode_split_kernel(
     (:func:`~qada.attention._budget_rank.budget_group_decision`: the row's heads of ``SCORE [b, H]`` float32 ranked,
     the layer's ``COUNT`` (0-d int64) best local, per KV group with ``PER_GROUP``, the group policy ``PROMOTE``;
     ``BLOCK_H >= H``, ``BLOCK_KV >= H_kv``), and split 0 of each (row, KV head) writes it: ``DECIDED``, ``LOCAL``
-    (contiguous, the effective mask), ``BROKEN [b, H]`` and ``READ [b, H_kv]`` (bool, as bytes). Without,
-    ``SCORE``, ``COUNT``, ``DECIDED``, ``BROKEN`` and ``READ`` are not read (any tensor may stand for them).
+    (contiguous, the effective mask), ``BROKEN [b, H]`` and ``READ [b, H_kv]`` (bool, as bytes). With ``POLICY``
+    the heads were decided apart by the launch before (one program per query head: ``DECIDED [b, H]`` bool,
+    contiguous, before the group policy); each program applies the group policy ``PROMOTE`` to its group's
+    (:func:`~qada.attention._group_decision.policy_of_heads`) and split 0 writes ``LOCAL`` (contiguous) and
+    ``READ``. Without either, ``SCORE``, ``COUNT``, ``DECIDED``, ``BROKEN`` and ``READ`` are not read (any tensor may
+    stand for them).
     """
     qk_scale, softcap = as_float32(qk_scale), as_float32(softcap)  # (fp64 where torch.compile launches)
     let_next_start(PDL)
@@ -298,12 +303,14 @@ def qada_decode_split_kernel(
     first, last, t_bulk, bulk_lo, bulk_hi = row_range(START, END, row, C, t_sink, t_local, HAS_START, HAS_END)
     has_bulk = t_bulk > 0
 
-    wait_for_previous(PDL)  # (the decision: LOCAL, or the scores ranked)
+    wait_for_previous(PDL)  # (the decision: LOCAL, the scores ranked, or the heads decided apart)
     if ALL_DENSE:
         dense = g_ok  # [BLOCK_G]
     elif RANK:  # the budget rule, made here (split 0 writes the decision)
         dense = budget_group_decision(SCORE, COUNT, DECIDED, LOCAL, BROKEN, READ, row, kv_head, split, has_bulk, H_KV,
                                       G, BLOCK_G, BLOCK_H, BLOCK_KV, PER_GROUP, PROMOTE)
+    elif POLICY:  # the group policy on heads decided apart (split 0 writes LOCAL and READ)
+        dense = policy_of_heads(DECIDED, LOCAL, READ, row64, kv64, split, H_KV, G, BLOCK_G, PROMOTE)
     else:
         is_local = tl.load(LOCAL + row64 * stride_lb + heads.to(tl.int64) * stride_lh, mask=g_ok, other=1)
         dense = (is_local == 0) & g_ok  # [BLOCK_G]

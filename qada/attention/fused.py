@@ -34,10 +34,12 @@ With ``decide_once=True`` (by default: a ``qada_tail`` decision over more pages 
 decision is made once per group, one program per (row, KV head), and the ``triton`` executor's split and combine
 launches then read its ``local`` mask: the plain ``qada`` decision by the launch that writes ``log E[exp(s)]`` (the
 moment step's: two launches after it, as deciding in the splits; :class:`~qada.attention.moment_step.EstimateDecision`),
-a ``qada_tail`` one in a launch of its own (three). No split then recomputes the decision (what a GPU measurement
-should choose between). Where a row spans more than ``pages_per_program`` pages, its page bounds are spread over
-page-top programs (:mod:`qada.attention.page_tops`) that the moment step's launch runs besides its own, and the
-decision merges their lists: the same launches either way.
+a ``qada_tail`` one in a launch of its own (three), one program per query head where that grid fits one wave
+(:attr:`FusedTritonExecutor.heads_apart`: each decides its own head, and the ``triton`` split launch applies the group
+policy, :class:`~qada.attention.triton_decode.HeadsDecided`). No split then recomputes the decision (what a GPU
+measurement should choose between). Where a row spans more than ``pages_per_program`` pages, its page bounds are
+spread over page-top programs (:mod:`qada.attention.page_tops`) that the moment step's launch runs besides its own,
+and the decision merges their lists: the same launches either way.
 
 The ``dense`` criterion has no decision to fuse: its run's step is the dense step (:mod:`qada.models.dense_step`,
 the split and combine alone, as on ``triton``). Anything else (another criterion, such as ``quest`` or a composed
@@ -60,6 +62,7 @@ from qada.attention.page_tops import PageTops
 from qada.attention.triton_decode import (
     BudgetRank,
     ExtraAttention,
+    HeadsDecided,
     StepStatistics,
     TailReads,
     TritonExecutor,
@@ -406,13 +409,16 @@ class FusedTritonExecutor(TritonExecutor):
     a GPU (the GPU suite's ``qada_tail+E/lean fused uncapped`` row)."""
 
     heads_apart: bool | None = None
-    """Whether the score launch of a ``qada_tail_budget`` step runs one program per (row, query head) instead of one
-    per (row, KV head) (the ``qada_tail`` kernel's ``HEADS_APART``): each scores one head, reading its own top pages'
-    tokens where the group's program reads every head's one chunk after the other (``G`` times the programs, each a
-    ``G``-th of that serial loop; the window, the heavy set and the page choice read by each, from L2 after the
-    first). ``None`` (the default): where the ``G``-fold grid still fits one wave of the split launch's target,
-    ``b H <= programs_per_sm x SMs`` (Llama-3-8B at batch size 1: 32 programs instead of 8 on a 132-SM GPU; SmolLM2
-    at 32 rows: not, 288 > 264); under Triton's interpreter (one SM counted) at most 2 heads. The same scores
+    """Whether the ``qada_tail`` launch that only scores or decides (the score launch of a ``qada_tail_budget``
+    step; a ``qada_tail`` decision launched apart, :attr:`decide_once`) runs one program per (row, query head)
+    instead of one per (row, KV head) (the ``qada_tail`` kernel's ``HEADS_APART``): each takes one head, reading its
+    own top pages' tokens where the group's program reads every head's one chunk after the other (``G`` times the
+    programs, each a ``G``-th of that serial loop; the window, the heavy set and the page choice read by each, from
+    L2 after the first). A threshold decision so made is each head's own: the ``triton`` split launch then applies
+    the group policy (:class:`~qada.attention.triton_decode.HeadsDecided`). ``None`` (the default): where the
+    ``G``-fold grid still fits one wave of the split launch's target, ``b H <= programs_per_sm x SMs`` (Llama-3-8B
+    at batch size 1: 32 programs instead of 8 on a 132-SM GPU; SmolLM2 at batch size 1: 9 instead of 3; at 32 rows:
+    not, 288 > 264); under Triton's interpreter (one SM counted) at most 2 heads. The same scores and decisions
     either way."""
 
     _hermite_held: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
@@ -434,9 +440,9 @@ class FusedTritonExecutor(TritonExecutor):
         if self.heads_apart is not None and not isinstance(self.heads_apart, bool):
             raise ValueError(f"expected heads_apart to be a bool or None but got {self.heads_apart!r}")
 
-    def scores_heads_apart(self, device: torch.device, heads: int) -> bool:
-        """Whether a budget's score launch over ``heads = b H`` query heads runs one program per head
-        (:attr:`heads_apart`)."""
+    def launches_heads_apart(self, device: torch.device, heads: int) -> bool:
+        """Whether a ``qada_tail`` launch that only scores or decides, over ``heads = b H`` query heads, runs one
+        program per head (:attr:`heads_apart`)."""
         if self.heads_apart is not None:
             return self.heads_apart
         return heads <= self.programs_per_sm * triton_decode._num_sms(device)  # (as the split count: one SM on CPU)
@@ -528,9 +534,10 @@ class FusedTritonExecutor(TritonExecutor):
         also makes the step's key join its page in ``tail``'s extrema (in place, as
         :func:`~qada.criteria.tail_index.append_step_key` does); with ``tail`` and ``budget``, the
         ``qada_tail_budget`` decision (``tau`` unused) in three launches: the tail kernel writes each head's score
-        (one program per (row, KV head)), then the ``triton`` split launch, each of whose programs ranks its row's
-        heads (:class:`~qada.attention.triton_decode.BudgetRank`: no launch of its own), and the combine launch; with
-        ``budget`` alone, the ``qada_budget`` decision so (:meth:`_budget_decision`: eq. 7's scores).
+        (one program per (row, KV head), or per query head: :attr:`heads_apart`), then the ``triton`` split launch,
+        each of whose programs ranks its row's heads (:class:`~qada.attention.triton_decode.BudgetRank`: no launch
+        of its own), and the combine launch; with ``budget`` alone, the ``qada_budget`` decision so
+        (:meth:`_budget_decision`: eq. 7's scores).
 
         Reads ``step.query [b, H, d]``, ``keys, values [b, H_kv, C, d]``, ``start``, ``end``, the window, the scale,
         ``softcap``, ``sink_logits [H]`` and ``step.bulk_moments`` (mean ``[b, H_kv, d]``, cov ``[b, H_kv, d, d]``,
@@ -615,7 +622,8 @@ class FusedTritonExecutor(TritonExecutor):
         sizes = (C, H_kv, window.t_sink, window.t_local, S, float(step.scale),
                  float(step.scale) * (1.0 if softcap else _LOG2E), float(softcap or 1.0), log_tau)
         log_ratio = n_exact = extra = None
-        heads_apart = budget is not None and self.scores_heads_apart(device, b * H)  # (the score launch)
+        # the score launch of a budget, or a qada_tail decision launched apart: one program per query head?
+        heads_apart = apart and tail is not None and self.launches_heads_apart(device, b * H)
         grid = (pairs, G if heads_apart else S)
         pdl = self.programmatic(device)  # each launch below may start while the one before it runs
         if tail is None:  # (the decision made in every split: not apart)
@@ -656,7 +664,8 @@ class FusedTritonExecutor(TritonExecutor):
         row = statistics.row
         if apart:  # the triton executor's two launches on the decision just made (a budget: ranked in the split)
             rank = None if budget is None else budget.rank(log_ratio, policy, flags)
-            done = self.launch(step, GroupDecision(flags[1], read), statistics, pdl, extra, rank)
+            heads = HeadsDecided(flags[0], policy == "promote") if heads_apart and budget is None else None
+            done = self.launch(step, GroupDecision(flags[1], read), statistics, pdl, extra, rank, heads)
             return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts,
                                log_ratio, n_exact, row)
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)

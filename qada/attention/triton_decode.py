@@ -25,8 +25,8 @@ import torch
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
 from qada.step import DecodeStep
 
-__all__ = ["TRITON_DTYPES", "BudgetRank", "ExtraAttention", "StepStatistics", "TailReads", "TritonExecutor",
-           "TritonLaunch", "check_triton_runtime"]
+__all__ = ["TRITON_DTYPES", "BudgetRank", "ExtraAttention", "HeadsDecided", "StepStatistics", "TailReads",
+           "TritonExecutor", "TritonLaunch", "check_triton_runtime"]
 
 _LOG2E = 1.4426950408889634  # the kernel works in base 2: exp(x) = exp2(x * log2(e))
 
@@ -163,7 +163,8 @@ class TritonExecutor(AttentionExecutor):
         return done.output, done.bulk_blocks, statistics.row
 
     def launch(self, step: DecodeStep, decision: GroupDecision | None, statistics: StepStatistics | None = None,
-               pdl: bool = False, extra: ExtraAttention | None = None, rank: BudgetRank | None = None) -> TritonLaunch:
+               pdl: bool = False, extra: ExtraAttention | None = None, rank: BudgetRank | None = None,
+               heads: HeadsDecided | None = None) -> TritonLaunch:
         """Run both kernels on ``step`` (reads ``query``, ``keys``, ``values``, ``start``, ``end``, the window and
         ``decision.local``; ``decision=None``: every head dense, the ``dense`` criterion's decision after the group
         policy, nothing read for it) and return every buffer they wrote (:class:`TritonLaunch`); with
@@ -173,7 +174,9 @@ class TritonExecutor(AttentionExecutor):
         reading what it wrote; the caller's launch right before wrote ``decision.local`` and nothing else the split
         reads). With ``rank`` the split launch makes the budget rule's decision itself (:class:`BudgetRank`) and
         writes it into ``decision.local`` and ``decision.read`` (and ``rank.decided``, ``rank.broken``): no launch
-        of its own ranks the scores."""
+        of its own ranks the scores. With ``heads`` (the heads decided apart by the launch before, one program per
+        query head: :class:`HeadsDecided`) the split launch applies the group policy to them and writes
+        ``decision.local`` and ``decision.read``."""
         query, key, value = step.query, step.keys, step.values  # [b, H, d], [b, H_kv, C, d] twice
         check_triton_runtime(query.device, query.dtype)
         from qada.attention import _triton_kernel
@@ -195,7 +198,11 @@ class TritonExecutor(AttentionExecutor):
         counts = torch.empty(pairs, S, 2, dtype=torch.int32, device=query.device)
         start, end = step.start, step.end  # [b] long or None: read inside the kernel only
         softcap, sinks = step.softcap, step.sink_logits
-        ranked = () if rank is None else rank.kernel_inputs(decision, b, H, H_kv)
+        if rank is not None and heads is not None:
+            raise ValueError("the split launch makes one decision: a budget's ranking (rank) or the group policy on "
+                             "heads decided apart (heads), not both")
+        made = rank if rank is not None else heads  # the decision the split launch makes itself, if any
+        ranked = () if made is None else made.kernel_inputs(decision, b, H, H_kv)
         run = _triton_kernel.run  # (a graph break under the interpreter: torch.compile must not trace it)
         run(
             _triton_kernel.qada_decode_split_kernel, (pairs, S),
@@ -209,7 +216,7 @@ class TritonExecutor(AttentionExecutor):
             INPUT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else None,
             DOT_FP32=dot_fp32, SOFTCAP=bool(softcap), ALL_DENSE=all_dense, RANK=rank is not None,
             BLOCK_H=_tile(H), BLOCK_KV=_tile(H_kv), PER_GROUP=rank is not None and rank.per_group,
-            PROMOTE=rank is not None and rank.promote,
+            PROMOTE=made is not None and made.promote, POLICY=heads is not None,
             num_warps=self.num_warps, num_stages=self.num_stages, **pdl_launch_options(pdl),
         )  # fmt: skip
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)
@@ -404,14 +411,45 @@ class BudgetRank(NamedTuple):
         if self.count.shape != () or self.count.dtype != torch.long:
             raise ValueError(f"expected the budget's count as a 0-d int64 tensor but got {self.count.dtype} "
                              f"{tuple(self.count.shape)}")
-        expected = (("score", self.score, (b, H), torch.float32), ("decided", self.decided, (b, H), torch.bool),
-                    ("broken", self.broken, (b, H), torch.bool), ("local", decision.local, (b, H), torch.bool),
-                    ("read", decision.read, (b, H_kv), torch.bool))
-        for name, tensor, shape, dtype in expected:
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
-                raise ValueError(f"expected {name} as a contiguous {dtype} tensor of shape {list(shape)} but got "
-                                 f"{tensor.dtype} {tuple(tensor.shape)}")
+        _check_flags((("score", self.score, (b, H), torch.float32), ("decided", self.decided, (b, H), torch.bool),
+                      ("broken", self.broken, (b, H), torch.bool), ("local", decision.local, (b, H), torch.bool),
+                      ("read", decision.read, (b, H_kv), torch.bool)))
         return self.score, self.count, self.decided, self.broken, decision.read
+
+
+class HeadsDecided(NamedTuple):
+    """Heads decided apart, one program per query head (the ``qada_tail`` decision launch's ``HEADS_APART``), for
+    the split launch to apply the group policy to (:meth:`TritonExecutor.launch`'s ``heads``, the split kernel's
+    ``POLICY`` mode, :func:`~qada.attention._group_decision.policy_of_heads`): every program reads its KV group's
+    heads' decisions and attends as the policy makes them; split 0 of each (row, KV head) writes ``decision.local``
+    and ``decision.read``. No program of the decision launch sees its whole group, so none can.
+
+    Attributes:
+        decided: ``[b, H]`` bool (contiguous), each head's own decision (every head of a row without a bulk local).
+        promote: the ``promote`` group policy (a group reading its bulk makes its local heads attend over it).
+    """
+
+    decided: torch.Tensor
+    promote: bool
+
+    def kernel_inputs(self, decision: GroupDecision | None, b: int, H: int, H_kv: int) -> tuple[torch.Tensor, ...]:
+        """``(SCORE, COUNT, DECIDED, BROKEN, READ)`` as the split kernel takes them (only ``DECIDED`` and ``READ``
+        used), after checking them and the ``decision`` it writes into; no host read."""
+        if decision is None:
+            raise ValueError("the group policy applied in the split launch writes decision.local and decision.read: "
+                             "pass them")
+        _check_flags((("decided", self.decided, (b, H), torch.bool), ("local", decision.local, (b, H), torch.bool),
+                      ("read", decision.read, (b, H_kv), torch.bool)))
+        return self.decided, self.decided, self.decided, self.decided, decision.read
+
+
+def _check_flags(expected: tuple[tuple[str, torch.Tensor, tuple[int, ...], torch.dtype], ...]) -> None:
+    """Raise unless each ``(name, tensor, shape, dtype)`` of ``expected`` is a contiguous tensor of that shape and
+    dtype (what a split launch that decides reads and writes)."""
+    for name, tensor, shape, dtype in expected:
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
+            raise ValueError(f"expected {name} as a contiguous {dtype} tensor of shape {list(shape)} but got "
+                             f"{tensor.dtype} {tuple(tensor.shape)}")
 
 
 class TritonLaunch(NamedTuple):

@@ -525,6 +525,7 @@ BUDGET_LEAN = {**BUDGET, **{k: v for k, v in SMALL_LEAN.items() if k not in SMAL
 
 
 SPREAD = {"pages_per_program": 2}  # (8 pages of 4 slots at 32 slots: 4 page-top programs per (row, KV head))
+HEADS_APART = {"decide_once": True, "heads_apart": True}  # the decision launched apart, one program per query head
 
 
 @pytest.mark.parametrize(("criterion", "source", "cache", "options"), [
@@ -533,15 +534,19 @@ SPREAD = {"pages_per_program": 2}  # (8 pages of 4 slots at 32 slots: 4 page-top
     ({**BUDGET, "per_group": True}, "current", "dynamic", {}), (SMALL_LEAN, "stored", "static", {}),
     ({**SMALL_LEAN, "tau": 0.8}, "current", "dynamic", {}), (BUDGET_LEAN, "stored", "static", {}),
     (SMALL, "stored", "static", SPREAD), (SMALL, "current", "dynamic", {**SPREAD, "decide_once": True}),
-    (BUDGET, "stored", "static", SPREAD)],
+    (BUDGET, "stored", "static", SPREAD), (SMALL, "stored", "static", HEADS_APART),
+    ({**SMALL_LEAN, "tau": 0.8}, "current", "dynamic", HEADS_APART),
+    (SMALL, "current", "static", {**SPREAD, **HEADS_APART})],
     ids=["small-stored-static", "small-current-dynamic", "defaults-stored-static", "budget-stored-static",
          "budget-per-group-current-dynamic", "lean-stored-static", "lean-current-dynamic",
          "budget-lean-stored-static", "spread-stored-static", "spread-once-current-dynamic",
-         "spread-budget-stored-static"])
+         "spread-budget-stored-static", "heads-apart-stored-static", "heads-apart-lean-current-dynamic",
+         "heads-apart-spread-current-static"])
 def test_model_fused_tail_run_equals_triton_run(monkeypatch, model, reference, criterion, source, cache, options):
     """The fused run decodes as the unfused one: tokens, statistics, the tail index after every layer step. With
     ``options`` spreading the page bounds over page-top programs, the moment step's launch runs them (grid
-    ``(pairs, 1 + stretches)``) and no page-top launch of their own is made."""
+    ``(pairs, 1 + stretches)``) and no page-top launch of their own is made; with ``heads_apart`` the decision
+    launch runs one program per query head (grid ``(pairs, G)``) and the split applies the group policy."""
     from tests.triton_launches import LaunchRecorder
 
     unfused = greedy_states(model, make_run(source, {"name": "triton", "block_size": 16}, reference, criterion), cache)
@@ -551,7 +556,10 @@ def test_model_fused_tail_run_equals_triton_run(monkeypatch, model, reference, c
     moment_grids = {grid for name, grid in record.launches if name.endswith("moment_step_kernel")}
     assert "qada_tail_page_top_kernel" not in {name for name, _ in record.launches}
     pairs = 2 * model.config.num_key_value_heads
-    if options:  # (1 + the tail index's pages over 2: 8 or more pages)
+    if options.get("heads_apart"):
+        G = model.config.num_attention_heads // model.config.num_key_value_heads
+        assert ("qada_tail_fused_split_kernel", (pairs, G)) in record.launches
+    if "pages_per_program" in options:  # (1 + the tail index's pages over 2: 8 or more pages)
         assert moment_grids and all(len(grid) == 2 and grid[0] == pairs and grid[1] >= 5 for grid in moment_grids)
     else:
         assert moment_grids == {(pairs,)}
@@ -595,8 +603,9 @@ COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from qada.attention import _fused_tail_kernel as K
 
-    for dtype, rows, features, lean in (("bf16", True, True, False), ("fp32", False, False, False),
-                                        ("bf16", True, False, True)):
+    for dtype, rows, features, lean, decide in (("bf16", True, True, False, False),
+                                                ("fp32", False, False, False, False),
+                                                ("bf16", True, False, True, False), ("bf16", True, False, True, True)):
         pointers = dict(Q="*" + dtype, K="*" + dtype, V="*" + dtype, LME="*fp32",
                         START="*i64" if rows else "*" + dtype, END="*i64" if rows else "*" + dtype,
                         SINKS="*fp32" if features else "*" + dtype,
@@ -609,9 +618,9 @@ COMPILE = textwrap.dedent(
         constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, BLOCK_H=32,
                          BLOCK_P=32, PAGE=16, BLOCK_S=16, TOP=8, BLOCK_M=8, ENTRIES=2, HAS_START=rows, HAS_END=rows,
                          HAS_SINKS=features, PROMOTE=features, INPUT_PRECISION="ieee" if dtype == "fp32" else None,
-                         DOT_FP32=False, SOFTCAP=features, ATTEND=not features, SCORE=features,
+                         DOT_FP32=False, SOFTCAP=features, ATTEND=not (features or decide), SCORE=features,
                          CANDIDATES=features, PDL=not features, SUPER=16 if lean else 0, SUPER_TOP=4 if lean else 1,
-                         BLOCK_SM=4 if lean else 2, EXACT=lean, TOKEN_STAGES=2, HEADS_APART=features)
+                         BLOCK_SM=4 if lean else 2, EXACT=lean, TOKEN_STAGES=2, HEADS_APART=features or decide)
         floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
         for kernel in (K.qada_tail_fused_split_kernel, K.qada_tail_page_top_kernel):
             names = kernel.arg_names
@@ -629,7 +638,7 @@ def test_fused_tail_kernel_compiles_for_the_gpu():
     (32 heavy tokens, 8 pages of 16): with bfloat16 inputs (and page extrema), rows, a soft cap, sink logits and
     ``promote`` in the budget's score mode (no attention) merging page lists, one program per query head, and with
     float32 inputs and none of them, attending; with a page hierarchy (super-pages of 16 pages) and
-    ``attend_exact``; and the page-top kernel alike."""
+    ``attend_exact``, attending and deciding apart one program per query head; and the page-top kernel alike."""
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:

@@ -459,7 +459,7 @@ def test_fused_kernel_compiles_for_the_gpu():
 
 def test_hermite_rule_matches_the_eager_capped_estimate():
     """(Guards the constants the kernel reads under a soft cap.)"""
-    from qada.attention.fused import _hermite
+    from qada.attention.triton_decode import _hermite
     from qada.functional.capping import capped_log_mean_exp
 
     x, log_w = _hermite(torch.device("cpu"))
@@ -477,7 +477,7 @@ def test_prefill_holds_the_executors_constants_on_the_device(model, reference):
     greedy(model, run, "static", steps=1)
     nodes, log_weights = run.executor._hermite_held
     assert nodes.device == log_weights.device == next(model.parameters()).device and nodes.shape == log_weights.shape
-    assert run.executor._hermite_on(nodes.device)[0] is nodes  # held: not made again
+    assert run.executor.hermite_rule(nodes.device)[0] is nodes  # held: not made again
     greedy(model, run, "static", steps=1)  # a new sequence: the same tensors (a recorded CUDA graph reads them)
     assert run.executor._hermite_held[0] is nodes and run.executor._hermite_held[1] is log_weights
 

@@ -19,6 +19,7 @@ from tiny_models import tiny_model  # noqa: E402
 
 from qada import step as step_module  # noqa: E402
 from qada.attention import EXECUTORS, TritonExecutor, _triton_kernel  # noqa: E402
+from qada.functional.capping import log_mean_exp_score  # noqa: E402
 from qada.models.layer_step import LayerStep  # noqa: E402
 from qada.moments.reference import collect_reference_keys  # noqa: E402
 from tests.test_attention_triton import DEVICE  # noqa: E402
@@ -87,3 +88,77 @@ def test_the_moment_launch_decides_as_the_torch_step(monkeypatch, model, referen
     for key in ("sparsity", "kv_sparsity", "kv_read"):
         assert summary[key] == pytest.approx(torch_summary[key], abs=1e-12), key
     assert 0.0 < summary["sparsity"] < 1.0  # not vacuous: some heads local, some dense
+
+
+@pytest.fixture(scope="module")
+def capped_model():
+    """A tiny Gemma-2 (two global layers) whose scores are soft-capped at 3: the cap bends most of them."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       layer_types=["full_attention"] * 2, attn_logit_softcapping=3.0,
+                                       query_pre_attn_scalar=16, max_position_embeddings=256)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():  # sharper attention than a fresh init, so that local and dense heads differ
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(4.0)
+    return model.to(DEVICE)
+
+
+TAU_CAPPED = 0.6
+
+
+@pytest.mark.parametrize("source", ["stored", "current"])
+def test_the_moment_launch_estimates_under_a_soft_cap(monkeypatch, capped_model, source):
+    """Under a soft cap the launch writes ``log E[exp(c tanh(s / c))]`` from the Gauss-Hermite rule the executor
+    holds (:meth:`~qada.attention.TritonExecutor.hermite_rule`), so plain qada computes no score moments in torch
+    there either: the torch step's tokens and statistics (the estimate equal up to float rounding; no ratio lies that
+    close to tau here), one launch per layer step."""
+    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    reference = collect_reference_keys(capped_model, ids, chunk_size=16)
+    executor = {"name": "triton", "block_size": 16}
+    criterion = {"name": "qada", "tau": TAU_CAPPED}
+    torch_tokens, torch_summary = greedy(capped_model, make_run(source, executor, reference, criterion), "static",
+                                         steps=3)
+    monkeypatch.setattr(TritonExecutor, "moment_launch", property(lambda self: True))
+    run = make_run(source, executor, reference, criterion)
+    assert run.layer_step._bound["hermite"] == run.executor.hermite_rule
+    record = LaunchRecorder(monkeypatch)
+    moments_computed = []
+    score_moments = step_module.score_moments_unchecked
+    monkeypatch.setattr(step_module, "score_moments_unchecked",
+                        lambda *args: moments_computed.append(1) or score_moments(*args))
+    estimates = []  # (the launch's, torch's capped, the uncapped formula's) of every layer step, when it is taken
+    take = step_module.DecodeStep.take_log_mean_exp
+
+    def taking(step, log_mean_exp):
+        mu, var = score_moments(step.query, *step.bulk_moments, step.scale)
+        estimates.append((log_mean_exp.clone(), log_mean_exp_score(mu, var, step.softcap), mu + var / 2))
+        return take(step, log_mean_exp)
+
+    monkeypatch.setattr(step_module.DecodeStep, "take_log_mean_exp", taking)
+    with record:
+        tokens, summary = greedy(capped_model, run, "static", steps=3)
+    assert len(estimates) == 2 * 3  # 2 layers, 3 steps
+    for launched, capped, _ in estimates:  # Gauss-Hermite in the kernel against torch's quadrature
+        torch.testing.assert_close(launched, capped.float(), atol=1e-4, rtol=1e-4)
+    bent = max(float((capped - uncapped).abs().max()) for _, capped, uncapped in estimates)
+    assert bent > 100 * 1e-4  # not vacuous: the cap bends the estimate far beyond that tolerance
+    moment_launches = [name for name, _ in record.launches if name.endswith("moment_step_kernel")]
+    assert moment_launches == [f"{source}_moment_step_kernel"] * (2 * 3), record.launches  # 2 layers, 3 steps
+    assert not moments_computed  # the capped estimate came from the launch
+    assert run.executor._hermite_held[0].device == next(capped_model.parameters()).device  # (held since the prefill)
+    assert torch.equal(tokens, torch_tokens)
+    for key in ("sparsity", "kv_sparsity", "kv_read"):
+        assert summary[key] == pytest.approx(torch_summary[key], abs=1e-12), key
+    assert 0.0 < summary["sparsity"] < 1.0  # not vacuous: some heads local, some dense
+
+
+def test_the_run_binds_no_rule_without_the_launch():
+    """Without the moment launch (the CPU's interpreter) the general step estimates in torch, under a cap too."""
+    run = make_run("current", {"name": "triton", "block_size": 16}, None)
+    assert run.layer_step._bound["hermite"] is (run.executor.hermite_rule if run.executor.moment_launch else None)

@@ -50,7 +50,7 @@ decision given, e.g. :func:`~qada.attention.decode_attention`), it is the ``trit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -74,7 +74,6 @@ from qada.attention.triton_decode import (
     register_cap,
 )
 from qada.functional.tail import EXTREMA_DTYPES
-from qada.stable_tensors import write_into
 from qada.step import DecodeStep
 
 __all__ = ["FusedBudget", "FusedLaunch", "FusedTail", "FusedTritonExecutor"]
@@ -332,16 +331,6 @@ def _score_precision(dtype: torch.dtype) -> tuple[str | None, bool]:
     return ("ieee" if dtype == torch.float32 or dot_fp32 else None), dot_fp32
 
 
-def _hermite(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gauss-Hermite nodes and ``log(w_j / sqrt(pi))`` as float32 tensors on ``device`` (an executor makes them
-    once, at a run's prefill, and holds them: :meth:`FusedTritonExecutor.to_device`)."""
-    from qada.functional.capping import hermite_rule
-
-    nodes, log_weights = hermite_rule()
-    return (torch.tensor(nodes, dtype=torch.float32, device=device),
-            torch.tensor(log_weights, dtype=torch.float32, device=device))
-
-
 @register_executor("triton_fused")
 @dataclass
 class FusedTritonExecutor(TritonExecutor):
@@ -421,9 +410,6 @@ class FusedTritonExecutor(TritonExecutor):
     not, 288 > 264); under Triton's interpreter (one SM counted) at most 2 heads. The same scores and decisions
     either way."""
 
-    _hermite_held: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
-                                                                      compare=False)
-
     def __post_init__(self) -> None:
         super().__post_init__()
         value = self.pages_per_program
@@ -454,20 +440,6 @@ class FusedTritonExecutor(TritonExecutor):
         return (self.pdl and _triton_kernel.HAS_PDL and not _triton_kernel.INTERPRETED and device.type == "cuda"
                 and not torch.compiler.is_compiling() and torch.cuda.get_device_capability(device)[0] >= 9)
 
-    def to_device(self, device: torch.device) -> None:
-        """Hold the soft cap's Gauss-Hermite nodes and log weights on ``device``: a compiled step then reads them as
-        tensors it is given instead of making them from host data at every call (the same tensors from one
-        sequence to the next: a CUDA graph reads them); checks the Triton runtime too."""
-        super().to_device(device)
-        self._hermite_held = write_into(self._hermite_held, _hermite(device))
-
-    def _hermite_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held nodes and log weights (:meth:`to_device`), made now where they are not held on ``device`` (an
-        executor used outside a run)."""
-        if self._hermite_held is None or self._hermite_held[0].device != device:
-            self.to_device(device)
-        return self._hermite_held
-
     def bulk_estimate(self, query: torch.Tensor, scale: float, softcap: float | None,
                       decision: EstimateDecision | None = None, page_tops: PageTops | None = None) -> BulkEstimate:
         """The :class:`~qada.attention.moment_step.BulkEstimate` of a step's queries ``query [b, H, d]``: the held
@@ -475,7 +447,7 @@ class FusedTritonExecutor(TritonExecutor):
         fill (and with ``decision`` (:meth:`estimate_decision`) to decide from; with ``page_tops``
         (:meth:`page_tops`) to run those programs too)."""
         out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
-        nodes, log_weights = self._hermite_on(query.device) if softcap else (out, out)  # (read only under a cap)
+        nodes, log_weights = self.hermite_rule(query.device) if softcap else (out, out)  # (read only under a cap)
         return BulkEstimate(query, scale, softcap, nodes, log_weights, out, decision, self.programmatic(query.device),
                             page_tops)
 

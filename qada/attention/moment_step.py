@@ -116,6 +116,15 @@ class BulkEstimate(NamedTuple):
         out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         return cls(query, scale, None, out, out, out)
 
+    @classmethod
+    def capped(cls, query: torch.Tensor, scale: float, softcap: float, nodes: torch.Tensor,
+               log_weights: torch.Tensor) -> BulkEstimate:
+        """The estimate of ``query [b, H, d]`` under the soft cap ``softcap``, summed over the Gauss-Hermite
+        ``nodes`` and ``log_weights`` (``[n]`` float32 on the query's device), into a new ``out``, and no decision:
+        the general layer step's moment launch under a cap."""
+        out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        return cls(query, scale, softcap, nodes, log_weights, out)
+
     def kernel_args(self) -> tuple[tuple, tuple]:
         """``(Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN)`` and ``(stride_qb, stride_qh, stride_qd,
         scale, softcap, n_nodes, C, t_sink, log_tau)``, the decision's placeholders where there is none."""

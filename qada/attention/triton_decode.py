@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from qada.attention.base import AttentionExecutor, GroupDecision, register_executor
+from qada.stable_tensors import write_into
 from qada.step import DecodeStep
 
 __all__ = ["TRITON_DTYPES", "BudgetRank", "ExtraAttention", "HeadsDecided", "StepStatistics", "TailReads",
@@ -111,6 +112,8 @@ class TritonExecutor(AttentionExecutor):
     programs_per_sm: int = 2
     num_warps: int = 4
     num_stages: int = 2
+    _hermite_held: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False,
+                                                                      compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,9 +141,21 @@ class TritonExecutor(AttentionExecutor):
         return not _triton_kernel.INTERPRETED
 
     def to_device(self, device: torch.device) -> None:
-        """Check, eagerly at a run's prefill, that the kernels can run on ``device`` (a compiled step does not)."""
+        """Check, eagerly at a run's prefill, that the kernels can run on ``device`` (a compiled step does not), and
+        hold the soft cap's Gauss-Hermite nodes and log weights there (:meth:`hermite_rule`): a compiled step then
+        reads them as tensors it is given instead of making them from host data at every call (the same tensors from
+        one sequence to the next: a CUDA graph reads them)."""
         name = "triton_fused" if getattr(self, "fuses_decision", False) else "triton"
         check_triton_runtime(torch.device(device), executor=name)
+        self._hermite_held = write_into(self._hermite_held, _hermite(torch.device(device)))
+
+    def hermite_rule(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Gauss-Hermite nodes and ``log(w_j / sqrt(pi))`` (``[n]`` float32 each) that a soft cap's estimate
+        sums over in the moment step's launch (:class:`~qada.attention.moment_step.BulkEstimate`): those held since
+        :meth:`to_device`, made now where none are held on ``device`` (an executor used outside a run)."""
+        if self._hermite_held is None or self._hermite_held[0].device != device:
+            self.to_device(device)
+        return self._hermite_held
 
     def splits(self, device: torch.device, pairs: int, T: int) -> int:
         """Number of splits for ``pairs = b * H_kv`` (row, KV head) programs over a buffer of ``T`` slots."""
@@ -221,6 +236,16 @@ class TritonExecutor(AttentionExecutor):
         )  # fmt: skip
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)
         return TritonLaunch(output, bulk_blocks, acc, m, l, counts)
+
+
+def _hermite(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gauss-Hermite nodes and ``log(w_j / sqrt(pi))`` as float32 tensors on ``device`` (an executor makes them
+    once, at a run's prefill, and holds them: :meth:`TritonExecutor.to_device`)."""
+    from qada.functional.capping import hermite_rule
+
+    nodes, log_weights = hermite_rule()
+    return (torch.tensor(nodes, dtype=torch.float32, device=device),
+            torch.tensor(log_weights, dtype=torch.float32, device=device))
 
 
 class StepStatistics(NamedTuple):

@@ -28,6 +28,7 @@ import os
 import traceback
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -128,6 +129,7 @@ def layer_step(
     attend_window: bool = False,
     host_plan: bool | None = False,
     moment_launch: bool = False,
+    hermite: Callable[[torch.device], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> LayerStepResult:
     """The decision of one decode step of one layer, and what the executor reuses.
 
@@ -151,18 +153,24 @@ def layer_step(
         moment_launch: the moment source's step as one Triton launch where the source has one
             (:func:`~qada.models.fused_step.fused_moment_step`: the plain ``stored`` and ``current`` sources), for an
             executor on a GPU (:attr:`~qada.attention.TritonExecutor.moment_launch`): compiled for a GPU, the
-            source's torch step was several kernels of Inductor's. Without a soft cap the same launch also writes
-            each head's ``log E[exp(s)]`` (:class:`~qada.attention.moment_step.BulkEstimate`), which eq. 7 then
-            reads (:meth:`~qada.step.DecodeStep.take_log_mean_exp`): two kernels of the score moments fewer. The
-            same moments and estimate up to float rounding.
+            source's torch step was several kernels of Inductor's. The same launch also writes each head's ``log
+            E[exp(s)]`` (:class:`~qada.attention.moment_step.BulkEstimate`), which eq. 7 then reads
+            (:meth:`~qada.step.DecodeStep.take_log_mean_exp`): the kernels of the score moments fewer. Under a soft
+            cap that estimate sums over the Gauss-Hermite rule ``hermite(device)`` gives (the executor's held one,
+            :meth:`~qada.attention.TritonExecutor.hermite_rule`); without ``hermite`` the step computes it in torch.
+            The same moments and estimate up to float rounding.
+        hermite: with ``moment_launch``, the Gauss-Hermite nodes and log weights (``[n]`` float32 each) on a
+            device, for a soft cap's estimate in the launch (``None``: none).
     """
     step_moments = estimate = None
     if moment_launch and moments is not None:
         from qada.attention.moment_step import BulkEstimate
         from qada.models.fused_step import fused_moment_step
 
-        if softcap is None:  # (under a cap the estimate needs the Gauss-Hermite rule: the step computes it)
+        if softcap is None:
             estimate = BulkEstimate.uncapped(query[:, :, 0], scale)
+        elif hermite is not None:  # (under a cap the estimate sums over the Gauss-Hermite rule; without, torch)
+            estimate = BulkEstimate.capped(query[:, :, 0], scale, softcap, *hermite(query.device))
         step_moments = functools.partial(fused_moment_step, moments, estimate=estimate)
     step, bulk = begin_step(query, keys, values, start, end, scale, layer, moment_state, criterion_states,
                             sink_logits, softcap, moments, window, step_moments)
@@ -289,10 +297,11 @@ class LayerStep:
 
     def __init__(self, criterion: HeadCriterion, moments: MomentSource | None, window: Window, policy: str,
                  backend: str | None, attend_window: bool = False, host_plan: bool | None = False,
-                 moment_launch: bool = False) -> None:
+                 moment_launch: bool = False,
+                 hermite: Callable[[torch.device], tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self.criterion, self.moments, self.backend = criterion, moments, backend
         bound = dict(criterion=criterion, moments=moments, window=window, policy=policy, attend_window=attend_window,
-                     host_plan=host_plan, moment_launch=moment_launch)
+                     host_plan=host_plan, moment_launch=moment_launch, hermite=hermite)
         self._bound = bound
         self.eager = functools.partial(layer_step, **bound)
         self.eager_reason: str | None = None
@@ -356,7 +365,7 @@ class LayerStep:
         it; returns its keyword arguments (the components and ``executor``)."""
         # the executor attends over the window itself, without a host read: the step takes the components only
         self._bound = {name: value for name, value in self._bound.items()
-                       if name not in ("attend_window", "host_plan", "moment_launch")}
+                       if name not in ("attend_window", "host_plan", "moment_launch", "hermite")}
         bound = dict(self._bound, executor=executor)
         self.fused = executor
         self.eager = functools.partial(function, **bound)

@@ -110,8 +110,9 @@ class QAdARun:
             attend_window = getattr(self.executor, "uses_window_output", False)
             host_plan = getattr(self.executor, "host_plan", False)
             moment_launch = getattr(self.executor, "moment_launch", False)
+            hermite = self.executor.hermite_rule if moment_launch else None  # (a soft cap's estimate in the launch)
             self._step = LayerStep(self.criterion, moments, self.window, policy, self.backend, attend_window,
-                                   host_plan, moment_launch)
+                                   host_plan, moment_launch, hermite)
             if takes_dense_step(self.criterion, moments, self.executor):
                 self._step.take_dense_step(self.executor)
             elif getattr(self.executor, "fuses_decision", False):

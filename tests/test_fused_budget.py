@@ -229,13 +229,16 @@ COMPILE = textwrap.dedent(
     from qada.attention import _triton_kernel as K
 
     kernel = K.qada_decode_split_kernel
-    for rows, per_group in ((True, True), (False, False)):
+    # the budget ranked (RANK), or the group policy on heads decided apart (POLICY: SCORE, COUNT, BROKEN not read)
+    for rows, per_group, rank, pdl in ((True, True, True, False), (False, False, True, False),
+                                       (True, False, False, False), (True, True, False, True)):
         pointers = dict(Q="*bf16", K="*bf16", V="*bf16", LOCAL="*u8", START="*i64" if rows else "*bf16",
                         END="*i64" if rows else "*bf16", ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32",
-                        SCORE="*fp32", COUNT="*i64", DECIDED="*u8", BROKEN="*u8", READ="*u8")
+                        SCORE="*fp32" if rank else "*u8", COUNT="*i64" if rank else "*u8", DECIDED="*u8",
+                        BROKEN="*u8", READ="*u8")
         constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=rows, HAS_END=rows,
-                         INPUT_PRECISION=None, DOT_FP32=False, SOFTCAP=False, PDL=False, ALL_DENSE=False, RANK=True,
-                         BLOCK_H=32, BLOCK_KV=16, PER_GROUP=per_group, PROMOTE=per_group, POLICY=False)
+                         INPUT_PRECISION=None, DOT_FP32=False, SOFTCAP=False, PDL=pdl, ALL_DENSE=False, RANK=rank,
+                         BLOCK_H=32, BLOCK_KV=16, PER_GROUP=per_group, PROMOTE=per_group, POLICY=not rank)
         names = kernel.arg_names
         signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n in ("qk_scale", "softcap")
                                      else "i32") for n in names}
@@ -246,10 +249,12 @@ COMPILE = textwrap.dedent(
 )
 
 
-def test_ranking_split_compiles_for_the_gpu():
+def test_the_deciding_splits_compile_for_the_gpu():
     """The split kernel that ranks a budget's scores compiles (TTIR .. cubin) for sm_90 without a GPU, at
-    Llama-3-8B's heads (32 over 8 KV heads), per head and per group (``benchmarks/kernel_resources.py`` compiles it
-    as a decode step launches it, and ``tests/test_kernel_resources.py`` checks its loop is pipelined)."""
+    Llama-3-8B's heads (32 over 8 KV heads), per head and per group, and so does the one that applies the group
+    policy to heads decided apart (``tests/test_tail_heads_apart.py``), with and without ``promote`` and PDL
+    (``benchmarks/kernel_resources.py`` compiles both as a decode step launches them, and
+    ``tests/test_kernel_resources.py`` checks their loops are pipelined)."""
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:

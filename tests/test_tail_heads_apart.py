@@ -2,14 +2,12 @@
 program decides its own head, and the ``triton`` split launch after it applies the group policy
 (``HeadsDecided``, the split kernel's ``POLICY`` mode). Against the eager criterion, and bit for bit against one
 program per KV group; the policy in the split for any decisions (Hypothesis); the launches; bad inputs. On CPU the
-kernels run in Triton's interpreter (small shapes)."""
+kernels run in Triton's interpreter (small shapes); the policy split's sm_90 compile is checked beside the ranking
+split's (``tests/test_fused_budget.py``)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import torch
 
@@ -62,24 +60,18 @@ def apart_and_together(case, pages_per_program=256):
     return (apart, apart_state), together
 
 
-@pytest.mark.parametrize("case", CASES + LEAN, ids=[case_id(c) for c in CASES] + [lean_id(c) for c in LEAN])
-def test_heads_decided_apart_equal_eager_and_the_groups(case):
+LAUNCHES = [(case, 256) for case in CASES + LEAN] + [(CASES[0], 5), (CASES[2], 5)]
+
+
+@pytest.mark.parametrize(("case", "pages_per_program"), LAUNCHES,
+                         ids=[case_id(c) for c in CASES] + [lean_id(c) for c in LEAN] + ["defaults-spread",
+                                                                                          "bf16-two-tiles-spread"])
+def test_heads_decided_apart_equal_eager_and_the_groups(case, pages_per_program):
     """Decisions, fail-safe, state after the step, statistics row, output and block counts: the eager criterion's
     (:func:`check_tail`), and bit for bit one program per KV group's (every setting: heavy set or none, a soft cap,
-    sinks, a page hierarchy, ``attend_exact``, sizes grown with the context, both group policies)."""
-    (apart, apart_state), (together, together_state) = apart_and_together(case)
-    for name in FLAGS:
-        torch.testing.assert_close(getattr(apart, name), getattr(together, name), atol=0, rtol=0, equal_nan=True,
-                                   msg=name)
-    torch.testing.assert_close(apart.output, together.output, atol=0, rtol=0)
-    assert_same_state(apart_state, together_state)
-
-
-@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["defaults", "bf16-two-tiles"])
-def test_heads_decided_apart_merge_spread_page_bounds_alike(case):
-    """With the page bounds spread over page-top programs of 5 pages (each head's program merges its own lists):
-    the eager criterion's decisions and the groups' launch, bit for bit."""
-    (apart, apart_state), (together, together_state) = apart_and_together(case, pages_per_program=5)
+    sinks, a page hierarchy, ``attend_exact``, sizes grown with the context, both group policies; and with the page
+    bounds spread over page-top programs of 5 pages, each head's program merging its own lists)."""
+    (apart, apart_state), (together, together_state) = apart_and_together(case, pages_per_program)
     for name in FLAGS:
         torch.testing.assert_close(getattr(apart, name), getattr(together, name), atol=0, rtol=0, equal_nan=True,
                                    msg=name)
@@ -161,39 +153,3 @@ def test_the_policy_in_the_split_needs_the_decision_it_writes_and_one_rule():
     with pytest.raises(ValueError, match="not both"):
         executor.launch(fresh(step), GroupDecision(flags[1], read), rank=rank, heads=heads)
 
-
-COMPILE = textwrap.dedent(
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from qada.attention import _triton_kernel as K
-
-    kernel = K.qada_decode_split_kernel
-    for promote in (False, True):
-        pointers = dict(Q="*bf16", K="*bf16", V="*bf16", LOCAL="*u8", START="*i64", END="*i64", ACC="*fp32",
-                        M="*fp32", L="*fp32", COUNTS="*i32", SCORE="*u8", COUNT="*u8", DECIDED="*u8", BROKEN="*u8",
-                        READ="*u8")
-        constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=True, HAS_END=True,
-                         INPUT_PRECISION=None, DOT_FP32=False, SOFTCAP=False, PDL=promote, ALL_DENSE=False,
-                         RANK=False, BLOCK_H=32, BLOCK_KV=16, PER_GROUP=False, PROMOTE=promote, POLICY=True)
-        names = kernel.arg_names
-        signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n in ("qk_scale", "softcap")
-                                     else "i32") for n in names}
-        source = ASTSource(kernel, signature, constexprs={(names.index(n),): c for n, c in constants.items()})
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
-    print("compiled")
-    """
-)
-
-
-def test_the_policy_split_compiles_for_the_gpu():
-    """The split kernel applying the group policy to heads decided apart compiles (TTIR .. cubin) for sm_90 without a
-    GPU, at Llama-3-8B's heads (``benchmarks/kernel_resources.py`` compiles the whole step as a decode launches it)."""
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("triton has no nvidia backend")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -25,6 +25,7 @@ from qada.moments.reference import (
     bucket_ends,
     compute_bucketed_moments,
     load_or_build_reference,
+    reference_build_conditions,
     reference_cache_file,
     reference_length,
 )
@@ -232,9 +233,14 @@ def test_load_or_build_reference_shares_the_sources_cache(tmp_path):
     assert list(tmp_path.iterdir()) == [file]
     assert reference.keys.dtype == torch.float16 and reference.keys.shape == (2, 2, 120, 16)
     assert reference.info["prompt"] == "random_words" and reference.info["seed"] == 1
+    # how it was built, since its keys depend on it (low-precision reductions round by thread count and device)
+    built = f"cpu float32, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    assert reference.info["built"] == reference_build_conditions(model) == built
     source = StoredMoments(length=120, seed=1, cache_dir=str(tmp_path))
+    assert "built" not in source.describe()  # (not prepared yet)
     source.prepare(model, None)  # loads the same file
     assert torch.equal(source.reference.keys, reference.keys)
+    assert source.describe()["built"] == built and source.describe()["file"] == file.name
     assert source.resolved_length(model) == reference_length(model, 120) == 120
     assert StoredMoments().resolved_length(model) == min(model.config.max_position_embeddings, 32768)
     # every source of a process shares one loaded copy and what is derived from it (a sweep's many stored-moment

@@ -40,6 +40,7 @@ __all__ = [
     "compute_bucketed_moments",
     "fingerprint_key",
     "load_or_build_reference",
+    "reference_build_conditions",
     "reference_cache_file",
     "reference_length",
 ]
@@ -197,6 +198,21 @@ def _load_shared(path: str, stamp: tuple[int, int], fingerprint: str) -> Referen
     return ReferenceKeys.load(path, json.loads(fingerprint))
 
 
+def reference_build_conditions(model: Any) -> str:
+    """How a reference is built on this process: ``"<device> <dtype>, torch <version>[, <n> threads]"`` (threads on
+    the CPU only), e.g. ``"cpu bfloat16, torch 2.13.0+cpu, 2 threads"``.
+
+    Recorded in a cached reference's ``info["built"]`` because its keys depend on it: the forward's reductions in a
+    low-precision dtype round differently with another thread count or device (the embedded model in bfloat16 built
+    with 1 thread instead of 2: 68% of the float16 key values differ, by up to 1.94), so two machines' caches of the
+    same name may hold different keys, and the stored moments derived from them decide heads near tau differently."""
+    parameter = next(iter(model.parameters()), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    dtype = str(parameter.dtype).removeprefix("torch.") if parameter is not None else "unknown"
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    return f"{device.type} {dtype}, torch {torch.__version__}{threads}"
+
+
 def load_or_build_reference(
     model: Any,
     tokenizer: Any,
@@ -211,7 +227,8 @@ def load_or_build_reference(
     Builds the ``prompt`` reference (:func:`qada.moments.prompts.build_reference_prompt`) of
     :func:`reference_length` tokens with ``tokenizer``, runs it through the model in chunks of ``chunk_size``
     (:func:`collect_reference_keys`; one line on stderr says so first, and its progress bar is removed when done)
-    and saves the keys in float16 to :func:`reference_cache_file` (kind ``reference``). A cached file for the
+    and saves the keys in float16 to :func:`reference_cache_file` (kind ``reference``), with how they were built in
+    ``info["built"]`` (:func:`reference_build_conditions`). A cached file for the
     same model fingerprint, prompt, length and seed is loaded instead; one that fails its checks is rebuilt with
     a warning.
 
@@ -236,7 +253,7 @@ def load_or_build_reference(
     from tqdm.auto import tqdm
 
     ids = build_reference_prompt(prompt, tokenizer, length, seed)
-    info = {"prompt": prompt, "seed": seed}
+    info = {"prompt": prompt, "seed": seed, "built": reference_build_conditions(model)}
     # Said once, before the bar (tqdm.write keeps an open evaluation bar intact): the first use of the stored
     # moments takes a while, later runs load the file.
     tqdm.write(f"qada: building the stored-moment reference ({prompt}, {length} tokens) once; cached at {file}",

@@ -43,7 +43,8 @@ CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, mom
     "qada dense": ("dense", "none", {"name": "triton"}),
     "qada fused": ({"name": "qada", "tau": 0.6}, "stored", {"name": "triton_fused"}),
     "qada fused once": ({"name": "qada", "tau": 0.6}, "stored", {"name": "triton_fused", "decide_once": True}),
-    "qada_tail fused": ({"name": "qada_tail", "tau": 0.3}, "stored", {"name": "triton_fused", "decide_once": False}),
+    "qada_tail fused splits": ({"name": "qada_tail", "tau": 0.3}, "stored",
+                               {"name": "triton_fused", "decide_once": False}),
     "qada_tail fused once": ({"name": "qada_tail", "tau": 0.3}, "stored",
                              {"name": "triton_fused", "decide_once": True}),
     "qada_tail_budget fused": ({"name": "qada_tail_budget", "sparsity": 0.85}, "stored", {"name": "triton_fused"}),
@@ -52,8 +53,9 @@ CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, mom
 }
 """Every configuration whose whole decode step runs in Triton launches (the ``triton`` executor with a criterion
 decides in torch operations, which this does not count), decided as the GPU suite's rows of the same names: ``qada_tail
-fused`` in every split at any length (the executor's default decides once above 256 bounded pages, as from about
-4,096 tokens), ``once`` in a launch before the split, the read-lean rows by default (in the splits up to 256 bounded
+fused splits`` in every split at any length (the executor's default, the suite's ``qada_tail fused``, decides so up to
+256 bounded pages, and once above, as from about 4,096 tokens; results before 2026-12-06 name this row ``qada_tail
+fused``), ``once`` in a launch before the split, the read-lean rows by default (in the splits up to 256 bounded
 pages, its super-pages and the pages of its best four)."""
 
 KV_ARGS = {"K", "V", "KEYS", "PT_K"}

@@ -151,9 +151,11 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
     head), ``qada dense`` (the
     wrapper with the ``dense`` criterion: its own cost), ``qada`` (tau 0.6, the suite's moments and executor; with the
     ``triton`` executor also ``qada fused``, ``qada_tail fused`` and ``qada_tail_budget fused``: the same decisions
-    made in the kernels, ``triton_fused``, and the first two's ``once`` twins with ``decide_once``: the decision
-    made once per group, by the moment step's launch for ``qada``, in a launch of its own for ``qada_tail``, then
-    the split; the rows of :data:`FUSED_VARIANTS` where ``workload.compiled`` names them), the rows of
+    made in the kernels, ``triton_fused`` with its defaults (what a user gets: ``qada`` decided in every split,
+    ``qada_tail`` in every split up to ``pages_per_program`` bounded pages and once beyond, as at 7,680 tokens), and
+    the first two's ``once`` twins with ``decide_once=True``: the decision made once per group, by the moment step's
+    launch for ``qada``, in a launch of its own for ``qada_tail``, then the split; the rows of
+    :data:`FUSED_VARIANTS` where ``workload.compiled`` names them, such as ``qada_tail fused splits``), the rows of
     :data:`~benchmarks.suites.LEAN_ROWS` (the accurate read-lean configuration) if ``workload.lean``, the
     tail-aware rows of :data:`TAIL_CONFIGS` (if ``workload.tail``; their heavy set chosen by the context's recorded
     prompt queries), ``static rho_kv=...`` (whole KV groups forced local): every qada row on the run's default path
@@ -178,9 +180,9 @@ def build_configs(suite: Suite, workload: Workload, model: Any, tokenizer: Any, 
                 model, tokenizer), count_events=not suffix)
     if suite.e2e_executor == "triton":  # the decision inside the kernels (triton_fused): qada and the tail rows
         for name in [n for n in ("qada", "qada_tail", "qada_tail_budget") if n in criteria]:
-            variants = (("", False),) if name == "qada_tail_budget" else (("", False), (" once", True))
-            for suffix, once in variants:  # the decision in every split, or launched once (a budget always is)
-                executor = {"name": "triton_fused", "decide_once": once}
+            variants = (("", None),) if name == "qada_tail_budget" else (("", None), (" once", True))
+            for suffix, once in variants:  # the executor's default, or the decision launched once (a budget always is)
+                executor = {"name": "triton_fused", **({} if once is None else {"decide_once": once})}
                 configs[f"{name} fused{suffix}"] = DecodeConfig(
                     kind, lambda criterion=criteria[name], executor=executor: prepare_run(
                         build_run(criterion=criterion, moments=moments, executor=executor), model, tokenizer),

@@ -209,7 +209,7 @@ def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmea
         q, _ = compiled_ratio("qada fused compiled", 7680, "smollm2", B)
         t, _ = compiled_ratio("qada_tail fused compiled", 7680, "smollm2", B)
         goal(f"GPU: SmolLM2 at 7.68k, B={B}: graph-captured qada_tail tau 0.3 / qada tau 0.6 tokens/s, both decided "
-             "in the kernel (triton_fused)", q and t and t / q, 0.9, unmeasured=unmeasured,
+             "in the kernel (triton_fused, its defaults)", q and t and t / q, 0.9, unmeasured=unmeasured,
              detail=_tail_variants(compiled_ratio, B, q))
     budgets = [compiled_ratio(name, 131072, "llama3-8b-random", 1)
                for name in ("qada_tail_budget compiled", "qada_tail_budget fused compiled",
@@ -237,7 +237,8 @@ def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmea
                                                 "qada_tail fused compiled",
                                                 "qada fused once compiled", "qada_tail fused once compiled",
                                                 "qada fused wide compiled", "qada fused once wide compiled",
-                                                "qada_tail fused wide compiled", "qada_tail_budget fused compiled")
+                                                "qada_tail fused wide compiled", "qada_tail fused splits compiled",
+                                                "qada_tail_budget fused compiled")
              and "extra_kernels_per_layer" in r.get("counters", {})]  # fmt: skip
     kernels = min(fused, key=lambda r: r["counters"]["extra_kernels_per_layer"]) if fused else None
     goal("GPU: extra kernels per layer and decode step, graph-captured, decision in the kernel (the best fused row; "
@@ -252,9 +253,11 @@ FUSED_QADA_VARIANTS = ("qada fused once", "qada fused wide", "qada fused once wi
 a variant that beats it is a case for changing the executor's defaults, measured)."""
 
 
-FUSED_TAIL_VARIANTS = ("qada_tail fused once", "qada_tail fused once together", "qada_tail fused spread",
-                       "qada_tail fused wide", "qada_tail fused pdl")
-"""The launch variants of the ``qada_tail fused`` row whose ratios to ``qada fused`` its goal's detail lists."""
+FUSED_TAIL_VARIANTS = ("qada_tail fused splits", "qada_tail fused once", "qada_tail fused once together",
+                       "qada_tail fused spread", "qada_tail fused wide", "qada_tail fused pdl")
+"""The launch variants of the ``qada_tail fused`` row (the executor's defaults: at 7,680 tokens the decision launched
+once, per query head at B = 1) whose ratios to ``qada fused`` its goal's detail lists (``splits``: decided in every
+split, the goal's row until 2026-12-06)."""
 
 
 def _tail_variants(compiled_ratio, B: int, qada: float | None) -> str | None:

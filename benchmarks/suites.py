@@ -121,6 +121,7 @@ FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     "qada_tail+E/lean fused uncapped": (LEAN_TAIL, {"name": "triton_fused", "cap_registers": False}),
     "qada_tail fused once together": ("qada_tail", {"name": "triton_fused", "decide_once": True,
                                                     "heads_apart": False}),
+    "qada_tail fused splits": ("qada_tail", {"name": "triton_fused", "decide_once": False}),
 }  # fmt: skip
 """Rows built only where a workload's compiled rows name them (the GPU suite's; on the CPU, under Triton's
 interpreter, each would be its plain ``fused`` row again): name -> (``qada`` or a criterion of
@@ -133,7 +134,10 @@ of each row's groups local, so that a budget skips whole groups' bytes; a criter
 ``uncapped``: the read-lean split kernel without its register cap (``cap_registers=False``: what ``ptxas`` chooses,
 two programs per SM with Triton 3.6, against the default's three); ``together``: the budget's score launch, or
 ``qada_tail``'s decision launched apart (``once``), one program per (row, KV head) (``heads_apart=False``), against
-the default's one per query head where that grid fits one wave (as at B = 1: SmolLM2's 9 heads, Llama-3-8B's 32)."""
+the default's one per query head where that grid fits one wave (as at B = 1: SmolLM2's 9 heads, Llama-3-8B's 32);
+``qada_tail fused splits``: the decision in every split (``decide_once=False``) where the default decides once
+(above ``pages_per_program`` bounded pages: SmolLM2 at 7,680 tokens has 481; the GPU results of 2026-11-28 and before
+name this row ``qada_tail fused``). ``pdl`` and ``wide`` decide in the splits too."""
 
 LEAN_ROWS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qada_tail+E/lean": (LEAN_TAIL, {"name": "triton"}),
@@ -153,6 +157,7 @@ SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32),
                                  "qada fused inductor", "qada fused pdl", "qada fused wide", "qada fused once wide",
                                  "qada_tail", "qada_tail fused", "qada_tail fused once", "qada_tail fused pdl",
                                  "qada_tail fused spread", "qada_tail fused wide", "qada_tail fused once together",
+                                 "qada_tail fused splits",
                                  "qada_tail_budget", "qada_tail_budget fused", *LEAN_ROWS,
                                  "qada_tail+E/lean fused uncapped"),
                        eager=True, tail=True, lean=True,

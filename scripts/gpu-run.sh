@@ -9,22 +9,25 @@
 #   bash scripts/gpu-run.sh graphs                      # the fused step in a CUDA graph, and compiled (tiny model)
 #   bash scripts/gpu-run.sh goals-smollm2 goals-llama   # issue 33's speed goals only: the graph-captured rows they name
 #   bash scripts/gpu-run.sh tail-b1 tail-b32            # the qada_tail fused rows beside qada fused (SmolLM2, one
-#                                                       # batch size each): what insert_top changed, the page bounds
-#                                                       # spread wider; qada fused once; and qada fused with its layer
-#                                                       # step compiled by Inductor (compile_step)
-#   bash scripts/gpu-run.sh pdl-b1 pdl-b32              # qada fused and qada_tail fused with and without
-#                                                       # programmatic dependent launches (pdl=True)
+#                                                       # batch size each): the executor's default (decided once at
+#                                                       # 7.68k), in the splits, the page bounds spread wider; qada
+#                                                       # fused once; and qada fused with its layer step compiled by
+#                                                       # Inductor (compile_step)
+#   bash scripts/gpu-run.sh pdl-b1 pdl-b32              # qada fused and qada_tail fused (in the splits) with and
+#                                                       # without programmatic dependent launches (pdl=True)
 #   bash scripts/gpu-run.sh goals-smollm2-b1            # the same SmolLM2 rows at one batch size (b1 or b32): each
 #                                                       # compiled row compiles ~35 s on an H200, so both at once may
 #                                                       # not fit one 10-minute call
 #   bash scripts/gpu-run.sh wide-b32                    # qada fused and qada_tail fused with splits for 8 programs per
-#                                                       # SM (programs_per_sm=8) beside the default 2, decided in the
-#                                                       # splits and once (6 rows): B = 32, where 96 (row,
+#                                                       # SM (programs_per_sm=8, decided in the splits) beside the
+#                                                       # defaults (qada_tail decided once at 7.68k), and qada fused
+#                                                       # once wide (6 rows): B = 32, where 96 (row,
 #                                                       # KV head) pairs get 3 splits of 40 blocks by default
 #   bash scripts/gpu-run.sh lean-b1 lean-b32            # the accurate read-lean configuration (qada_tail+E/lean), its
 #                                                       # torch layer step and fused (triton_fused: decided in the
 #                                                       # splits and once), beside dense, qada fused and qada_tail
-#                                                       # fused (in the splits and once: issue 33's within-10% goal):
+#                                                       # fused (the default, decided once at 7.68k: issue 33's
+#                                                       # within-10% goal; and in the splits):
 #                                                       # one batch size per stage (7 rows; the 6-row goals-smollm2
 #                                                       # stages took 180-240 s on an H200)
 #   bash scripts/gpu-run.sh budget-heads                # Llama-3-8B shapes at 128k, B = 1: the group budget's fused row
@@ -33,7 +36,7 @@
 #   bash scripts/gpu-run.sh tail-heads                  # SmolLM2 at B = 1: qada_tail's decision launched apart (once)
 #                                                       # with one program per query head (the default there: 9) and
 #                                                       # per KV head (together: 3), beside dense, qada fused and
-#                                                       # qada_tail fused (in the splits)
+#                                                       # qada_tail fused splits (decided in every split)
 #   bash scripts/gpu-run.sh cap-b1 cap-b32              # the read-lean fused row with and without the split kernel's
 #                                                       # register cap (cap_registers: three programs per SM against
 #                                                       # ptxas's own choice, two with Triton 3.6), beside dense
@@ -58,9 +61,10 @@
 # inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
 # model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
 # smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, dense packed, qada, qada fused, qada_tail fused
-# and qada_tail_budget fused, graph-captured), wide-b32 (7.68k, B = 32: dense, qada fused and qada_tail fused with
-# splits for 2 and for 8 programs per SM, qada fused once with 8, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, qada fused, qada_tail
-# fused and fused once, qada_tail+E/lean with its layer step compiled, fused and fused once, graph-captured), cap-b1,
+# and qada_tail_budget fused, graph-captured; every fused row with the executor's defaults, qada_tail's decided once
+# at 7.68k), wide-b32 (7.68k, B = 32: dense, qada fused and qada_tail fused, each also with splits for 8 programs per
+# SM, qada fused once with 8, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, qada fused, qada_tail
+# fused and fused splits, qada_tail+E/lean with its layer step compiled, fused and fused once, graph-captured), cap-b1,
 # cap-b32 (7.68k, one batch size: dense, qada_tail+E/lean fused with and without its register cap), budget-heads
 # (128k, B = 1: dense, the group budget fused with its score launch per query head and per KV head), tail-heads
 # (7.68k, B = 1: dense, qada fused, qada_tail fused in the splits, once per query head and once per KV head), bandwidth
@@ -73,16 +77,17 @@ out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 smollm2_goal_rows="dense compiled,dense packed compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled"
-pdl_rows="dense compiled,qada fused compiled,qada fused pdl compiled,qada_tail fused compiled,qada_tail fused pdl compiled"
-lean_rows="dense compiled,qada fused compiled,qada_tail fused compiled,qada_tail fused once compiled,qada_tail+E/lean compiled,\
+pdl_rows="dense compiled,qada fused compiled,qada fused pdl compiled,qada_tail fused splits compiled,\
+qada_tail fused pdl compiled"
+lean_rows="dense compiled,qada fused compiled,qada_tail fused compiled,qada_tail fused splits compiled,qada_tail+E/lean compiled,\
 qada_tail+E/lean fused compiled,qada_tail+E/lean fused once compiled"
 cap_rows="dense compiled,qada_tail+E/lean fused compiled,qada_tail+E/lean fused uncapped compiled"
 wide_rows="dense compiled,qada fused compiled,qada fused wide compiled,qada fused once wide compiled,\
 qada_tail fused compiled,qada_tail fused wide compiled"
-tail_heads_rows="dense compiled,qada fused compiled,qada_tail fused compiled,qada_tail fused once compiled,\
+tail_heads_rows="dense compiled,qada fused compiled,qada_tail fused splits compiled,qada_tail fused compiled,\
 qada_tail fused once together compiled"
 tail_rows="dense compiled,qada fused compiled,qada fused once compiled,qada fused inductor compiled,qada_tail fused compiled,\
-qada_tail fused once compiled,qada_tail fused spread compiled,qada_tail_budget fused compiled"
+qada_tail fused splits compiled,qada_tail fused spread compiled,qada_tail_budget fused compiled"
 
 stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   local name=$1 default=$2; shift 2

@@ -507,7 +507,8 @@ def test_a_row_says_when_its_layer_step_ran_eagerly():
 @pytest.mark.parametrize("name", ["qada fused inductor", "qada fused pdl", "qada_tail fused pdl",
                                   "qada_tail fused spread", "qada_tail_budget/group fused", "qada fused wide",
                                   "qada fused once wide", "qada_tail fused wide", "qada_tail_budget/group fused wide",
-                                  "qada_tail_budget/group fused together", "qada_tail+E/lean fused uncapped"])
+                                  "qada_tail_budget/group fused together", "qada_tail+E/lean fused uncapped",
+                                  "qada_tail fused splits"])
 def test_fused_variant_rows_only_where_a_workload_names_them(name):
     """The fused variants (``inductor``: ``compile_step=True``; ``pdl``: programmatic dependent launches; ``spread``:
     narrow page-top programs; ``/group``: the budget over whole KV groups; ``wide``: splits for more programs per
@@ -549,6 +550,29 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
     assert getattr(run.criterion, "per_group", False) is ("/group" in name)
     assert name not in build_configs(suite, replace(named, compiled=()), model, None, 1)
     assert name in (LLAMA8B_CASES if "/group" in name else SMOLLM2_GPU).compiled and name not in DRY_RUN_COMPILED
+
+
+def test_plain_fused_rows_run_the_executor_with_its_defaults():
+    """``qada fused`` and ``qada_tail fused`` (the goals' rows) are what a user gets from ``triton_fused``: no launch
+    setting given, so ``qada_tail`` decides once above ``pages_per_program`` bounded pages (SmolLM2 at 7,680 tokens)
+    and in the splits below; their ``once`` twins force ``decide_once=True``."""
+    from dataclasses import replace
+
+    from tiny_models import tiny_model
+
+    from benchmarks.models import build_configs
+    from benchmarks.suites import SUITES, Workload
+    from qada.models import build_run
+
+    suite = replace(SUITES["gpu-dryrun"], e2e_executor="triton")
+    workload = Workload("tiny-random", (64,), compiled=(), tail=True, moments="current")
+    configs = build_configs(suite, workload, tiny_model("llama"), None, 1)
+    defaults = build_run(criterion="qada", executor="triton_fused").describe()["executor"]
+    assert defaults["name"] == "triton_fused" and defaults["decide_once"] is None
+    for name in ("qada fused", "qada_tail fused", "qada_tail_budget fused"):
+        assert configs[name].make_run().describe()["executor"] == defaults, name
+    for name in ("qada fused once", "qada_tail fused once"):
+        assert configs[name].make_run().executor.decide_once is True
 
 
 def test_interleaved_configurations_parse():

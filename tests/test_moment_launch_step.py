@@ -40,6 +40,23 @@ def reference(model):
     return collect_reference_keys(model, ids, chunk_size=16)
 
 
+def count_score_moments(monkeypatch) -> list[int]:
+    """A list that grows by one each time a step computes eq. 5-6's score moments in torch."""
+    computed: list[int] = []
+    score_moments = step_module.score_moments_unchecked
+    monkeypatch.setattr(step_module, "score_moments_unchecked",
+                        lambda *args: computed.append(1) or score_moments(*args))
+    return computed
+
+
+def assert_same_decode(tokens, summary, torch_tokens, torch_summary) -> None:
+    """The launch's decode against the torch step's: the same tokens and statistics, some heads local and some not."""
+    assert torch.equal(tokens, torch_tokens)
+    for key in ("sparsity", "kv_sparsity", "kv_read"):
+        assert summary[key] == pytest.approx(torch_summary[key], abs=1e-12), key
+    assert 0.0 < summary["sparsity"] < 1.0  # not vacuous: some heads local, some dense
+
+
 def test_the_triton_executor_asks_for_the_launch_on_a_gpu_only():
     """Not under Triton's interpreter (``torch.compile`` cannot trace it: the CPU's compiled steps stay torch); a
     run passes the executor's choice to its layer step, and the fused and dense steps do not take it."""
@@ -76,18 +93,12 @@ def test_the_moment_launch_decides_as_the_torch_step(monkeypatch, model, referen
         return result
 
     monkeypatch.setattr(LayerStep, "__call__", recorded)
-    moments_computed = []  # eq. 5-6 in torch: the plain qada criterion reads the launch's estimate instead
-    score_moments = step_module.score_moments_unchecked
-    monkeypatch.setattr(step_module, "score_moments_unchecked",
-                        lambda *args: moments_computed.append(1) or score_moments(*args))
+    moments_computed = count_score_moments(monkeypatch)  # the plain qada criterion reads the launch's estimate instead
     with record:
         tokens, summary = greedy(model, run, "static", steps=3)
     assert steps and all(launches == [f"{source}_moment_step_kernel"] for launches in steps), steps
     assert (len(moments_computed) == 0) is (criterion == "qada"), len(moments_computed)  # qada_tail: its moments
-    assert torch.equal(tokens, torch_tokens)
-    for key in ("sparsity", "kv_sparsity", "kv_read"):
-        assert summary[key] == pytest.approx(torch_summary[key], abs=1e-12), key
-    assert 0.0 < summary["sparsity"] < 1.0  # not vacuous: some heads local, some dense
+    assert_same_decode(tokens, summary, torch_tokens, torch_summary)
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +139,8 @@ def test_the_moment_launch_estimates_under_a_soft_cap(monkeypatch, capped_model,
     run = make_run(source, executor, reference, criterion)
     assert run.layer_step._bound["hermite"] == run.executor.hermite_rule
     record = LaunchRecorder(monkeypatch)
-    moments_computed = []
-    score_moments = step_module.score_moments_unchecked
-    monkeypatch.setattr(step_module, "score_moments_unchecked",
-                        lambda *args: moments_computed.append(1) or score_moments(*args))
+    score_moments = step_module.score_moments_unchecked  # (torch's, uncounted, for the estimates below)
+    moments_computed = count_score_moments(monkeypatch)
     estimates = []  # (the launch's, torch's capped, the uncapped formula's) of every layer step, when it is taken
     take = step_module.DecodeStep.take_log_mean_exp
 
@@ -152,10 +161,7 @@ def test_the_moment_launch_estimates_under_a_soft_cap(monkeypatch, capped_model,
     assert moment_launches == [f"{source}_moment_step_kernel"] * (2 * 3), record.launches  # 2 layers, 3 steps
     assert not moments_computed  # the capped estimate came from the launch
     assert run.executor._hermite_held[0].device == next(capped_model.parameters()).device  # (held since the prefill)
-    assert torch.equal(tokens, torch_tokens)
-    for key in ("sparsity", "kv_sparsity", "kv_read"):
-        assert summary[key] == pytest.approx(torch_summary[key], abs=1e-12), key
-    assert 0.0 < summary["sparsity"] < 1.0  # not vacuous: some heads local, some dense
+    assert_same_decode(tokens, summary, torch_tokens, torch_summary)
 
 
 def test_the_run_binds_no_rule_without_the_launch():

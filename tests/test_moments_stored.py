@@ -25,6 +25,7 @@ from qada.moments.reference import (
     bucket_ends,
     compute_bucketed_moments,
     load_or_build_reference,
+    processor_name,
     reference_build_conditions,
     reference_cache_file,
     reference_length,
@@ -234,7 +235,9 @@ def test_load_or_build_reference_shares_the_sources_cache(tmp_path):
     assert reference.keys.dtype == torch.float16 and reference.keys.shape == (2, 2, 120, 16)
     assert reference.info["prompt"] == "random_words" and reference.info["seed"] == 1
     # how it was built, since its keys depend on it (low-precision reductions round by thread count and device)
-    built = f"cpu float32, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    processor = processor_name(torch.device("cpu"))
+    assert processor and processor != "unknown"  # (this machine's /proc/cpuinfo, or platform.processor())
+    built = f"cpu float32 ({processor}), torch {torch.__version__}, {torch.get_num_threads()} threads"
     assert reference.info["built"] == reference_build_conditions(model) == built
     source = StoredMoments(length=120, seed=1, cache_dir=str(tmp_path))
     assert "built" not in source.describe()  # (not prepared yet)

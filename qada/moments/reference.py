@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import sys
 import warnings
 from collections.abc import Callable
@@ -40,6 +41,7 @@ __all__ = [
     "compute_bucketed_moments",
     "fingerprint_key",
     "load_or_build_reference",
+    "processor_name",
     "reference_build_conditions",
     "reference_cache_file",
     "reference_length",
@@ -199,18 +201,34 @@ def _load_shared(path: str, stamp: tuple[int, int], fingerprint: str) -> Referen
 
 
 def reference_build_conditions(model: Any) -> str:
-    """How a reference is built on this process: ``"<device> <dtype>, torch <version>[, <n> threads]"`` (threads on
-    the CPU only), e.g. ``"cpu bfloat16, torch 2.13.0+cpu, 2 threads"``.
+    """How a reference is built on this process: ``"<device> <dtype> (<processor>), torch <version>[, <n> threads]"``
+    (threads on the CPU only), e.g. ``"cpu bfloat16 (Intel(R) Xeon(R) Processor), torch 2.13.0+cpu, 2 threads"``.
 
     Recorded in a cached reference's ``info["built"]`` because its keys depend on it: the forward's reductions in a
-    low-precision dtype round differently with another thread count or device (the embedded model in bfloat16 built
-    with 1 thread instead of 2: 68% of the float16 key values differ, by up to 1.94), so two machines' caches of the
-    same name may hold different keys, and the stored moments derived from them decide heads near tau differently."""
+    low-precision dtype round differently with another thread count, processor or device (the embedded model in
+    bfloat16 built with 1 thread instead of 2: 68% of the float16 key values differ, by up to 1.94), so two
+    machines' caches of the same name may hold different keys, and the stored moments derived from them decide heads
+    near tau differently."""
     parameter = next(iter(model.parameters()), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     dtype = str(parameter.dtype).removeprefix("torch.") if parameter is not None else "unknown"
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
-    return f"{device.type} {dtype}, torch {torch.__version__}{threads}"
+    return f"{device.type} {dtype} ({processor_name(device)}), torch {torch.__version__}{threads}"
+
+
+def processor_name(device: torch.device) -> str:
+    """The CUDA device's name, or the CPU's model name (``/proc/cpuinfo``, else :func:`platform.processor`, else
+    ``"unknown"``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def load_or_build_reference(

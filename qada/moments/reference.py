@@ -217,10 +217,12 @@ def reference_build_conditions(model: Any) -> str:
 
 
 def processor_name(device: torch.device) -> str:
-    """The CUDA device's name, or the CPU's model name (``/proc/cpuinfo``, else :func:`platform.processor`, else
-    ``"unknown"``)."""
+    """The CUDA device's name, the CPU's model name (``/proc/cpuinfo``, else :func:`platform.processor`, else
+    ``"unknown"``), or another device's type."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return device.type
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:

@@ -209,8 +209,9 @@ class StoredMoments(ReferenceMomentSource):
     def describe(self) -> dict[str, Any]:
         """:meth:`ReferenceMomentSource.describe` plus, once prepared, the reference's length, the file it was loaded
         from or cached to, the fingerprint of the model it was built with and, where the file records it, how it was
-        built (``built``: device, dtype, torch and threads, :func:`~qada.moments.reference.reference_build_conditions`;
-        the same name built elsewhere may hold other keys)."""
+        built (``built``: device, dtype, processor, torch and threads,
+        :func:`~qada.moments.reference.reference_build_conditions`; the same name built elsewhere may hold other
+        keys)."""
         described = super().describe()
         if self._reference is not None:
             reference = self._reference

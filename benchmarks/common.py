@@ -106,26 +106,16 @@ def greedy_decode(model: Any, ids: torch.Tensor, steps: int, capacity: int,
                 out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     """CPU model, cores, torch threads, GPU name, library versions and the date."""
     import transformers
 
     import qada
+    from qada.moments.reference import processor_name
 
     device = torch.device(device)
     info: dict[str, Any] = {
-        "cpu": _cpu_model(),
+        "cpu": processor_name(torch.device("cpu")),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": None,

@@ -218,7 +218,7 @@ def reference_build_conditions(model: Any) -> str:
 
 def processor_name(device: torch.device) -> str:
     """The CUDA device's name, the CPU's model name (``/proc/cpuinfo``, else :func:`platform.processor`, else
-    ``"unknown"``), or another device's type."""
+    :func:`platform.machine`, else ``"unknown"``), or another device's type."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type != "cpu":
@@ -230,7 +230,7 @@ def processor_name(device: torch.device) -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def load_or_build_reference(

@@ -97,10 +97,22 @@ class ArgumentSpans:
         return groups
 
 
+def grid_size(grid: Any) -> int | None:
+    """The number of programs of a launch's ``grid`` (a tuple of up to three sizes), ``None`` for a callable one."""
+    if callable(grid):
+        return None
+    size = 1
+    for extent in grid:
+        size *= int(extent)
+    return size
+
+
 class ByteRecorder:
     """While :meth:`recording`, every launch through qada's launcher (in Triton's interpreter) is recorded while
-    ``on``: ``launches``, one ``{"kernel", "read": {arg: [address arrays]}, "written": ..., "itemsize": {arg: n}}``
-    each, from the interpreter's masked loads and stores (an unmasked one is a masked one with every lane on)."""
+    ``on``: ``launches``, one ``{"kernel", "read": {arg: [address arrays]}, "written": ..., "itemsize": {arg: n},
+    "grid": programs, "programs": {"read": {program: bytes}, "written": ...}}`` each, from the interpreter's masked
+    loads and stores (an unmasked one is a masked one with every lane on); ``programs`` counts the bytes each program
+    (its ``(x, y, z)`` index) loads and stores, re-reads included."""
 
     def __init__(self) -> None:
         self.launches: list[dict[str, Any]] = []
@@ -108,7 +120,7 @@ class ByteRecorder:
         self._current: dict[str, Any] | None = None
         self._spans: ArgumentSpans | None = None
 
-    def _record(self, kind: str, ptrs: Any, mask: Any) -> None:
+    def _record(self, kind: str, ptrs: Any, mask: Any, program: tuple[int, ...] | None = None) -> None:
         import numpy as np
         from triton.runtime.interpreter import _get_np_dtype
 
@@ -119,6 +131,7 @@ class ByteRecorder:
             addresses = addresses[np.broadcast_to(mask.data, addresses.shape)]
         addresses = np.asarray(addresses, dtype=np.uint64).ravel()
         itemsize = np.dtype(_get_np_dtype(ptrs.get_element_ty())).itemsize
+        self._current["programs"][kind][program] += int(addresses.size) * itemsize
         for name, part in self._spans.split(addresses).items():
             self._current[kind].setdefault(name, []).append(part)
             self._current["itemsize"][name] = itemsize
@@ -131,7 +144,9 @@ class ByteRecorder:
         bound = dict(zip(kernel.arg_names, args, strict=False)) | kwargs  # (the rest are defaults)
         tensors = {n: t for n, t in bound.items() if isinstance(t, torch.Tensor)}
         self._spans = ArgumentSpans(list(tensors), list(tensors.values()))
-        self._current = {"kernel": kernel.fn.__name__, "read": {}, "written": {}, "itemsize": {}}
+        self._current = {"kernel": kernel.fn.__name__, "read": {}, "written": {}, "itemsize": {},
+                         "grid": grid_size(grid),
+                         "programs": {"read": collections.Counter(), "written": collections.Counter()}}
         try:
             return original(kernel, grid, *args, **kwargs)
         finally:
@@ -154,11 +169,11 @@ class ByteRecorder:
 
         # (the arguments after the mask differ between Triton versions: cache and eviction policies)
         def masked_load(self, ptrs, mask, *rest):  # noqa: ANN001, ANN202
-            recorder._record("read", ptrs, mask)
+            recorder._record("read", ptrs, mask, self.grid_idx)
             return load(self, ptrs, mask, *rest)
 
         def masked_store(self, ptrs, value, mask, *rest):  # noqa: ANN001, ANN202
-            recorder._record("written", ptrs, mask)
+            recorder._record("written", ptrs, mask, self.grid_idx)
             return store(self, ptrs, value, mask, *rest)
 
         def launch(kernel, grid, *args, **kwargs):  # noqa: ANN001, ANN202
@@ -173,15 +188,32 @@ class ByteRecorder:
             _triton_kernel.run = launcher
 
 
+def heaviest_program(launch: dict[str, Any]) -> int:
+    """The bytes the busiest program of one recorded ``launch`` loads and stores (re-reads included): one program runs
+    on one SM, so the launch lasts at least the time one SM takes to move them, however many SMs the GPU has."""
+    programs = launch.get("programs", {})
+    moved = collections.Counter(programs.get("read", {})) + collections.Counter(programs.get("written", {}))
+    return max(moved.values(), default=0)
+
+
 def summarise(launches: list[dict[str, Any]]) -> dict[str, Any]:
     """Per kernel and argument: unique and accessed bytes read and written over all ``launches`` of one step (a
-    kernel's launches in different layers touch different tensors, so their unique bytes add up)."""
+    kernel's launches in different layers touch different tensors, so their unique bytes add up); per kernel also
+    ``programs`` (the largest grid of its launches), ``heaviest`` (the most bytes one program of a launch moves,
+    :func:`heaviest_program`, over its launches) and ``serial`` (each launch's heaviest program, summed: the bytes
+    one SM must move in turn, launch after launch, whatever the others do)."""
     import numpy as np
 
     kernels: dict[str, dict[str, Any]] = {}
     for launch in launches:
-        entry = kernels.setdefault(launch["kernel"], {"launches": 0, "read": {}, "written": {}})
+        entry = kernels.setdefault(launch["kernel"], {"launches": 0, "read": {}, "written": {}, "programs": 0,
+                                                      "heaviest": 0, "serial": 0})
         entry["launches"] += 1
+        entry["programs"] = max(entry["programs"], launch.get("grid") or len(launch.get("programs", {}).get("read",
+                                                                                                          {})))
+        heaviest = heaviest_program(launch)
+        entry["heaviest"] = max(entry["heaviest"], heaviest)
+        entry["serial"] += heaviest
         for kind in ("read", "written"):
             for name, parts in launch[kind].items():
                 size = launch["itemsize"][name]
@@ -194,9 +226,12 @@ def summarise(launches: list[dict[str, Any]]) -> dict[str, Any]:
 
 def totals(kernels: dict[str, Any]) -> dict[str, int]:
     """Bytes of one step over every kernel: ``read_unique``, ``read_accessed``, ``kv_unique`` (the KV cache read),
-    ``other_read_unique`` (everything else read), ``written_unique``, ``written_accessed``."""
+    ``other_read_unique`` (everything else read), ``written_unique``, ``written_accessed``, ``serial`` (each launch's
+    heaviest program, summed over the step's launches: see :func:`summarise`)."""
     out = collections.Counter()
     for entry in kernels.values():
+        if entry.get("serial"):
+            out["serial"] += entry["serial"]
         for name, counts in entry["read"].items():
             out["read_unique"] += counts["unique"]
             out["read_accessed"] += counts["accessed"]
@@ -238,11 +273,16 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f}"
 
 
+def _ratio(value: float, over: float) -> str:
+    return f"{value / over:.2f}" if over else "n/a"
+
+
 def report(results: dict[str, Any]) -> str:
     """The markdown report of :func:`main`'s results."""
     from benchmarks.common import table
 
     dense = results["dense_kv_bytes"]
+    dense_serial = results["rows"].get("qada dense", {}).get("totals", {}).get("serial", 0)
     lines = [f"# Bytes per decode step, counted in Triton's interpreter: {results['model']}, "
              f"{results['layers']} layers",
              "", f"Command: `{results['command']}`; torch {results['machine']['torch']}, triton "
@@ -254,17 +294,25 @@ def report(results: dict[str, Any]) -> str:
              "twice: a GPU may serve the second read from L2); *accessed*: every load counted, re-reads included "
              f"(what caches serve); *dense K/V*: the K/V bytes a dense step reads, **{_mb(dense)} MB** here. *K/V "
              "unique*: the cache, so counted; *other read* everything else (moments, moment state, decision "
-             "inputs, split partials). kv_sparsity: the run's share of KV-group bulks skipped.", "",
+             "inputs, split partials). kv_sparsity: the run's share of KV-group bulks skipped. *serial*: the "
+             "bytes (read and written, re-reads included) of each launch's busiest program, summed over the step's "
+             "launches: one program runs on one SM, so a step takes at least the time one SM needs to move them "
+             "(at batch size 1 a launch of few programs is bound by it, not by the whole GPU's bandwidth); "
+             "*/ dense serial*: over the same sum of the all-dense path (`qada dense`) where it was counted.", "",
              table(["configuration", "launches", "kv_sparsity", "read unique MB", "/ dense K/V", "K/V unique MB",
-                    "other read unique MB", "read accessed MB", "accessed / unique", "written unique MB"],
+                    "other read unique MB", "read accessed MB", "accessed / unique", "written unique MB",
+                    "serial MB", "/ dense serial"],
                    [[name, row["launches"], "n/a" if row["kv_sparsity"] is None else f"{row['kv_sparsity']:.3f}",
                      _mb(row["totals"].get("read_unique", 0)), f"{row['totals'].get('read_unique', 0) / dense:.3f}",
                      _mb(row["totals"].get("kv_unique", 0)), _mb(row["totals"].get("other_read_unique", 0)),
                      _mb(row["totals"].get("read_accessed", 0)),
                      f"{row['totals'].get('read_accessed', 0) / max(row['totals'].get('read_unique', 0), 1):.2f}",
-                     _mb(row["totals"].get("written_unique", 0))]
+                     _mb(row["totals"].get("written_unique", 0)), _mb(row["totals"].get("serial", 0)),
+                     _ratio(row["totals"].get("serial", 0), dense_serial)]
                     for name, row in results["rows"].items()]), "",
-             "Per kernel (all layers of the step): MB read unique / accessed per argument, then written unique.", ""]
+             "Per kernel (all layers of the step): its programs a launch (the largest grid) and the MB its busiest "
+             "program moves (the largest over its launches); MB read unique / accessed per argument, then written "
+             "unique.", ""]
     for name, row in results["rows"].items():
         lines.append(f"- **{name}**")
         for kernel, entry in row["kernels"].items():
@@ -272,7 +320,9 @@ def report(results: dict[str, Any]) -> str:
                               sorted(entry["read"].items(), key=lambda item: -item[1]["accessed"]))
             writes = ", ".join(f"{arg} {_mb(c['unique'])}" for arg, c in
                                sorted(entry["written"].items(), key=lambda item: -item[1]["unique"]))
-            lines.append(f"  - `{kernel}` x{entry['launches']}: read {reads or 'nothing'}; wrote {writes or 'nothing'}")
+            busiest = f"{entry.get('programs', 0)} programs, busiest {_mb(entry.get('heaviest', 0))} MB"
+            lines.append(f"  - `{kernel}` x{entry['launches']} ({busiest}): read {reads or 'nothing'}; wrote "
+                         f"{writes or 'nothing'}")
     return "\n".join(lines) + "\n"
 
 

@@ -50,7 +50,38 @@ def test_recorder_counts_each_masked_lane_and_each_distinct_byte():
     assert entry["read"]["IDX"] == {"unique": 5 * 4, "accessed": 5 * 4}
     assert entry["written"] == {"OUT": {"unique": 5 * 8, "accessed": 5 * 8}}
     assert totals(kernels) == {"read_unique": 52, "read_accessed": 100, "other_read_unique": 52,
-                               "written_unique": 40, "written_accessed": 40}
+                               "written_unique": 40, "written_accessed": 40, "serial": 140}
+    assert (entry["programs"], entry["heaviest"], entry["serial"]) == (1, 140, 140)  # one program moved everything
+
+
+@triton.jit
+def _rows_of_their_length(X, LENGTHS, OUT, BLOCK: tl.constexpr):
+    """Program ``r`` sums the first ``LENGTHS[r]`` elements of row ``r`` of ``X [n, BLOCK]`` into ``OUT[r]``."""
+    r = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    n = tl.load(LENGTHS + r)
+    x = tl.load(X + r * BLOCK + offs, mask=offs < n, other=0.0)
+    tl.store(OUT + r, tl.sum(x, axis=0))
+
+
+def test_recorder_counts_each_programs_bytes_and_the_busiest_of_each_launch():
+    """A launch lasts at least as long as its busiest program: ``heaviest`` is the most bytes one program moves (its
+    loads and stores, re-reads included), ``serial`` that program's bytes summed over the launches."""
+    x = torch.ones(3, 16, dtype=torch.float32)
+    lengths = torch.tensor([2, 16, 5], dtype=torch.int64)
+    out = torch.zeros(3)
+    with ByteRecorder().recording() as recorder:
+        _triton_kernel.run(_rows_of_their_length, (3,), x, lengths, out, BLOCK=16)
+        _triton_kernel.run(_rows_of_their_length, (2,), x, lengths, out, BLOCK=16)  # rows 0 and 1 only
+    torch.testing.assert_close(out, torch.tensor([2.0, 16.0, 5.0]))
+    first, second = recorder.launches
+    assert first["grid"] == 3 and second["grid"] == 2
+    assert dict(first["programs"]["read"]) == {(0, 0, 0): 8 + 2 * 4, (1, 0, 0): 8 + 16 * 4, (2, 0, 0): 8 + 5 * 4}
+    assert dict(first["programs"]["written"]) == {(p, 0, 0): 4 for p in range(3)}
+    entry = summarise(recorder.launches)["_rows_of_their_length"]
+    busiest = 8 + 16 * 4 + 4  # row 1's: its length, its 16 elements, its sum
+    assert (entry["programs"], entry["heaviest"], entry["serial"]) == (3, busiest, 2 * busiest)
+    assert entry["read"]["X"]["accessed"] == (2 + 16 + 5 + 2 + 16) * 4
 
 
 def test_recorder_is_off_outside_and_when_told():

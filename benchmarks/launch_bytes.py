@@ -19,7 +19,8 @@ read is the split partials); the others decide with stored moments, as the GPU s
 makes the counts exact for these kernels (they read through pointer tensors; none uses block pointers or TMA).
 This counts bytes, not time: the GPU suite (``benchmarks/run.py --gpu``) times them.
 
-Writes ``<out>/launch-bytes-cpu.{json,md}`` (``launch-bytes-cpu-L<length>`` at another ``--length``).
+Writes ``<out>/launch-bytes-cpu.{json,md}`` (``launch-bytes-cpu-L<length>`` at another ``--length``, ``<name>`` with
+``--name``).
 """
 
 from __future__ import annotations
@@ -110,9 +111,10 @@ def grid_size(grid: Any) -> int | None:
 class ByteRecorder:
     """While :meth:`recording`, every launch through qada's launcher (in Triton's interpreter) is recorded while
     ``on``: ``launches``, one ``{"kernel", "read": {arg: [address arrays]}, "written": ..., "itemsize": {arg: n},
-    "grid": programs, "programs": {"read": {program: bytes}, "written": ...}}`` each, from the interpreter's masked
-    loads and stores (an unmasked one is a masked one with every lane on); ``programs`` counts the bytes each program
-    (its ``(x, y, z)`` index) loads and stores, re-reads included."""
+    "grid": programs, "programs": {"read": {program: bytes}, "written": ..., "loads": {program: n}}}`` each, from the
+    interpreter's masked loads and stores (an unmasked one is a masked one with every lane on); ``programs`` counts
+    the bytes each program (its ``(x, y, z)`` index) loads and stores, re-reads included, and the loads it executes
+    (``tl.load`` calls, each loop iteration's counted)."""
 
     def __init__(self) -> None:
         self.launches: list[dict[str, Any]] = []
@@ -132,6 +134,8 @@ class ByteRecorder:
         addresses = np.asarray(addresses, dtype=np.uint64).ravel()
         itemsize = np.dtype(_get_np_dtype(ptrs.get_element_ty())).itemsize
         self._current["programs"][kind][program] += int(addresses.size) * itemsize
+        if kind == "read":
+            self._current["programs"]["loads"][program] += 1
         for name, part in self._spans.split(addresses).items():
             self._current[kind].setdefault(name, []).append(part)
             self._current["itemsize"][name] = itemsize
@@ -146,7 +150,8 @@ class ByteRecorder:
         self._spans = ArgumentSpans(list(tensors), list(tensors.values()))
         self._current = {"kernel": kernel.fn.__name__, "read": {}, "written": {}, "itemsize": {},
                          "grid": grid_size(grid),
-                         "programs": {"read": collections.Counter(), "written": collections.Counter()}}
+                         "programs": {"read": collections.Counter(), "written": collections.Counter(),
+                                      "loads": collections.Counter()}}
         try:
             return original(kernel, grid, *args, **kwargs)
         finally:
@@ -196,24 +201,37 @@ def heaviest_program(launch: dict[str, Any]) -> int:
     return max(moved.values(), default=0)
 
 
+def most_loads(launch: dict[str, Any]) -> int:
+    """The ``tl.load`` calls the program of one recorded ``launch`` that executes the most of them executes: each is
+    a round of memory requests its warps issue (a GPU overlaps the independent ones; a load whose address or mask
+    needs an earlier load's value waits a memory latency for it), so at batch size 1, where a launch has few
+    programs, its length in loads rather than in bytes sets its time."""
+    return max(launch.get("programs", {}).get("loads", {}).values(), default=0)
+
+
 def summarise(launches: list[dict[str, Any]]) -> dict[str, Any]:
     """Per kernel and argument: unique and accessed bytes read and written over all ``launches`` of one step (a
     kernel's launches in different layers touch different tensors, so their unique bytes add up); per kernel also
     ``programs`` (the largest grid of its launches), ``heaviest`` (the most bytes one program of a launch moves,
-    :func:`heaviest_program`, over its launches) and ``serial`` (each launch's heaviest program, summed: the bytes
-    one SM must move in turn, launch after launch, whatever the others do)."""
+    :func:`heaviest_program`, over its launches), ``serial`` (each launch's heaviest program, summed: the bytes
+    one SM must move in turn, launch after launch, whatever the others do), ``loads`` and ``serial_loads`` (the same
+    for the loads a program executes, :func:`most_loads`)."""
     import numpy as np
 
     kernels: dict[str, dict[str, Any]] = {}
     for launch in launches:
         entry = kernels.setdefault(launch["kernel"], {"launches": 0, "read": {}, "written": {}, "programs": 0,
-                                                      "heaviest": 0, "serial": 0})
+                                                      "heaviest": 0, "serial": 0, "loads": 0,
+                                                      "serial_loads": 0})
         entry["launches"] += 1
         entry["programs"] = max(entry["programs"], launch.get("grid") or len(launch.get("programs", {}).get("read",
                                                                                                           {})))
         heaviest = heaviest_program(launch)
         entry["heaviest"] = max(entry["heaviest"], heaviest)
         entry["serial"] += heaviest
+        loads = most_loads(launch)
+        entry["loads"] = max(entry["loads"], loads)
+        entry["serial_loads"] += loads
         for kind in ("read", "written"):
             for name, parts in launch[kind].items():
                 size = launch["itemsize"][name]
@@ -227,11 +245,13 @@ def summarise(launches: list[dict[str, Any]]) -> dict[str, Any]:
 def totals(kernels: dict[str, Any]) -> dict[str, int]:
     """Bytes of one step over every kernel: ``read_unique``, ``read_accessed``, ``kv_unique`` (the KV cache read),
     ``other_read_unique`` (everything else read), ``written_unique``, ``written_accessed``, ``serial`` (each launch's
-    heaviest program, summed over the step's launches: see :func:`summarise`)."""
+    heaviest program, summed over the step's launches), ``serial_loads`` (the loads of each launch's longest
+    program, summed: see :func:`summarise`)."""
     out = collections.Counter()
     for entry in kernels.values():
-        if entry.get("serial"):
-            out["serial"] += entry["serial"]
+        for key in ("serial", "serial_loads"):
+            if entry.get(key):
+                out[key] += entry[key]
         for name, counts in entry["read"].items():
             out["read_unique"] += counts["unique"]
             out["read_accessed"] += counts["accessed"]
@@ -282,7 +302,8 @@ def report(results: dict[str, Any]) -> str:
     from benchmarks.common import table
 
     dense = results["dense_kv_bytes"]
-    dense_serial = results["rows"].get("qada dense", {}).get("totals", {}).get("serial", 0)
+    dense_totals = results["rows"].get("qada dense", {}).get("totals", {})
+    dense_serial, dense_loads = dense_totals.get("serial", 0), dense_totals.get("serial_loads", 0)
     lines = [f"# Bytes per decode step, counted in Triton's interpreter: {results['model']}, "
              f"{results['layers']} layers",
              "", f"Command: `{results['command']}`; torch {results['machine']['torch']}, triton "
@@ -298,21 +319,26 @@ def report(results: dict[str, Any]) -> str:
              "bytes (read and written, re-reads included) of each launch's busiest program, summed over the step's "
              "launches: one program runs on one SM, so a step takes at least the time one SM needs to move them "
              "(at batch size 1 a launch of few programs is bound by it, not by the whole GPU's bandwidth); "
-             "*/ dense serial*: over the same sum of the all-dense path (`qada dense`) where it was counted.", "",
+             "*/ dense serial*: over the same sum of the all-dense path (`qada dense`) where it was counted. "
+             "*serial loads*: the `tl.load` calls of each launch's longest program (each loop iteration's counted), "
+             "summed over the launches: each is a round of memory requests, a memory latency where it needs an "
+             "earlier load's value (a GPU overlaps independent ones, and pipelines a loop's), so the length of the "
+             "step's chain of programs rather than its bytes.", "",
              table(["configuration", "launches", "kv_sparsity", "read unique MB", "/ dense K/V", "K/V unique MB",
                     "other read unique MB", "read accessed MB", "accessed / unique", "written unique MB",
-                    "serial MB", "/ dense serial"],
+                    "serial MB", "/ dense serial", "serial loads", "/ dense"],
                    [[name, row["launches"], "n/a" if row["kv_sparsity"] is None else f"{row['kv_sparsity']:.3f}",
                      _mb(row["totals"].get("read_unique", 0)), f"{row['totals'].get('read_unique', 0) / dense:.3f}",
                      _mb(row["totals"].get("kv_unique", 0)), _mb(row["totals"].get("other_read_unique", 0)),
                      _mb(row["totals"].get("read_accessed", 0)),
                      f"{row['totals'].get('read_accessed', 0) / max(row['totals'].get('read_unique', 0), 1):.2f}",
                      _mb(row["totals"].get("written_unique", 0)), _mb(row["totals"].get("serial", 0)),
-                     _ratio(row["totals"].get("serial", 0), dense_serial)]
+                     _ratio(row["totals"].get("serial", 0), dense_serial), row["totals"].get("serial_loads", 0),
+                     _ratio(row["totals"].get("serial_loads", 0), dense_loads)]
                     for name, row in results["rows"].items()]), "",
-             "Per kernel (all layers of the step): its programs a launch (the largest grid) and the MB its busiest "
-             "program moves (the largest over its launches); MB read unique / accessed per argument, then written "
-             "unique.", ""]
+             "Per kernel (all layers of the step): its programs a launch (the largest grid), the MB its busiest "
+             "program moves and the loads its longest executes (the largest over its launches); MB read unique / "
+             "accessed per argument, then written unique.", ""]
     for name, row in results["rows"].items():
         lines.append(f"- **{name}**")
         for kernel, entry in row["kernels"].items():
@@ -320,7 +346,8 @@ def report(results: dict[str, Any]) -> str:
                               sorted(entry["read"].items(), key=lambda item: -item[1]["accessed"]))
             writes = ", ".join(f"{arg} {_mb(c['unique'])}" for arg, c in
                                sorted(entry["written"].items(), key=lambda item: -item[1]["unique"]))
-            busiest = f"{entry.get('programs', 0)} programs, busiest {_mb(entry.get('heaviest', 0))} MB"
+            busiest = (f"{entry.get('programs', 0)} programs, busiest {_mb(entry.get('heaviest', 0))} MB, longest "
+                       f"{entry.get('loads', 0)} loads")
             lines.append(f"  - `{kernel}` x{entry['launches']} ({busiest}): read {reads or 'nothing'}; wrote "
                          f"{writes or 'nothing'}")
     return "\n".join(lines) + "\n"
@@ -335,6 +362,9 @@ def main(argv: list[str] | None = None) -> Path:
                         help="SMs the executors size their split grid for (an H100 or H200 has 132; the "
                         "interpreter's own count is 1)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--name", default=None,
+                        help="the results' file name, without its suffix (default: launch-bytes-cpu, "
+                        "launch-bytes-cpu-L<length> at another --length)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the executors' kernels on the CPU
     os.environ["QADA_COMPILE"] = "0"  # the interpreter cannot be compiled: eager steps
@@ -365,14 +395,15 @@ def main(argv: list[str] | None = None) -> Path:
         rows[name] = count_step(model, run, ids)
         print(f"{name}: {rows[name]['launches']} launches, {_mb(rows[name]['totals'].get('read_unique', 0))} MB "
               "read (unique)", flush=True)
-    given = [flag for flag in ("length", "dtype", "sms", "configs") if getattr(args, flag) != parser.get_default(flag)]
+    given = [flag for flag in ("length", "dtype", "sms", "configs", "name")
+             if getattr(args, flag) != parser.get_default(flag)]
     flags = "".join(f" --{flag} {shlex.quote(str(getattr(args, flag)))}" for flag in given)
     results = {"command": f"python benchmarks/launch_bytes.py{flags}", "sms": args.sms,
                "machine": machine_info("cpu"), "triton": triton.__version__,
                "model": f"SmolLM2-135M (embedded, {args.dtype})", "layers": model.config.num_hidden_layers,
                "prompt_tokens": int(ids.shape[1]), "dense_kv_bytes": tokens * kv_bytes_per_token(model),
                "rows": rows}
-    name = "launch-bytes-cpu" + ("" if args.length == parser.get_default("length") else f"-L{args.length}")
+    name = args.name or "launch-bytes-cpu" + ("" if args.length == parser.get_default("length") else f"-L{args.length}")
     paths = write_results(args.out, name, results, report(results))
     print(paths[1].read_text())
     return paths[1]

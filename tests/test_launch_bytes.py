@@ -50,8 +50,9 @@ def test_recorder_counts_each_masked_lane_and_each_distinct_byte():
     assert entry["read"]["IDX"] == {"unique": 5 * 4, "accessed": 5 * 4}
     assert entry["written"] == {"OUT": {"unique": 5 * 8, "accessed": 5 * 8}}
     assert totals(kernels) == {"read_unique": 52, "read_accessed": 100, "other_read_unique": 52,
-                               "written_unique": 40, "written_accessed": 40, "serial": 140}
+                               "written_unique": 40, "written_accessed": 40, "serial": 140, "serial_loads": 3}
     assert (entry["programs"], entry["heaviest"], entry["serial"]) == (1, 140, 140)  # one program moved everything
+    assert entry["loads"] == entry["serial_loads"] == 3  # IDX, then X twice
 
 
 @triton.jit
@@ -82,6 +83,34 @@ def test_recorder_counts_each_programs_bytes_and_the_busiest_of_each_launch():
     busiest = 8 + 16 * 4 + 4  # row 1's: its length, its 16 elements, its sum
     assert (entry["programs"], entry["heaviest"], entry["serial"]) == (3, busiest, 2 * busiest)
     assert entry["read"]["X"]["accessed"] == (2 + 16 + 5 + 2 + 16) * 4
+    assert dict(first["programs"]["loads"]) == {(p, 0, 0): 2 for p in range(3)}  # its length, then its row
+    assert (entry["loads"], entry["serial_loads"]) == (2, 4)
+
+
+@triton.jit
+def _walk(X, STEPS, OUT):
+    """Program ``r`` loads ``X`` ``STEPS[r]`` times in a loop, each address the value the last load gave."""
+    r = tl.program_id(0)
+    steps = tl.load(STEPS + r)
+    at = tl.zeros([], dtype=tl.int64)
+    for _ in range(steps):
+        at = tl.load(X + at)
+    tl.store(OUT + r, at)
+
+
+def test_recorder_counts_the_loads_of_each_programs_loop():
+    """Each loop iteration's load is counted: the longest program of a launch is the one whose chain is longest."""
+    x = torch.tensor([1, 2, 3, 0], dtype=torch.int64)  # 0 -> 1 -> 2 -> 3 -> 0
+    steps = torch.tensor([1, 6, 2], dtype=torch.int64)
+    out = torch.zeros(3, dtype=torch.int64)
+    with ByteRecorder().recording() as recorder:
+        _triton_kernel.run(_walk, (3,), x, steps, out)
+    assert out.tolist() == [1, 2, 2]
+    [launch] = recorder.launches
+    assert dict(launch["programs"]["loads"]) == {(0, 0, 0): 2, (1, 0, 0): 7, (2, 0, 0): 3}
+    entry = summarise(recorder.launches)["_walk"]
+    assert (entry["loads"], entry["serial_loads"]) == (7, 7)
+    assert totals({"_walk": entry})["serial_loads"] == 7
 
 
 def test_recorder_is_off_outside_and_when_told():

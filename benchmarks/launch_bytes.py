@@ -48,6 +48,8 @@ CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, mom
                                {"name": "triton_fused", "decide_once": False}),
     "qada_tail fused once": ({"name": "qada_tail", "tau": 0.3}, "stored",
                              {"name": "triton_fused", "decide_once": True}),
+    "qada_tail fused spread": ({"name": "qada_tail", "tau": 0.3}, "stored",
+                               {"name": "triton_fused", "decide_once": True, "pages_per_program": 32}),
     "qada_tail_budget fused": ({"name": "qada_tail_budget", "sparsity": 0.85}, "stored", {"name": "triton_fused"}),
     "qada_tail+E/lean fused": (LEAN, "stored", {"name": "triton_fused"}),
     "qada_tail+E/lean fused once": (LEAN, "stored", {"name": "triton_fused", "decide_once": True}),
@@ -56,8 +58,10 @@ CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, mom
 decides in torch operations, which this does not count), decided as the GPU suite's rows of the same names: ``qada_tail
 fused splits`` in every split at any length (the executor's default, the suite's ``qada_tail fused``, decides so up to
 256 bounded pages, and once above, as from about 4,096 tokens; results before 2026-12-06 name this row ``qada_tail
-fused``), ``once`` in a launch before the split, the read-lean rows by default (in the splits up to 256 bounded
-pages, its super-pages and the pages of its best four)."""
+fused``), ``once`` in a launch before the split, ``spread`` once with every row's page bounds spread over page-top
+programs of 32 pages each (the GPU suite's row of that name, :data:`~benchmarks.suites.SPREAD_PAGES`: no torch
+import here), the read-lean rows
+by default (in the splits up to 256 bounded pages, its super-pages and the pages of its best four)."""
 
 KV_ARGS = {"K", "V", "KEYS", "PT_K"}
 """The arguments that are the KV cache in every launch that reads it (``KEYS``: the moment step's, whose launch reads
@@ -224,8 +228,8 @@ def summarise(launches: list[dict[str, Any]]) -> dict[str, Any]:
                                                       "heaviest": 0, "serial": 0, "loads": 0,
                                                       "serial_loads": 0})
         entry["launches"] += 1
-        entry["programs"] = max(entry["programs"], launch.get("grid") or len(launch.get("programs", {}).get("read",
-                                                                                                          {})))
+        programs = launch.get("programs", {})
+        entry["programs"] = max(entry["programs"], launch.get("grid") or len(programs.get("read", {})))
         heaviest = heaviest_program(launch)
         entry["heaviest"] = max(entry["heaviest"], heaviest)
         entry["serial"] += heaviest

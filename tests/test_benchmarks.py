@@ -639,3 +639,15 @@ def test_lean_configurations_are_read_lean_with_attend_exact():
     assert LEAN == LEAN_TAIL == CRITERIA["qada_tail+E/lean"] == CONFIGS["qada_tail+E/lean fused"]["criterion"] == {
         "name": "qada_tail", "tau": 0.3, "attend_exact": True, **READ_LEAN}
     assert BYTE_CONFIGS["qada_tail+E/lean fused"][0] == LEAN
+
+
+def test_launch_bytes_spread_row_is_the_gpu_suites():
+    """``benchmarks/launch_bytes.py`` spells the GPU suite's ``qada_tail fused spread`` row out (no torch import at
+    its top): the same criterion and executor settings."""
+    from benchmarks.launch_bytes import CONFIGS as BYTE_CONFIGS
+    from benchmarks.suites import FUSED_VARIANTS, SPREAD_PAGES
+
+    criterion, moments, executor = BYTE_CONFIGS["qada_tail fused spread"]
+    base, settings = FUSED_VARIANTS["qada_tail fused spread"]
+    assert criterion["name"] == base and moments == "stored"
+    assert executor == settings and executor["pages_per_program"] == SPREAD_PAGES

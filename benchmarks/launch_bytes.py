@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import os
 import shlex
 import sys
@@ -60,8 +61,8 @@ fused splits`` in every split at any length (the executor's default, the suite's
 256 bounded pages, and once above, as from about 4,096 tokens; results before 2026-12-06 name this row ``qada_tail
 fused``), ``once`` in a launch before the split, ``spread`` once with every row's page bounds spread over page-top
 programs of 32 pages each (the GPU suite's row of that name, :data:`~benchmarks.suites.SPREAD_PAGES`: no torch
-import here), the read-lean rows
-by default (in the splits up to 256 bounded pages, its super-pages and the pages of its best four)."""
+import here), the read-lean rows by default (in the splits up to 256 bounded pages, its super-pages and the pages of
+its best four)."""
 
 KV_ARGS = {"K", "V", "KEYS", "PT_K"}
 """The arguments that are the KV cache in every launch that reads it (``KEYS``: the moment step's, whose launch reads
@@ -102,16 +103,6 @@ class ArgumentSpans:
         return groups
 
 
-def grid_size(grid: Any) -> int | None:
-    """The number of programs of a launch's ``grid`` (a tuple of up to three sizes), ``None`` for a callable one."""
-    if callable(grid):
-        return None
-    size = 1
-    for extent in grid:
-        size *= int(extent)
-    return size
-
-
 class ByteRecorder:
     """While :meth:`recording`, every launch through qada's launcher (in Triton's interpreter) is recorded while
     ``on``: ``launches``, one ``{"kernel", "read": {arg: [address arrays]}, "written": ..., "itemsize": {arg: n},
@@ -126,7 +117,7 @@ class ByteRecorder:
         self._current: dict[str, Any] | None = None
         self._spans: ArgumentSpans | None = None
 
-    def _record(self, kind: str, ptrs: Any, mask: Any, program: tuple[int, ...] | None = None) -> None:
+    def _record(self, kind: str, ptrs: Any, mask: Any, program: tuple[int, ...]) -> None:
         import numpy as np
         from triton.runtime.interpreter import _get_np_dtype
 
@@ -153,7 +144,7 @@ class ByteRecorder:
         tensors = {n: t for n, t in bound.items() if isinstance(t, torch.Tensor)}
         self._spans = ArgumentSpans(list(tensors), list(tensors.values()))
         self._current = {"kernel": kernel.fn.__name__, "read": {}, "written": {}, "itemsize": {},
-                         "grid": grid_size(grid),
+                         "grid": math.prod(int(extent) for extent in grid),  # (qada's launcher: a tuple)
                          "programs": {"read": collections.Counter(), "written": collections.Counter(),
                                       "loads": collections.Counter()}}
         try:
@@ -200,8 +191,7 @@ class ByteRecorder:
 def heaviest_program(launch: dict[str, Any]) -> int:
     """The bytes the busiest program of one recorded ``launch`` loads and stores (re-reads included): one program runs
     on one SM, so the launch lasts at least the time one SM takes to move them, however many SMs the GPU has."""
-    programs = launch.get("programs", {})
-    moved = collections.Counter(programs.get("read", {})) + collections.Counter(programs.get("written", {}))
+    moved = launch["programs"]["read"] + launch["programs"]["written"]
     return max(moved.values(), default=0)
 
 
@@ -210,7 +200,7 @@ def most_loads(launch: dict[str, Any]) -> int:
     a round of memory requests its warps issue (a GPU overlaps the independent ones; a load whose address or mask
     needs an earlier load's value waits a memory latency for it), so at batch size 1, where a launch has few
     programs, its length in loads rather than in bytes sets its time."""
-    return max(launch.get("programs", {}).get("loads", {}).values(), default=0)
+    return max(launch["programs"]["loads"].values(), default=0)
 
 
 def summarise(launches: list[dict[str, Any]]) -> dict[str, Any]:
@@ -228,8 +218,7 @@ def summarise(launches: list[dict[str, Any]]) -> dict[str, Any]:
                                                       "heaviest": 0, "serial": 0, "loads": 0,
                                                       "serial_loads": 0})
         entry["launches"] += 1
-        programs = launch.get("programs", {})
-        entry["programs"] = max(entry["programs"], launch.get("grid") or len(programs.get("read", {})))
+        entry["programs"] = max(entry["programs"], launch["grid"])
         heaviest = heaviest_program(launch)
         entry["heaviest"] = max(entry["heaviest"], heaviest)
         entry["serial"] += heaviest

@@ -91,6 +91,49 @@ def test_kernel_catches_a_wrong_update():
     assert not torch.allclose(kernel["m2"], eager["m2"])
 
 
+@pytest.mark.parametrize("kind", ["current", "stored"])
+def test_one_program_per_block_pair_and_the_count_back_at_zero(monkeypatch, kind):
+    """d = 40 (blocks of 32: three block pairs): three programs per (row, KV head), the last of them to finish
+    updating the count and the sums the others read; the state's ``arrived`` is 0 again after every launch (what
+    the next step, or a CUDA graph's replay, starts from)."""
+    from qada.attention.moment_step import block_pairs
+    from tests.triton_launches import LaunchRecorder
+
+    assert (block_pairs(40, 3), block_pairs(64, 3), block_pairs(16, 3), block_pairs(40, 16)) == (3, 3, 1, 10)
+    moments, keys, eager, kernel = prefilled(kind, 40)
+    start = STARTS.to(DEVICE)
+    record = LaunchRecorder(monkeypatch)
+    for end in (16, 17, 18):
+        ends = torch.full((2,), end, device=DEVICE)
+        moments.step(eager, keys, start, ends, WINDOW)
+        fused_moment_step(moments, kernel, keys, start, ends, WINDOW)
+        assert torch.equal(kernel["arrived"], torch.zeros_like(kernel["arrived"]))
+    assert [grid for _, grid in record.launches] == [(4, 3)] * 3  # (2 rows x 2 KV heads, 3 block pairs)
+    for name in eager:
+        torch.testing.assert_close(kernel[name], eager[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["current", "stored"])
+def test_the_block_pairs_read_the_old_count_and_sums(kind):
+    """Not vacuous: a count that does not start at 0 makes the first block pair's program the "last" one, which
+    updates the count and the sums (``current``: the mean) before the other pairs read them: the moments go wrong."""
+    moments, keys, eager, kernel = prefilled(kind, 40)
+    start = STARTS.to(DEVICE)
+    kernel["arrived"].fill_(2)
+    ends = torch.full((2,), 16, device=DEVICE)
+    expected = moments.step(eager, keys, start, ends, WINDOW)
+    got = fused_moment_step(moments, kernel, keys, start, ends, WINDOW)
+    assert not torch.allclose(got.cov, expected.cov, rtol=1e-4, atol=1e-4)
+
+
+def test_a_state_without_its_arrival_count_is_an_error():
+    """A state of several block pairs without ``arrived`` (the count a prefill declares) is refused, not run."""
+    moments, keys, _, kernel = prefilled("current", 40)
+    del kernel["arrived"]
+    with pytest.raises(ValueError, match="'arrived'"):
+        fused_moment_step(moments, kernel, keys, STARTS.to(DEVICE), torch.full((2,), 16, device=DEVICE), WINDOW)
+
+
 def no_launches(monkeypatch):
     from qada.attention import _triton_kernel
 
@@ -143,7 +186,7 @@ def test_moment_kernels_compile_for_the_gpu():
                     "GH_LOGW": "*fp32", "K": "*bf16", "SINKS": "*fp32", "DECIDED": "*u8", "LOCAL": "*u8",
                     "READ": "*u8", "BROKEN": "*u8", "PT_Q": "*bf16", "PT_K": "*bf16", "PT_START": "*i64",
                     "PT_END": "*i64", "PT_KMIN": "*bf16", "PT_KMAX": "*bf16", "PT_VALS": "*fp32", "PT_IDS": "*i32",
-                    "PT_OKS": "*i32"}
+                    "PT_OKS": "*i32", "ARRIVED": "*i32", "SHARES": "*fp32"}
         floats = {"scale": "fp32", "softcap": "fp32", "log_tau": "fp32", "pt_scale": "fp32"}
         for estimate, decide, tops in ((False, False, False), (True, False, False), (True, True, False),
                                        (True, False, True)):

@@ -31,8 +31,8 @@ def query_tile(q_head, stride_qh, stride_qd, offs, ok, G: tl.constexpr, BLOCK_E:
 def add_block_pair(acc, cov_ij, cov_ji_t, q_i, q_j):
     """``acc [BLOCK_E, T, T]`` plus one block pair's share of each head's ``q^T cov q`` (eq. 6): ``(cov_ij +
     cov_ji_t) * q_i q_j`` elementwise, with ``cov_ij = cov[I, J]``, ``cov_ji_t = cov[J, I]^T`` (0 on the diagonal
-    block, ``I = J``) as ``[T, T]`` float32 and the heads' features ``q_i``, ``q_j [BLOCK_E, T]``. Summed over
-    every block pair ``I <= J`` it is ``q^T cov q``; the sum over ``T x T`` waits for the end (one reduction)."""
+    block, ``I = J``) as ``[T, T]`` float32 and the heads' features ``q_i``, ``q_j [BLOCK_E, T]``. Summed over its
+    ``T x T`` terms and over every block pair ``I <= J`` it is ``q^T cov q``."""
     return acc + (cov_ij + cov_ji_t)[None, :, :] * (q_i[:, :, None] * q_j[:, None, :])
 
 
@@ -107,9 +107,10 @@ def bulk_estimate_kernel(
     (:func:`qada.functional.capping.hermite_rule`, :func:`store_log_mean_exp`); with ``DECIDE`` then the group's
     decision (:func:`decide_after_estimate`). For a moment source that steps in torch.
 
-    ``q^T cov q`` is summed ``BLOCK_T x BLOCK_T`` block pair by block pair (:func:`add_block_pair`), as the moment
-    step's kernels sum it from the covariance they compute (:mod:`qada.attention._moment_kernel`): from a symmetric
-    covariance both give the same float32 value (bit for bit where the two kernels contract alike).
+    ``q^T cov q`` is summed ``BLOCK_T x BLOCK_T`` block pair by block pair (:func:`add_block_pair`), each pair's
+    terms first, then the pairs in order, as the moment step's kernels sum the shares of the covariance they compute
+    (:mod:`qada.attention._moment_kernel`): from a symmetric covariance both give the same float32 value (bit for
+    bit where the two kernels contract alike).
 
     With ``PAGE_TOPS`` the launch also carries a ``qada_tail`` step's page-top programs
     (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, 1 + stretches)``, program ``(pair, 1 +
@@ -137,7 +138,7 @@ def bulk_estimate_kernel(
     d_ok = offs_d < D
     mean = tl.load(mean_base + offs_d * stride_md, mask=d_ok, other=0.0).to(tl.float32)
     mu = tl.sum(query_tile(q_head, stride_qh, stride_qd, offs_d, d_ok, G, BLOCK_E) * mean[None, :], axis=1) * scale
-    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
+    qcq = tl.zeros([BLOCK_E], dtype=tl.float32)
     offs_t = tl.arange(0, BLOCK_T)
     for i in range(0, BLOCK_D // BLOCK_T):
         rows = i * BLOCK_T + offs_t
@@ -151,8 +152,10 @@ def bulk_estimate_kernel(
             cov_ji = tl.load(cov_base + cols[:, None] * stride_ci + rows[None, :] * stride_cj,
                              mask=tl.trans(ok) & (i != j), other=0.0).to(tl.float32)  # fmt: skip
             q_j = query_tile(q_head, stride_qh, stride_qd, cols, cols < D, G, BLOCK_E)
-            acc = add_block_pair(acc, cov_ij, tl.trans(cov_ji), q_i, q_j)
-    var = tl.sum(tl.sum(acc, axis=2), axis=1) * scale * scale
+            share = add_block_pair(tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32), cov_ij, tl.trans(cov_ji),
+                                   q_i, q_j)
+            qcq += tl.sum(tl.sum(share, axis=2), axis=1)  # (pair by pair, as the moment kernels sum their shares)
+    var = qcq * scale * scale
     store_log_mean_exp(LME, GH_X, GH_LOGW, row, kv_head, mu, var, H_kv, softcap, n_nodes, G, BLOCK_E, BLOCK_X,
                        SOFTCAP)  # fmt: skip
     decide_after_estimate(Q, LME, K, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, kv_head, stride_qb,

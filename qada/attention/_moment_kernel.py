@@ -1,16 +1,18 @@
 """The moment step of the ``triton_fused`` executor's decode step: the built-in moment sources' in-place update
 (``current``: Welford's rank-1 update; ``stored``: the reference range moving by one key) in one launch, one
-program per (row, KV head). Imported lazily: importing it imports triton.
+program per (row, KV head) and block pair. Imported lazily: importing it imports triton.
 
-Each program updates its (row, KV head)'s float64 state in place and writes the float32 moments criteria read:
-the mean and the population covariance ``Σ = ½ (M2 / n + (M2 / n)ᵀ)`` with ``n = max(count, 1)``, the very
-operations of :func:`~qada.moments.math.to_bulk_moments`, in the same order. The ``d x d`` state is read once, in
-``BLOCK_T x BLOCK_T`` block pairs (``[I, J]`` and ``[J, I]``, ``I <= J``: three pairs at ``d = 64``): each pair is
-updated, written back and turned into the covariance's two blocks, whose share of each query head's ``q^T cov q``
-(eq. 6) the program sums on the way (:func:`~qada.attention._estimate_kernel.add_block_pair`). A launch is then a
-few dependent rounds of loads per program, where one pass to update the rows, one to read them and their transposes
-for the covariance and one to read the covariance back for the estimate made three times as many (what a launch of
-few programs, as at batch size 1, waits for).
+The launch updates each (row, KV head)'s float64 state in place and writes the float32 moments criteria read: the
+mean and the population covariance ``Σ = ½ (M2 / n + (M2 / n)ᵀ)`` with ``n = max(count, 1)``, the very operations
+of :func:`~qada.moments.math.to_bulk_moments`, in the same order. The ``d x d`` state is cut into ``BLOCK_T x
+BLOCK_T`` block pairs (``[I, J]`` and ``[J, I]``, ``I <= J``: three at ``d = 64``), each updated by a program of its
+own: read once, updated, written back and turned into the covariance's two blocks, whose share of each query head's
+``q^T cov q`` (eq. 6) the program stores (:func:`~qada.attention._estimate_kernel.add_block_pair`). The last of a
+(row, KV head)'s programs to finish (an atomic count, :func:`last_to_arrive`) then updates the count and the mean
+or sums, which the others read, sums the shares in block-pair order and writes the estimate (and the decision).
+At batch size 1, where the launch has a few (row, KV head)s, its time is its longest program's chain of loads:
+one block pair and the end, where one program per (row, KV head) went through every pair in turn (three at ``d =
+64``, each a round of loads after the one before).
 """
 
 from __future__ import annotations
@@ -34,12 +36,63 @@ def reference_end(n, t_local, offset, first, min_bulk_keys, N):
 
 
 @triton.jit
+def block_pair_of(k, NB: tl.constexpr):
+    """``(i, j)``, ``i <= j``: the blocks of block pair ``k`` of a ``NB x NB`` grid of blocks, the pairs numbered
+    row by row over the upper triangle (``(0, 0), (0, 1), ..., (0, NB - 1), (1, 1), ...``)."""
+    i = k * 0
+    j = k * 0
+    for r in tl.static_range(NB):
+        first = r * NB - (r * (r - 1)) // 2  # the number of the pair (r, r)
+        inside = (k >= first) & (k < first + NB - r)
+        i = tl.where(inside, r, i)
+        j = tl.where(inside, r + k - first, j)
+    return i, j
+
+
+@triton.jit
+def last_to_arrive(ARRIVED, pair, BP: tl.constexpr):
+    """Whether this program is the last of the ``BP`` programs of ``pair`` (a (row, KV head)) to get here: each adds
+    one to ``ARRIVED [pairs]`` (int32, 0 before the launch; the last sets it back to 0 for the next). What every
+    program wrote and read before is then done (the atomic orders it: release, and acquire for the last), so the
+    last may read what they wrote and overwrite what they read."""
+    if BP == 1:
+        last = True
+    else:
+        tl.debug_barrier()  # every thread of this program has done its loads and stores
+        last = tl.atomic_add(ARRIVED + pair, 1, sem="acq_rel") == BP - 1
+        if last:
+            tl.store(ARRIVED + pair, 0)
+    return last
+
+
+@triton.jit
+def sum_shares(SHARES, pair, BP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``[BLOCK_E]`` float32: each head's ``q^T cov q``, the ``BP`` block pairs' shares ``SHARES [pairs, BP,
+    BLOCK_E]`` of ``pair`` summed in block-pair order (the order :func:`~qada.attention._estimate_kernel.
+    bulk_estimate_kernel` sums them in)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    total = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for k in tl.static_range(BP):
+        total += tl.load(SHARES + (pair * BP + k) * BLOCK_E + offs_e)
+    return total
+
+
+@triton.jit
+def store_share(SHARES, acc, pair, k, BP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Store block pair ``k``'s share ``acc [BLOCK_E, T, T]`` of each head's ``q^T cov q``, summed over its ``T x T``
+    terms, at ``SHARES [pairs, BP, BLOCK_E]``."""
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(SHARES + (pair * BP + k) * BLOCK_E + offs_e, tl.sum(tl.sum(acc, axis=2), axis=1))
+
+
+@triton.jit
 def transposed_block(STATE, a, rows, cols, ok, i, j, D: tl.constexpr):
     """``STATE[J, I]`` as a ``[T, T]`` block in its own orientation (``rows = I``, ``cols = J``, ``ok`` the ``[I, J]``
     mask), given ``a = STATE[I, J]``: on the diagonal block (``i == j``) it is ``a`` itself (the same addresses in
     the same layout), not read twice."""
     off = i != j
-    return tl.where(off, tl.load(STATE + cols[:, None] * D + rows[None, :], mask=tl.trans(ok) & off, other=0.0), a)
+    return tl.where(off, tl.load(STATE + cols[:, None] * D + rows[None, :], mask=tl.where(off, tl.trans(ok), False),
+                                 other=0.0), a)
 
 
 @triton.jit
@@ -51,9 +104,10 @@ def store_block_pair(STATE, COV, a, b, cov, rows, cols, ok, i, j, D: tl.constexp
     ``a`` and ``b`` are the same memory."""
     off = i != j
     tl.store(STATE + rows[:, None] * D + cols[None, :], a, mask=ok)
-    tl.store(STATE + cols[:, None] * D + rows[None, :], b, mask=tl.trans(ok) & off)
+    transposed = tl.where(off, tl.trans(ok), False)  # (not ``& off``: the interpreter makes that int32)
+    tl.store(STATE + cols[:, None] * D + rows[None, :], b, mask=transposed)
     tl.store(COV + rows[:, None] * D + cols[None, :], cov, mask=ok)
-    tl.store(COV + cols[:, None] * D + rows[None, :], tl.trans(cov), mask=tl.trans(ok) & off)
+    tl.store(COV + cols[:, None] * D + rows[None, :], tl.trans(cov), mask=transposed)
 
 
 @triton.jit
@@ -78,7 +132,7 @@ def finish_block_pair(STATE, COV, acc, a, b, centred_a, centred_b, n_safe, q_hea
 
 @triton.jit
 def estimate_and_decide(
-    Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head, mean, acc, offs_d, d_ok,
+    Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head, mean, qcq, offs_d, d_ok,
     stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale,
     softcap, n_nodes, log_tau,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -88,12 +142,13 @@ def estimate_and_decide(
 ):  # fmt: skip
     """The moment kernels' estimate, after the block pairs: ``mu_s = scale q·mean`` (eq. 5, ``mean [BLOCK_D]``
     float32, as :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` computes it) and ``sigma_s^2 =
-    scale^2 q^T cov q`` (eq. 6, from the pairs' running sum ``acc``) stored as each head's ``log E[exp(s)]``
+    scale^2 q^T cov q`` (eq. 6, ``qcq [BLOCK_E]`` the pairs' shares summed, :func:`sum_shares`) stored as each
+    head's ``log E[exp(s)]``
     (:func:`~qada.attention._estimate_kernel.store_log_mean_exp`), then with ``DECIDE`` the group's decision
     (:func:`~qada.attention._estimate_kernel.decide_after_estimate`, ``KEYS`` the decision's keys)."""
     q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
     mu = tl.sum(query_tile(q_head, stride_qh, stride_qd, offs_d, d_ok, G, BLOCK_E) * mean[None, :], axis=1) * scale
-    var = tl.sum(tl.sum(acc, axis=2), axis=1) * scale * scale
+    var = qcq * scale * scale
     store_log_mean_exp(LME, GH_X, GH_LOGW, row, head, mu, var, H_kv, softcap, n_nodes, G, BLOCK_E, BLOCK_X, SOFTCAP)
     decide_after_estimate(Q, LME, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head, stride_qb,
                           stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local,
@@ -104,7 +159,7 @@ def estimate_and_decide(
 @triton.jit
 def current_moment_step_kernel(
     COUNT, MEAN, M2, OUT_MEAN, OUT_COV, KEYS, START, END,
-    Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN,
+    Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN, ARRIVED, SHARES,
     H_kv, t_local, t_recent, stride_kb, stride_kh, stride_kt, stride_kd, stride_start, stride_end,
     stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau,
     PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS,
@@ -128,23 +183,27 @@ def current_moment_step_kernel(
     store_log_mean_exp`), and with ``DECIDE`` then the group's decision (the other arguments as
     :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` takes them; ``KEYS`` are the decision's keys).
 
-    One pass over ``M2``, ``BLOCK_T x BLOCK_T`` block pair by block pair (``[I, J]`` and ``[J, I]``, ``I <= J``):
-    each pair is read once, updated (``M2 += w (x - mean)(x - mean')ᵀ``), written back, and gives the covariance's
-    two blocks ``½ (C + Cᵀ)``, ``C = M2 / max(n, 1)``, and their share of each head's ``q^T cov q``: no second pass
-    over ``M2``, no read of the covariance back.
+    Grid ``(pairs, BP)``: program ``(pair, k)`` takes block pair ``k`` of ``M2`` (:func:`block_pair_of`; ``[I, J]``
+    and ``[J, I]``, ``I <= J``, ``BP`` of them): reads it once, updates it (``M2 += w (x - mean)(x - mean')ᵀ``),
+    writes it back, turns it into the covariance's two blocks ``½ (C + Cᵀ)``, ``C = M2 / max(n, 1)``, and stores
+    their share of each head's ``q^T cov q`` at ``SHARES [pairs, BP, BLOCK_E]`` (float32). The last of the pair's
+    programs (:func:`last_to_arrive`, ``ARRIVED [pairs]`` int32 zeros) updates ``COUNT`` and ``MEAN``, which the
+    others read, and writes the estimate from the summed shares.
 
     With ``PAGE_TOPS`` the launch also carries a ``qada_tail`` step's page-top programs
-    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, 1 + stretches)``, program ``(pair, 1 +
-    s)`` runs :func:`~qada.attention._fused_tail_kernel.page_top_program` for stretch ``s`` and nothing else."""
+    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, BP + stretches)``, program ``(pair, BP
+    + s)`` runs :func:`~qada.attention._fused_tail_kernel.page_top_program` for stretch ``s`` and nothing else."""
+    NB: tl.constexpr = BLOCK_D // BLOCK_T
+    BP: tl.constexpr = NB * (NB + 1) // 2
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     let_next_start(PDL)  # (with PDL: the split launch may start; it waits before reading what this one writes)
-    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, 1 + stretches)): not a moment step
-        if tl.program_id(1) > 0:
+    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, BP + stretches)): not a moment step
+        if tl.program_id(1) >= BP:
             page_top_program(PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS, pt_stride_qb,
                              pt_stride_qh, pt_stride_qd, pt_stride_kb, pt_stride_kh, pt_stride_kt, pt_stride_kd,
                              pt_stride_eb, pt_stride_eh, pt_stride_ep, pt_stride_ed, pt_C, pt_H_kv, pt_t_sink,
                              pt_t_local, pt_scale, pt_n_pages, pt_pages_per_program, pt_n_stretches,
-                             tl.program_id(0), tl.program_id(1) - 1, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D, PT_BLOCK_P,
+                             tl.program_id(0), tl.program_id(1) - BP, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D, PT_BLOCK_P,
                              PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
             return
     pid = tl.program_id(0)
@@ -168,48 +227,52 @@ def current_moment_step_kernel(
     m2 = M2 + pair * D * D
     n_safe = tl.maximum(n, 1.0)
     offs_t = tl.arange(0, BLOCK_T)
-    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
     q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
-    for i in range(0, BLOCK_D // BLOCK_T):
-        rows = i * BLOCK_T + offs_t
-        i_ok = rows < D
-        x_i = tl.load(key + rows * stride_kd, mask=i_ok, other=0.0).to(tl.float64)
-        mean_i = tl.load(mean + rows, mask=i_ok, other=0.0)
-        delta_i = x_i - mean_i
-        after_i = x_i - (mean_i + delta_i * (w / n_safe))  # x - mean'
-        for j in range(i, BLOCK_D // BLOCK_T):
-            cols = j * BLOCK_T + offs_t
-            j_ok = cols < D
-            ok = i_ok[:, None] & j_ok[None, :]
-            x_j = tl.load(key + cols * stride_kd, mask=j_ok, other=0.0).to(tl.float64)
-            mean_j = tl.load(mean + cols, mask=j_ok, other=0.0)
-            delta_j = x_j - mean_j
-            after_j = x_j - (mean_j + delta_j * (w / n_safe))
-            a = tl.load(m2 + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
-            b = transposed_block(m2, a, rows, cols, ok, i, j, D)
-            a = a + w * (delta_i[:, None] * after_j[None, :])
-            b = b + w * (delta_j[:, None] * after_i[None, :])
-            acc = finish_block_pair(m2, OUT_COV + pair * D * D, acc, a, b, a, b, n_safe, q_head, stride_qh, stride_qd,
-                                    rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
-    x = tl.load(key + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float64)
-    mean_old = tl.load(mean + offs_d, mask=d_ok, other=0.0)
-    mean_new = mean_old + (x - mean_old) * (w / n_safe)
-    tl.debug_barrier()  # every block read the old mean and count
-    tl.store(COUNT + pair, n)
-    tl.store(mean + offs_d, mean_new, mask=d_ok)
-    tl.store(OUT_MEAN + pair * D + offs_d, mean_new.to(tl.float32), mask=d_ok)
+    k = tl.program_id(1)
+    i, j = block_pair_of(k, NB)
+    rows = i * BLOCK_T + offs_t
+    cols = j * BLOCK_T + offs_t
+    i_ok = rows < D
+    j_ok = cols < D
+    ok = i_ok[:, None] & j_ok[None, :]
+    x_i = tl.load(key + rows * stride_kd, mask=i_ok, other=0.0).to(tl.float64)
+    mean_i = tl.load(mean + rows, mask=i_ok, other=0.0)
+    delta_i = x_i - mean_i
+    after_i = x_i - (mean_i + delta_i * (w / n_safe))  # x - mean'
+    x_j = tl.load(key + cols * stride_kd, mask=j_ok, other=0.0).to(tl.float64)
+    mean_j = tl.load(mean + cols, mask=j_ok, other=0.0)
+    delta_j = x_j - mean_j
+    after_j = x_j - (mean_j + delta_j * (w / n_safe))
+    a = tl.load(m2 + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
+    b = transposed_block(m2, a, rows, cols, ok, i, j, D)
+    a = a + w * (delta_i[:, None] * after_j[None, :])
+    b = b + w * (delta_j[:, None] * after_i[None, :])
+    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
+    acc = finish_block_pair(m2, OUT_COV + pair * D * D, acc, a, b, a, b, n_safe, q_head, stride_qh, stride_qd, rows,
+                            cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
     if ESTIMATE:
-        estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head,
-                            mean_new.to(tl.float32), acc, offs_d, d_ok, stride_qb, stride_qh, stride_qd, stride_kb,
-                            stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale, softcap, n_nodes,
-                            log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_E, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START,
-                            END_GIVEN, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
+        store_share(SHARES, acc, pair, k, BP, BLOCK_E)
+    if last_to_arrive(ARRIVED, pair, BP):  # every block pair has read the old mean and count
+        x = tl.load(key + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float64)
+        mean_old = tl.load(mean + offs_d, mask=d_ok, other=0.0)
+        mean_new = mean_old + (x - mean_old) * (w / n_safe)
+        tl.debug_barrier()  # every thread read the old mean
+        tl.store(COUNT + pair, n)
+        tl.store(mean + offs_d, mean_new, mask=d_ok)
+        tl.store(OUT_MEAN + pair * D + offs_d, mean_new.to(tl.float32), mask=d_ok)
+        if ESTIMATE:
+            estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row,
+                                head, mean_new.to(tl.float32), sum_shares(SHARES, pair, BP, BLOCK_E), offs_d, d_ok,
+                                stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv,
+                                t_sink, t_local, scale, softcap, n_nodes, log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_E,
+                                BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN, HAS_SINKS, PROMOTE,
+                                INPUT_PRECISION, DOT_FP32)  # fmt: skip
 
 
 @triton.jit
 def stored_moment_step_kernel(
     COUNT, S1, S2, OLD_END, JUMP_N, JUMP_COUNT, JUMP_S1, JUMP_S2, MEAN, COV, REF, SHIFT, START, END, KEYS,
-    Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN,
+    Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN, ARRIVED, SHARES,
     H_kv, N, num_jumps, t_local, offset, first, min_bulk_keys, stride_rh, stride_rn, stride_rd,
     stride_start, stride_end, stride_kb, stride_kh, stride_kt, stride_kd,
     stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau,
@@ -231,24 +294,27 @@ def stored_moment_step_kernel(
     step grows each row by one key) to ``e(n)``, adding or removing the key of ``REF [H_kv, N, D]`` between them
     from the float64 sums around ``SHIFT [H_kv, D]`` (``COUNT [b, H_kv]``, ``S1 [b, H_kv, D]``, ``S2 [b, H_kv, D,
     D]``), or, at a length ``JUMP_N [b, K]`` lists, taking the prepared sums ``JUMP_* [b, K, H_kv, ...]``; writes
-    ``OLD_END [b]`` (the program of KV head 0) and the float32 ``MEAN``, ``COV``. ``n = END - START``. With
+    ``OLD_END [b]`` (the programs of KV head 0) and the float32 ``MEAN``, ``COV``. ``n = END - START``. With
     ``ESTIMATE``, then the estimate's query side (and with ``DECIDE`` the decision, from ``KEYS [b, H_kv, C, d]``) as
-    :func:`current_moment_step_kernel`, which also reads ``S2`` in one pass of block pairs: each updated (``S2 += w
-    x xᵀ``, or the jump's), written back and centred into the covariance's two blocks (``½ (C + Cᵀ)``, ``C = (S2 -
-    count c cᵀ) / max(count, 1)``, ``c = S1 / max(count, 1)``).
+    :func:`current_moment_step_kernel`, whose grid and block pairs this kernel shares: each of ``S2``'s block pairs
+    updated by its program (``S2 += w x xᵀ``, or the jump's), written back and centred into the covariance's two
+    blocks (``½ (C + Cᵀ)``, ``C = (S2 - count c cᵀ) / max(count, 1)``, ``c = S1 / max(count, 1)``), the last of the
+    pair's programs updating ``COUNT``, ``S1`` and ``OLD_END``, which the others read.
 
     With ``PAGE_TOPS`` the launch also carries a ``qada_tail`` step's page-top programs
-    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, 1 + stretches)``, program ``(pair, 1 +
-    s)`` runs :func:`~qada.attention._fused_tail_kernel.page_top_program` for stretch ``s`` and nothing else."""
+    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, BP + stretches)``, program ``(pair, BP
+    + s)`` runs :func:`~qada.attention._fused_tail_kernel.page_top_program` for stretch ``s`` and nothing else."""
+    NB: tl.constexpr = BLOCK_D // BLOCK_T
+    BP: tl.constexpr = NB * (NB + 1) // 2
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     let_next_start(PDL)  # (with PDL: the split launch may start; it waits before reading what this one writes)
-    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, 1 + stretches)): not a moment step
-        if tl.program_id(1) > 0:
+    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, BP + stretches)): not a moment step
+        if tl.program_id(1) >= BP:
             page_top_program(PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS, pt_stride_qb,
                              pt_stride_qh, pt_stride_qd, pt_stride_kb, pt_stride_kh, pt_stride_kt, pt_stride_kd,
                              pt_stride_eb, pt_stride_eh, pt_stride_ep, pt_stride_ed, pt_C, pt_H_kv, pt_t_sink,
                              pt_t_local, pt_scale, pt_n_pages, pt_pages_per_program, pt_n_stretches,
-                             tl.program_id(0), tl.program_id(1) - 1, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D, PT_BLOCK_P,
+                             tl.program_id(0), tl.program_id(1) - BP, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D, PT_BLOCK_P,
                              PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
             return
     pid = tl.program_id(0)
@@ -268,8 +334,8 @@ def stored_moment_step_kernel(
     ref = REF + head.to(tl.int64) * stride_rh + index * stride_rn
     shift = SHIFT + head * D
     jump = tl.full([], -1, dtype=tl.int64)
-    for k in range(0, num_jumps):  # the prefill listed at most one jump per length
-        jump = tl.where(tl.load(JUMP_N + row.to(tl.int64) * num_jumps + k) == n, k, jump)
+    for jk in range(0, num_jumps):  # the prefill listed at most one jump per length
+        jump = tl.where(tl.load(JUMP_N + row.to(tl.int64) * num_jumps + jk) == n, jk, jump)
     hit = jump >= 0
     at = (row.to(tl.int64) * num_jumps + tl.maximum(jump, 0)) * H_kv + head  # the jump's (row, k, head), or k = 0
     count = tl.where(hit, tl.load(JUMP_COUNT + at), tl.load(COUNT + pair) + w)
@@ -281,39 +347,43 @@ def stored_moment_step_kernel(
     s2_from = tl.where(hit, JUMP_S2 + at * D * D, s2)
     w_sum = tl.where(hit, 0.0, w)
     offs_t = tl.arange(0, BLOCK_T)
-    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
     q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
-    for i in range(0, BLOCK_D // BLOCK_T):
-        rows = i * BLOCK_T + offs_t
-        i_ok = rows < D
-        x_i = tl.load(ref + rows * stride_rd, mask=i_ok, other=0.0).to(tl.float64) - tl.load(shift + rows, mask=i_ok)
-        c_i = (tl.load(s1_from + rows, mask=i_ok, other=0.0) + w_sum * x_i) / n_safe
-        for j in range(i, BLOCK_D // BLOCK_T):
-            cols = j * BLOCK_T + offs_t
-            j_ok = cols < D
-            ok = i_ok[:, None] & j_ok[None, :]
-            x_j = tl.load(ref + cols * stride_rd, mask=j_ok, other=0.0).to(tl.float64) - tl.load(shift + cols,
-                                                                                                   mask=j_ok)
-            c_j = (tl.load(s1_from + cols, mask=j_ok, other=0.0) + w_sum * x_j) / n_safe
-            a = tl.load(s2_from + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
-            b = transposed_block(s2_from, a, rows, cols, ok, i, j, D) + w_sum * (x_j[:, None] * x_i[None, :])
-            a = a + w_sum * (x_i[:, None] * x_j[None, :])
-            centred_a = a - count * (c_i[:, None] * c_j[None, :])
-            centred_b = b - count * (c_j[:, None] * c_i[None, :])
-            acc = finish_block_pair(s2, COV + pair * D * D, acc, a, b, centred_a, centred_b, n_safe, q_head, stride_qh,
-                                    stride_qd, rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
-    x = tl.load(ref + offs_d * stride_rd, mask=d_ok, other=0.0).to(tl.float64) - tl.load(shift + offs_d, mask=d_ok)
-    s1 = tl.load(s1_from + offs_d, mask=d_ok, other=0.0) + w_sum * x
-    tl.debug_barrier()  # every block read the old sums and count
-    tl.store(COUNT + pair, count)
-    tl.store(s1_base + offs_d, s1, mask=d_ok)
-    if head == 0:
-        tl.store(OLD_END + row, new_end.to(OLD_END.dtype.element_ty))
-    mean = tl.where(count > 0, s1 / n_safe + tl.load(shift + offs_d, mask=d_ok, other=0.0), 0.0)
-    tl.store(MEAN + pair * D + offs_d, mean.to(tl.float32), mask=d_ok)
+    k = tl.program_id(1)
+    i, j = block_pair_of(k, NB)
+    rows = i * BLOCK_T + offs_t
+    cols = j * BLOCK_T + offs_t
+    i_ok = rows < D
+    j_ok = cols < D
+    ok = i_ok[:, None] & j_ok[None, :]
+    x_i = tl.load(ref + rows * stride_rd, mask=i_ok, other=0.0).to(tl.float64) - tl.load(shift + rows, mask=i_ok)
+    c_i = (tl.load(s1_from + rows, mask=i_ok, other=0.0) + w_sum * x_i) / n_safe
+    x_j = tl.load(ref + cols * stride_rd, mask=j_ok, other=0.0).to(tl.float64) - tl.load(shift + cols, mask=j_ok)
+    c_j = (tl.load(s1_from + cols, mask=j_ok, other=0.0) + w_sum * x_j) / n_safe
+    a = tl.load(s2_from + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
+    b = transposed_block(s2_from, a, rows, cols, ok, i, j, D) + w_sum * (x_j[:, None] * x_i[None, :])
+    a = a + w_sum * (x_i[:, None] * x_j[None, :])
+    centred_a = a - count * (c_i[:, None] * c_j[None, :])
+    centred_b = b - count * (c_j[:, None] * c_i[None, :])
+    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
+    acc = finish_block_pair(s2, COV + pair * D * D, acc, a, b, centred_a, centred_b, n_safe, q_head, stride_qh,
+                            stride_qd, rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
     if ESTIMATE:
-        estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, head,
-                            mean.to(tl.float32), acc, offs_d, d_ok, stride_qb, stride_qh, stride_qd, stride_kb,
-                            stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local, scale, softcap, n_nodes,
-                            log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_E, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START,
-                            END_GIVEN, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
+        store_share(SHARES, acc, pair, k, BP, BLOCK_E)
+    if last_to_arrive(ARRIVED, pair, BP):  # every block pair has read the old sums and count
+        x = tl.load(ref + offs_d * stride_rd, mask=d_ok, other=0.0).to(tl.float64) - tl.load(shift + offs_d,
+                                                                                               mask=d_ok)
+        s1 = tl.load(s1_from + offs_d, mask=d_ok, other=0.0) + w_sum * x
+        tl.debug_barrier()  # every thread read the old sums
+        tl.store(COUNT + pair, count)
+        tl.store(s1_base + offs_d, s1, mask=d_ok)
+        if head == 0:
+            tl.store(OLD_END + row, new_end.to(OLD_END.dtype.element_ty))
+        mean = tl.where(count > 0, s1 / n_safe + tl.load(shift + offs_d, mask=d_ok, other=0.0), 0.0)
+        tl.store(MEAN + pair * D + offs_d, mean.to(tl.float32), mask=d_ok)
+        if ESTIMATE:
+            estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row,
+                                head, mean.to(tl.float32), sum_shares(SHARES, pair, BP, BLOCK_E), offs_d, d_ok,
+                                stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv,
+                                t_sink, t_local, scale, softcap, n_nodes, log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_E,
+                                BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN, HAS_SINKS, PROMOTE,
+                                INPUT_PRECISION, DOT_FP32)  # fmt: skip

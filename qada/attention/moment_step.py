@@ -95,7 +95,8 @@ class BulkEstimate(NamedTuple):
         pdl: the launch lets the next one start at once (a programmatic dependent launch, sm_90+: it waits for this
             one before reading what this one writes).
         page_tops: the page-top programs of a ``qada_tail`` step the same launch carries
-            (:class:`~qada.attention.page_tops.PageTops`: its grid grows to ``(pairs, 1 + stretches)``), or ``None``.
+            (:class:`~qada.attention.page_tops.PageTops`: its grid grows by ``stretches`` programs per (row, KV
+            head)), or ``None``.
     """
 
     query: torch.Tensor
@@ -188,11 +189,39 @@ def _estimate_parts(estimate: BulkEstimate | None, H_kv: int, placeholder: torch
     return tensors, scalars, estimate.kernel_constants(H_kv)
 
 
-def _rider(estimate: BulkEstimate | None, pairs: int, placeholder: torch.Tensor) -> tuple[tuple, tuple, dict]:
-    """``(grid, positional arguments, constants)`` of the page-top programs a launch writing ``estimate`` carries
-    (:func:`~qada.attention.page_tops.rider_args`; none: one program per (row, KV head)))."""
-    args, constants, programs = rider_args(None if estimate is None else estimate.page_tops, placeholder)
+def _rider(estimate: BulkEstimate | None, pairs: int, own: int, placeholder: torch.Tensor) -> tuple[tuple, tuple,
+                                                                                                   dict]:
+    """``(grid, positional arguments, constants)`` of a launch of ``own`` programs per (row, KV head) writing
+    ``estimate``, with the page-top programs it carries (:func:`~qada.attention.page_tops.rider_args`) after them."""
+    args, constants, stretches = rider_args(None if estimate is None else estimate.page_tops, placeholder)
+    programs = own + stretches
     return ((pairs,) if programs == 1 else (pairs, programs)), args, constants
+
+
+def block_pairs(d: int, G: int) -> int:
+    """Block pairs of the ``d x d`` moment state (``BLOCK_T x BLOCK_T`` blocks, :func:`block_sizes`): the moment
+    kernels' programs per (row, KV head), three at ``d = 64``."""
+    sizes = block_sizes(d, G)
+    blocks = sizes["BLOCK_D"] // sizes["BLOCK_T"]
+    return blocks * (blocks + 1) // 2
+
+
+def _rendezvous(state: dict[str, torch.Tensor], count: torch.Tensor, pairs: int, estimate: BulkEstimate | None,
+                G: int, d: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(ARRIVED, SHARES, programs per (row, KV head))`` of a moment step's launch: the state's ``arrived``
+    (``[b, H_kv]`` int32, 0 between launches) where a (row, KV head) has several block pairs, and, with
+    ``estimate``, a new ``[pairs, block pairs, BLOCK_E]`` float32 buffer for their shares of ``q^T cov q``
+    (:func:`~qada.attention._moment_kernel.last_to_arrive`); ``count`` in place of either where none is needed."""
+    own = block_pairs(d, G)
+    arrived = state.get("arrived", count) if own > 1 else count
+    if own > 1 and (arrived is count or arrived.dtype != torch.int32 or arrived.shape != count.shape
+                    or not arrived.is_contiguous()):
+        raise ValueError(f"expected the moment state's 'arrived' as a contiguous int32 tensor of shape "
+                         f"{tuple(count.shape)} (zeros: the state a prefill declares)")
+    if estimate is None:
+        return arrived, count, own
+    shares = torch.empty(pairs, own, block_sizes(d, G)["BLOCK_E"], dtype=torch.float32, device=count.device)
+    return arrived, shares, own
 
 
 def _constants(d: int, start: torch.Tensor | None, G: int) -> dict:
@@ -225,10 +254,11 @@ def current_step_launch(state: dict[str, torch.Tensor], keys: torch.Tensor, star
     if estimate is not None and estimate.decision is not None and estimate.decision.keys is not keys:
         raise ValueError("expected the decision's keys to be the moment step's")
     tensors, scalars, constants = _estimate_parts(estimate, H_kv, count, start, end)
-    grid, rider, rider_constants = _rider(estimate, b * H_kv, count)
+    arrived, shares, own = _rendezvous(state, count, b * H_kv, estimate, constants["G"], d)
+    grid, rider, rider_constants = _rider(estimate, b * H_kv, own, count)
     _triton_kernel.run(
         _moment_kernel.current_moment_step_kernel, grid,
-        count, mean, m2, out_mean, out_cov, keys, end if start is None else start, end, *tensors,
+        count, mean, m2, out_mean, out_cov, keys, end if start is None else start, end, *tensors, arrived, shares,
         H_kv, t_local, t_recent, *keys.stride(), *_row_strides(start, end), *scalars, *rider,
         **_constants(d, start, constants["G"]), **constants, **rider_constants,
     )  # fmt: skip
@@ -253,11 +283,12 @@ def stored_step_launch(state: dict[str, torch.Tensor], start: torch.Tensor | Non
     N, d = ref.shape[1], ref.shape[2]
     tensors, scalars, constants = _estimate_parts(estimate, H_kv, count, start, end)
     keys, key_strides = (count, (0,) * 4) if estimate is None else estimate.decision_keys(count)
-    grid, rider, rider_constants = _rider(estimate, b * H_kv, count)
+    arrived, shares, own = _rendezvous(state, count, b * H_kv, estimate, constants["G"], d)
+    grid, rider, rider_constants = _rider(estimate, b * H_kv, own, count)
     _triton_kernel.run(
         _moment_kernel.stored_moment_step_kernel, grid,
         count, s1, s2, state["old_end"], *jumps, mean, cov, ref, shift, end if start is None else start, end,
-        keys, *tensors, H_kv, N, jumps[0].shape[1], t_local, offset, first,
+        keys, *tensors, arrived, shares, H_kv, N, jumps[0].shape[1], t_local, offset, first,
         min_bulk_keys, *ref.stride(), *_row_strides(start, end), *key_strides, *scalars, *rider,
         **_constants(d, start, constants["G"]), **constants, **rider_constants,
     )  # fmt: skip
@@ -283,7 +314,7 @@ def estimate_launch(estimate: BulkEstimate, moments: BulkMoments) -> torch.Tenso
     constants = estimate.kernel_constants(H_kv)
     del constants["ESTIMATE"]
     keys, key_strides = estimate.decision_keys(out)
-    grid, rider, rider_constants = _rider(estimate, b * H_kv, out)
+    grid, rider, rider_constants = _rider(estimate, b * H_kv, 1, out)
     _triton_kernel.run(
         _estimate_kernel.bulk_estimate_kernel, grid,
         query, mean, cov, out, nodes, log_weights, keys, out if start is None else start, out if end is None else end,

@@ -4,8 +4,9 @@ bound, before the decision merges the stretches' lists (:func:`~qada.attention._
 Where a row's bulk spans more pages than the ``triton_fused`` executor's ``pages_per_program``, its page bounds are
 spread over ``stretches`` programs per (row, KV head). Those programs read the queries, the step's key and the page
 extrema, and nothing the moment step writes, so the launch that steps the moments and writes ``log E[exp(s)]``
-(:mod:`qada.attention.moment_step`) carries them: its grid grows from ``(pairs,)`` to ``(pairs, 1 + stretches)``,
-program ``(pair, 0)`` steps the moments and ``(pair, 1 + s)`` finds stretch ``s``'s top pages. A layer's
+(:mod:`qada.attention.moment_step`) carries them after its own programs: its grid grows from ``(pairs, own)`` to
+``(pairs, own + stretches)`` (``own``: the moment step's block pairs, or the estimate's one program), and program
+``(pair, own + s)`` finds stretch ``s``'s top pages. A layer's
 ``qada_tail`` step then takes the launches of a ``qada`` one (moment step, split, combine) instead of one more. A
 :class:`PageTops` describes the work and where its lists go; :func:`rider_args` gives a moment kernel its arguments
 (none: placeholders and ``PAGE_TOPS=False``, the branch compiled away).
@@ -101,10 +102,10 @@ _NO_RIDER_CONSTANTS = dict(PT_G=1, PT_D=16, PT_BLOCK_G=16, PT_BLOCK_D=16, PT_BLO
 
 def rider_args(page_tops: PageTops | None, placeholder: torch.Tensor) -> tuple[tuple, dict[str, Any], int]:
     """What a moment step's launch (:mod:`qada.attention.moment_step`) passes for ``page_tops``: ``(positional
-    arguments after its own, constants (``PAGE_TOPS`` and the ``PT_`` ones), programs per (row, KV head))``; with
-    none, ``placeholder`` for every tensor and one program per (row, KV head)."""
+    arguments after its own, constants (``PAGE_TOPS`` and the ``PT_`` ones), page-top programs per (row, KV head),
+    after the launch's own)``; with none, ``placeholder`` for every tensor and no program."""
     if page_tops is None:
         sizes = (1, 1, 0, 0, 1.0, 1, 1, 1)  # (C, H_kv, t_sink, t_local, scale, pages, per program, stretches)
-        return (placeholder,) * 9 + (0,) * 11 + sizes, {"PAGE_TOPS": False, **_NO_RIDER_CONSTANTS}, 1
+        return (placeholder,) * 9 + (0,) * 11 + sizes, {"PAGE_TOPS": False, **_NO_RIDER_CONSTANTS}, 0
     page_tops.check()
-    return page_tops.kernel_args(), {"PAGE_TOPS": True, **page_tops.kernel_constants("PT_")}, 1 + page_tops.stretches
+    return page_tops.kernel_args(), {"PAGE_TOPS": True, **page_tops.kernel_constants("PT_")}, page_tops.stretches

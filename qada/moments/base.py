@@ -38,6 +38,14 @@ from qada.window import Window
 __all__ = ["MOMENT_SOURCES", "MomentSource", "register_moment_source"]
 
 
+def arrival_count(count: torch.Tensor) -> torch.Tensor:
+    """``[b, H_kv]`` int32 zeros beside a source's ``count [b, H_kv]``: the state the moment step's kernel counts
+    its programs of a (row, KV head) in as they finish (one per block pair of the ``d x d`` state; the last then
+    updates what the others read, :func:`~qada.attention._moment_kernel.last_to_arrive`), 0 again after every
+    launch. Declared with the state it serves (``arrived``); the torch step does not read it."""
+    return torch.zeros(count.shape, dtype=torch.int32, device=count.device)
+
+
 class MomentSource(Component, abc.ABC):
     """Where ``mu_K`` and ``Sigma_K`` come from. Subclasses are dataclasses; state lives in private attrs.
 

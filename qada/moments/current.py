@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from qada.functional import bulk_count, bulk_mask
-from qada.moments.base import MomentSource, register_moment_source
+from qada.moments.base import MomentSource, arrival_count, register_moment_source
 from qada.moments.math import MomentState, add_key, block_moments, merge_moments, to_bulk_moments
 from qada.step import BulkMoments
 from qada.window import Window
@@ -73,7 +73,7 @@ class CurrentMoments(MomentSource):
         if self.freeze or self.update_every == 1:  # blocks of update_every > 1 step on the host path
             moments = to_bulk_moments(state)
             self.set_state(layer, count=state.count, mean=state.mean, m2=state.m2, out_mean=moments.mean,
-                           out_cov=moments.cov)
+                           out_cov=moments.cov, arrived=arrival_count(state.count))
 
     def step_state(self, layer: int) -> dict[str, torch.Tensor]:
         """The float64 Welford state ``count, mean, m2`` and the float32 moments ``out_mean, out_cov`` of

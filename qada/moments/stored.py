@@ -17,7 +17,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from qada.artifacts import model_fingerprint
-from qada.moments.base import MomentSource, register_moment_source
+from qada.moments.base import MomentSource, arrival_count, register_moment_source
 from qada.moments.math import shifted_sums, state_from_shifted_sums, to_bulk_moments
 from qada.moments.reference import (
     ReferenceKeys,
@@ -309,7 +309,7 @@ class StoredMoments(ReferenceMomentSource):
         mean, cov = to_bulk_moments(state_from_shifted_sums(count, s1, s2, shift))
         return {"count": count, "s1": s1, "s2": s2, "old_end": ends[:, 0].to(device), "jump_n": jump_n.to(device),
                 "jump_count": jump_sums[0], "jump_s1": jump_sums[1], "jump_s2": jump_sums[2], "mean": mean,
-                "cov": cov}
+                "cov": cov, "arrived": arrival_count(count)}
 
     def step_state(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's declared state (float64 shifted sums and range ends, the prepared jumps, the float32 moments
@@ -321,7 +321,8 @@ class StoredMoments(ReferenceMomentSource):
     def step(self, state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
              end: torch.Tensor, window: Window) -> BulkMoments:
         """:func:`stored_buffer_step` with this source's offset, short-prompt rule and window."""
-        return stored_buffer_step(**state, keys=keys, start=start, end=end, t_local=window.t_local,
+        sums = {name: tensor for name, tensor in state.items() if name != "arrived"}  # (the kernel's alone)
+        return stored_buffer_step(**sums, keys=keys, start=start, end=end, t_local=window.t_local,
                                   offset=self.offset, first=self.first(window), min_bulk_keys=self.min_bulk_keys)
 
     def moments(self, layer: int, keys: torch.Tensor, start: torch.Tensor | None, window: Window,

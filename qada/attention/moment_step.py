@@ -1,7 +1,8 @@
 """The built-in moment sources' decode step as one Triton launch, for the ``triton_fused`` executor's layer step.
 
 The launches run the step on the device with :mod:`qada.attention._moment_kernel`, one program per (row, KV
-head), instead of the source's torch step (dozens of small operations, so dozens of kernels on a GPU):
+head) and block pair of its ``d x d`` state (:func:`block_pairs`), instead of the source's torch step (dozens of
+small operations, so dozens of kernels on a GPU):
 
 * :func:`current_step_launch`: Welford's rank-1 update of the ``current`` source
   (:func:`~qada.moments.current.current_buffer_step`);
@@ -213,14 +214,15 @@ def _rendezvous(state: dict[str, torch.Tensor], count: torch.Tensor, pairs: int,
     ``estimate``, a new ``[pairs, block pairs, BLOCK_E]`` float32 buffer for their shares of ``q^T cov q``
     (:func:`~qada.attention._moment_kernel.last_to_arrive`); ``count`` in place of either where none is needed."""
     own = block_pairs(d, G)
-    arrived = state.get("arrived", count) if own > 1 else count
-    if own > 1 and (arrived is count or arrived.dtype != torch.int32 or arrived.shape != count.shape
-                    or not arrived.is_contiguous()):
-        raise ValueError(f"expected the moment state's 'arrived' as a contiguous int32 tensor of shape "
-                         f"{tuple(count.shape)} (zeros: the state a prefill declares)")
-    if estimate is None:
-        return arrived, count, own
-    shares = torch.empty(pairs, own, block_sizes(d, G)["BLOCK_E"], dtype=torch.float32, device=count.device)
+    arrived = count
+    if own > 1:
+        arrived = state.get("arrived")
+        if (arrived is None or arrived.dtype != torch.int32 or arrived.shape != count.shape
+                or not arrived.is_contiguous()):
+            raise ValueError(f"expected the moment state's 'arrived' as a contiguous int32 tensor of shape "
+                             f"{tuple(count.shape)} (zeros: the state a prefill declares)")
+    shares = count if estimate is None else torch.empty(pairs, own, block_sizes(d, G)["BLOCK_E"],
+                                                        dtype=torch.float32, device=count.device)
     return arrived, shares, own
 
 

@@ -76,8 +76,9 @@ class CurrentMoments(MomentSource):
                            out_cov=moments.cov, arrived=arrival_count(state.count))
 
     def step_state(self, layer: int) -> dict[str, torch.Tensor]:
-        """The float64 Welford state ``count, mean, m2`` and the float32 moments ``out_mean, out_cov`` of
-        ``layer`` (blocks of ``update_every > 1``: the layer's index, stepped on the host)."""
+        """The float64 Welford state ``count, mean, m2``, the float32 moments ``out_mean, out_cov`` and the moment
+        kernel's ``arrived`` (:func:`~qada.moments.base.arrival_count`) of ``layer`` (blocks of ``update_every >
+        1``: the layer's index, stepped on the host)."""
         if self.update_every > 1 and not self.freeze:
             return {"layer": torch.tensor(layer)}
         return super().step_state(layer)

@@ -313,7 +313,8 @@ class StoredMoments(ReferenceMomentSource):
 
     def step_state(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's declared state (float64 shifted sums and range ends, the prepared jumps, the float32 moments
-        handed to criteria) and its reference keys and shift: :func:`stored_buffer_step`'s arguments."""
+        handed to criteria, the moment kernel's ``arrived``, :func:`~qada.moments.base.arrival_count`) and its
+        reference keys and shift: :func:`stored_buffer_step`'s arguments (but ``arrived``)."""
         state = super().step_state(layer)
         ref, shift = self._on(state["count"].device)
         return {**state, "ref": ref[layer], "shift": shift[layer]}

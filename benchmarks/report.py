@@ -248,13 +248,14 @@ def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmea
 
 
 FUSED_QADA_VARIANTS = ("qada fused once", "qada fused wide", "qada fused once wide", "qada fused pdl",
-                       "qada fused inductor")
+                       "qada fused inductor", "qada fused unspread")
 """The launch variants of the ``qada fused`` row whose ratios its goal's detail lists (the default row is the goal's:
 a variant that beats it is a case for changing the executor's defaults, measured)."""
 
 
 FUSED_TAIL_VARIANTS = ("qada_tail fused splits", "qada_tail fused once", "qada_tail fused once together",
-                       "qada_tail fused spread", "qada_tail fused wide", "qada_tail fused pdl")
+                       "qada_tail fused spread", "qada_tail fused wide", "qada_tail fused pdl",
+                       "qada_tail fused unspread")
 """The launch variants of the ``qada_tail fused`` row (the executor's defaults: at 7,680 tokens the decision launched
 once, per query head at B = 1) whose ratios to ``qada fused`` its goal's detail lists (``splits``: decided in every
 split, the goal's row until 2026-12-06)."""

@@ -508,11 +508,12 @@ def test_a_row_says_when_its_layer_step_ran_eagerly():
                                   "qada_tail fused spread", "qada_tail_budget/group fused", "qada fused wide",
                                   "qada fused once wide", "qada_tail fused wide", "qada_tail_budget/group fused wide",
                                   "qada_tail_budget/group fused together", "qada_tail+E/lean fused uncapped",
-                                  "qada_tail fused splits"])
+                                  "qada_tail fused splits", "qada fused unspread", "qada_tail fused unspread"])
 def test_fused_variant_rows_only_where_a_workload_names_them(name):
     """The fused variants (``inductor``: ``compile_step=True``; ``pdl``: programmatic dependent launches; ``spread``:
     narrow page-top programs; ``/group``: the budget over whole KV groups; ``wide``: splits for more programs per
-    SM; ``uncapped``: no register cap; ``together``: the budget's scores one program per KV head), built only where
+    SM; ``uncapped``: no register cap; ``together``: the budget's scores one program per KV head; ``unspread``:
+    the moment step one program per (row, KV head)), built only where
     the workload's compiled rows name them: the GPU suite (SmolLM2's, or the Llama-3-8B shapes' for the group
     budget), not its dry run, where each would be its plain ``fused`` row again."""
     from dataclasses import replace
@@ -541,11 +542,15 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
     criterion = criterion if isinstance(criterion, str) else criterion["name"]
     assert run.criterion.registry_name == criterion and run.executor.registry_name == "triton_fused"
     assert run.executor.compile_step is name.endswith("inductor") and run.executor.pdl is name.endswith("pdl")
-    assert run.executor.decide_once is (None if "/group" in name or "/lean" in name
-                                        else name.endswith("spread") or " once " in name)
+    assert run.executor.spread_moments is not name.endswith("unspread")
+    if name.endswith("unspread"):  # (the plain row's decision: qada's in the splits, qada_tail's by default)
+        assert run.executor.decide_once is FUSED_VARIANTS[name][1].get("decide_once")
+    else:
+        assert run.executor.decide_once is (None if "/group" in name or "/lean" in name
+                                            else name.endswith(" spread") or " once " in name)
     assert run.executor.cap_registers is not name.endswith("uncapped")
     assert run.executor.programs_per_sm == (WIDE_PROGRAMS if name.endswith("wide") else 2)
-    assert run.executor.pages_per_program == (SPREAD_PAGES if name.endswith("spread") else 256)
+    assert run.executor.pages_per_program == (SPREAD_PAGES if name.endswith(" spread") else 256)
     assert run.executor.heads_apart is (False if name.endswith("together") else None)
     assert getattr(run.criterion, "per_group", False) is ("/group" in name)
     assert name not in build_configs(suite, replace(named, compiled=()), model, None, 1)

@@ -168,8 +168,8 @@ def test_other_sources_step_in_torch(monkeypatch, make):
 
 def test_moment_kernels_compile_for_the_gpu():
     """Both kernels, without the estimate, with it (soft-capped), with the decision too and with a ``qada_tail``
-    step's page-top programs, and the estimate's own kernel lower to PTX for sm_90 (no GPU needed): what runs on an
-    H100."""
+    step's page-top programs, spread over block pairs and not, and the estimate's own kernel lower to PTX for sm_90
+    (no GPU needed): what runs on an H100."""
     import subprocess
     import sys
     import textwrap
@@ -188,13 +188,14 @@ def test_moment_kernels_compile_for_the_gpu():
                     "PT_END": "*i64", "PT_KMIN": "*bf16", "PT_KMAX": "*bf16", "PT_VALS": "*fp32", "PT_IDS": "*i32",
                     "PT_OKS": "*i32", "ARRIVED": "*i32", "SHARES": "*fp32"}
         floats = {"scale": "fp32", "softcap": "fp32", "log_tau": "fp32", "pt_scale": "fp32"}
-        for estimate, decide, tops in ((False, False, False), (True, False, False), (True, True, False),
-                                       (True, False, True)):
+        for estimate, decide, tops, spread in ((False, False, False, True), (True, False, False, True),
+                                               (True, True, False, True), (True, False, True, True),
+                                               (True, True, True, False)):
             constants = {"D": 128, "BLOCK_T": 32, "BLOCK_D": 128, "HAS_START": True, "ESTIMATE": estimate, "G": 4,
                          "BLOCK_G": 16, "BLOCK_E": 4, "BLOCK_X": 32, "SOFTCAP": estimate, "DECIDE": decide,
                          "BLOCK_N": 64, "END_GIVEN": decide, "HAS_SINKS": decide, "PROMOTE": decide, "PDL": decide,
-                         "INPUT_PRECISION": None, "DOT_FP32": False, "PAGE_TOPS": tops, "PT_G": 4, "PT_D": 128,
-                         "PT_BLOCK_G": 16, "PT_BLOCK_D": 128, "PT_BLOCK_P": 32, "PT_PAGE": 16, "PT_TOP": 8,
+                         "SPREAD": spread, "INPUT_PRECISION": None, "DOT_FP32": False, "PAGE_TOPS": tops, "PT_G": 4,
+                         "PT_D": 128, "PT_BLOCK_G": 16, "PT_BLOCK_D": 128, "PT_BLOCK_P": 32, "PT_PAGE": 16, "PT_TOP": 8,
                          "PT_BLOCK_M": 8, "PT_HAS_START": True, "PT_HAS_END": True}
             for kernel in (K.current_moment_step_kernel, K.stored_moment_step_kernel, E.bulk_estimate_kernel):
                 names = kernel.arg_names
@@ -217,10 +218,10 @@ def test_moment_kernels_compile_for_the_gpu():
 
 # --- the estimate's query side: log E[exp(s)] from the new moments ------------------------------------------------
 
-def estimate_of(query, softcap=None):
+def estimate_of(query, softcap=None, **executor):
     from qada.attention.fused import FusedTritonExecutor
 
-    return FusedTritonExecutor().bulk_estimate(query, 0.25, softcap)
+    return FusedTritonExecutor(**executor).bulk_estimate(query, 0.25, softcap)
 
 
 def eager_log_mean_exp(query, moments, softcap):
@@ -349,3 +350,39 @@ def test_estimate_checks_its_output():
     wrong = BulkEstimate(*estimate[:5], torch.empty(2, 6, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"contiguous float32 output of shape \[2, 6\]"):
         wrong.kernel_constants(3)
+
+
+@pytest.mark.parametrize("kind", ["current", "stored"])
+@pytest.mark.parametrize(("d", "heads"), [(40, 6), (40, 16)])
+def test_the_launch_not_spread_over_block_pairs_is_the_same_step(monkeypatch, kind, d, heads):
+    """The executor's ``spread_moments=False``: one program per (row, KV head) taking every block pair in turn
+    (3 or 10 of them), the launch before the step was spread; the same state, moments and estimate as the spread
+    launch, the estimate bit for bit (its shares summed in the same order)."""
+    from tests.triton_launches import LaunchRecorder
+
+    moments, keys, spread_state, state = prefilled(kind, d)
+    query = torch.randn(2, heads, d, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 2
+    start = STARTS.to(DEVICE)
+    record = LaunchRecorder(monkeypatch)
+    for end in (16, 17, 21):
+        ends = torch.full((2,), end, device=DEVICE)
+        spread = estimate_of(query)
+        alone = estimate_of(query, spread_moments=False)
+        assert spread.spread and not alone.spread
+        fused_moment_step(moments, spread_state, keys, start, ends, WINDOW, spread)
+        fused_moment_step(moments, state, keys, start, ends, WINDOW, alone)
+        for name in state:
+            torch.testing.assert_close(state[name], spread_state[name], rtol=1e-12, atol=1e-12, msg=name)
+        if DEVICE.type == "cpu":
+            assert torch.equal(alone.out, spread.out)
+        else:
+            torch.testing.assert_close(alone.out, spread.out, rtol=2e-6, atol=2e-6)
+    pairs = 3 if heads == 6 else 10
+    assert [grid for _, grid in record.launches] == [(4, pairs), (4,)] * 3
+
+
+def test_spread_moments_must_be_a_bool():
+    from qada.attention.fused import FusedTritonExecutor
+
+    with pytest.raises(ValueError, match="spread_moments"):
+        FusedTritonExecutor(spread_moments="no")

@@ -11,8 +11,9 @@ own: read once, updated, written back and turned into the covariance's two block
 (row, KV head)'s programs to finish (an atomic count, :func:`last_to_arrive`) then updates the count and the mean
 or sums, which the others read, sums the shares in block-pair order and writes the estimate (and the decision).
 At batch size 1, where the launch has a few (row, KV head)s, its time is its longest program's chain of loads:
-one block pair and the end, where one program per (row, KV head) went through every pair in turn (three at ``d =
-64``, each a round of loads after the one before).
+one block pair and the end, where one program per (row, KV head) goes through every pair in turn (three at ``d =
+64``, each a round of loads after the one before; ``SPREAD`` off, the executor's ``spread_moments=False``, for a
+GPU to time both).
 """
 
 from __future__ import annotations
@@ -66,23 +67,32 @@ def last_to_arrive(ARRIVED, pair, BP: tl.constexpr):
 
 
 @triton.jit
-def sum_shares(SHARES, pair, BP: tl.constexpr, BLOCK_E: tl.constexpr):
-    """``[BLOCK_E]`` float32: each head's ``q^T cov q``, the ``BP`` block pairs' shares ``SHARES [pairs, BP,
-    BLOCK_E]`` of ``pair`` summed in block-pair order (the order :func:`~qada.attention._estimate_kernel.
-    bulk_estimate_kernel` sums them in)."""
-    offs_e = tl.arange(0, BLOCK_E)
-    total = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for k in tl.static_range(BP):
-        total += tl.load(SHARES + (pair * BP + k) * BLOCK_E + offs_e)
-    return total
+def add_share(SHARES, qcq, acc, pair, k, BP: tl.constexpr, BLOCK_E: tl.constexpr, ESTIMATE: tl.constexpr,
+              SPREAD: tl.constexpr):  # fmt: skip
+    """Block pair ``k``'s share ``acc [BLOCK_E, T, T]`` of each head's ``q^T cov q``, summed over its ``T x T``
+    terms: with ``SPREAD`` stored at ``SHARES [pairs, BP, BLOCK_E]`` for the last program to sum
+    (:func:`sum_shares`), else added to ``qcq [BLOCK_E]``, the running sum of the program that takes every pair in
+    turn; returns ``qcq``. Without ``ESTIMATE`` nothing."""
+    if ESTIMATE:
+        share = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if SPREAD:
+            tl.store(SHARES + (pair * BP + k) * BLOCK_E + tl.arange(0, BLOCK_E), share)
+        else:
+            qcq += share
+    return qcq
 
 
 @triton.jit
-def store_share(SHARES, acc, pair, k, BP: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Store block pair ``k``'s share ``acc [BLOCK_E, T, T]`` of each head's ``q^T cov q``, summed over its ``T x T``
-    terms, at ``SHARES [pairs, BP, BLOCK_E]``."""
-    offs_e = tl.arange(0, BLOCK_E)
-    tl.store(SHARES + (pair * BP + k) * BLOCK_E + offs_e, tl.sum(tl.sum(acc, axis=2), axis=1))
+def sum_shares(SHARES, qcq, pair, BP: tl.constexpr, BLOCK_E: tl.constexpr, SPREAD: tl.constexpr):
+    """``[BLOCK_E]`` float32: each head's ``q^T cov q``; with ``SPREAD`` the ``BP`` block pairs' shares ``SHARES
+    [pairs, BP, BLOCK_E]`` of ``pair`` summed in block-pair order (as :func:`add_share` sums them without, and
+    :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` does: the same float32 value), else ``qcq``."""
+    if SPREAD:
+        offs_e = tl.arange(0, BLOCK_E)
+        qcq = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for k in tl.static_range(BP):
+            qcq += tl.load(SHARES + (pair * BP + k) * BLOCK_E + offs_e)
+    return qcq
 
 
 @triton.jit
@@ -170,7 +180,7 @@ def current_moment_step_kernel(
     ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
     SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr,
     HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SPREAD: tl.constexpr,
     PAGE_TOPS: tl.constexpr, PT_G: tl.constexpr, PT_D: tl.constexpr, PT_BLOCK_G: tl.constexpr,
     PT_BLOCK_D: tl.constexpr, PT_BLOCK_P: tl.constexpr, PT_PAGE: tl.constexpr, PT_TOP: tl.constexpr,
     PT_BLOCK_M: tl.constexpr, PT_HAS_START: tl.constexpr, PT_HAS_END: tl.constexpr,
@@ -183,28 +193,31 @@ def current_moment_step_kernel(
     store_log_mean_exp`), and with ``DECIDE`` then the group's decision (the other arguments as
     :func:`~qada.attention._estimate_kernel.bulk_estimate_kernel` takes them; ``KEYS`` are the decision's keys).
 
-    Grid ``(pairs, BP)``: program ``(pair, k)`` takes block pair ``k`` of ``M2`` (:func:`block_pair_of`; ``[I, J]``
-    and ``[J, I]``, ``I <= J``, ``BP`` of them): reads it once, updates it (``M2 += w (x - mean)(x - mean')ᵀ``),
-    writes it back, turns it into the covariance's two blocks ``½ (C + Cᵀ)``, ``C = M2 / max(n, 1)``, and stores
-    their share of each head's ``q^T cov q`` at ``SHARES [pairs, BP, BLOCK_E]`` (float32). The last of the pair's
-    programs (:func:`last_to_arrive`, ``ARRIVED [pairs]`` int32 zeros) updates ``COUNT`` and ``MEAN``, which the
-    others read, and writes the estimate from the summed shares.
+    With ``SPREAD``, grid ``(pairs, BP)``: program ``(pair, k)`` takes block pair ``k`` of ``M2``
+    (:func:`block_pair_of`; ``[I, J]`` and ``[J, I]``, ``I <= J``, ``BP`` of them): reads it once, updates it (``M2
+    += w (x - mean)(x - mean')ᵀ``), writes it back, turns it into the covariance's two blocks ``½ (C + Cᵀ)``, ``C =
+    M2 / max(n, 1)``, and stores their share of each head's ``q^T cov q`` at ``SHARES [pairs, BP, BLOCK_E]``
+    (float32). The last of the pair's programs (:func:`last_to_arrive`, ``ARRIVED [pairs]`` int32 zeros) updates
+    ``COUNT`` and ``MEAN``, which the others read, and writes the estimate from the summed shares. Without, grid
+    ``(pairs,)``: one program takes every block pair in turn, then the rest (``ARRIVED``, ``SHARES`` unread).
 
     With ``PAGE_TOPS`` the launch also carries a ``qada_tail`` step's page-top programs
-    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, BP + stretches)``, program ``(pair, BP
-    + s)`` runs :func:`~qada.attention._fused_tail_kernel.page_top_program` for stretch ``s`` and nothing else."""
+    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments) after its own ``PROGRAMS`` (``BP`` or 1) per pair:
+    program ``(pair, PROGRAMS + s)`` runs :func:`~qada.attention._fused_tail_kernel.page_top_program` for stretch
+    ``s`` and nothing else."""
     NB: tl.constexpr = BLOCK_D // BLOCK_T
     BP: tl.constexpr = NB * (NB + 1) // 2
+    PROGRAMS: tl.constexpr = BP if SPREAD else 1  # the moment step's programs per (row, KV head)
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     let_next_start(PDL)  # (with PDL: the split launch may start; it waits before reading what this one writes)
-    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, BP + stretches)): not a moment step
-        if tl.program_id(1) >= BP:
+    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, PROGRAMS + stretches)): no moment step
+        if tl.program_id(1) >= PROGRAMS:
             page_top_program(PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS, pt_stride_qb,
                              pt_stride_qh, pt_stride_qd, pt_stride_kb, pt_stride_kh, pt_stride_kt, pt_stride_kd,
                              pt_stride_eb, pt_stride_eh, pt_stride_ep, pt_stride_ed, pt_C, pt_H_kv, pt_t_sink,
                              pt_t_local, pt_scale, pt_n_pages, pt_pages_per_program, pt_n_stretches,
-                             tl.program_id(0), tl.program_id(1) - BP, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D, PT_BLOCK_P,
-                             PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
+                             tl.program_id(0), tl.program_id(1) - PROGRAMS, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D,
+                             PT_BLOCK_P, PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
             return
     pid = tl.program_id(0)
     row = pid // H_kv
@@ -228,31 +241,32 @@ def current_moment_step_kernel(
     n_safe = tl.maximum(n, 1.0)
     offs_t = tl.arange(0, BLOCK_T)
     q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
-    k = tl.program_id(1)
-    i, j = block_pair_of(k, NB)
-    rows = i * BLOCK_T + offs_t
-    cols = j * BLOCK_T + offs_t
-    i_ok = rows < D
-    j_ok = cols < D
-    ok = i_ok[:, None] & j_ok[None, :]
-    x_i = tl.load(key + rows * stride_kd, mask=i_ok, other=0.0).to(tl.float64)
-    mean_i = tl.load(mean + rows, mask=i_ok, other=0.0)
-    delta_i = x_i - mean_i
-    after_i = x_i - (mean_i + delta_i * (w / n_safe))  # x - mean'
-    x_j = tl.load(key + cols * stride_kd, mask=j_ok, other=0.0).to(tl.float64)
-    mean_j = tl.load(mean + cols, mask=j_ok, other=0.0)
-    delta_j = x_j - mean_j
-    after_j = x_j - (mean_j + delta_j * (w / n_safe))
-    a = tl.load(m2 + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
-    b = transposed_block(m2, a, rows, cols, ok, i, j, D)
-    a = a + w * (delta_i[:, None] * after_j[None, :])
-    b = b + w * (delta_j[:, None] * after_i[None, :])
-    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
-    acc = finish_block_pair(m2, OUT_COV + pair * D * D, acc, a, b, a, b, n_safe, q_head, stride_qh, stride_qd, rows,
-                            cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
-    if ESTIMATE:
-        store_share(SHARES, acc, pair, k, BP, BLOCK_E)
-    if last_to_arrive(ARRIVED, pair, BP):  # every block pair has read the old mean and count
+    k_begin = tl.program_id(1) if SPREAD else 0  # this program's block pairs: its own, or every one in turn
+    qcq = tl.zeros([BLOCK_E], dtype=tl.float32)  # (without SPREAD: the shares summed here, in block-pair order)
+    for k in range(k_begin, k_begin + BP // PROGRAMS):
+        i, j = block_pair_of(k, NB)
+        rows = i * BLOCK_T + offs_t
+        cols = j * BLOCK_T + offs_t
+        i_ok = rows < D
+        j_ok = cols < D
+        ok = i_ok[:, None] & j_ok[None, :]
+        x_i = tl.load(key + rows * stride_kd, mask=i_ok, other=0.0).to(tl.float64)
+        mean_i = tl.load(mean + rows, mask=i_ok, other=0.0)
+        delta_i = x_i - mean_i
+        after_i = x_i - (mean_i + delta_i * (w / n_safe))  # x - mean'
+        x_j = tl.load(key + cols * stride_kd, mask=j_ok, other=0.0).to(tl.float64)
+        mean_j = tl.load(mean + cols, mask=j_ok, other=0.0)
+        delta_j = x_j - mean_j
+        after_j = x_j - (mean_j + delta_j * (w / n_safe))
+        a = tl.load(m2 + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
+        b = transposed_block(m2, a, rows, cols, ok, i, j, D)
+        a = a + w * (delta_i[:, None] * after_j[None, :])
+        b = b + w * (delta_j[:, None] * after_i[None, :])
+        acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
+        acc = finish_block_pair(m2, OUT_COV + pair * D * D, acc, a, b, a, b, n_safe, q_head, stride_qh, stride_qd,
+                                rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
+        qcq = add_share(SHARES, qcq, acc, pair, k, BP, BLOCK_E, ESTIMATE, SPREAD)
+    if last_to_arrive(ARRIVED, pair, PROGRAMS):  # every block pair has read the old mean and count
         x = tl.load(key + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float64)
         mean_old = tl.load(mean + offs_d, mask=d_ok, other=0.0)
         mean_new = mean_old + (x - mean_old) * (w / n_safe)
@@ -262,7 +276,8 @@ def current_moment_step_kernel(
         tl.store(OUT_MEAN + pair * D + offs_d, mean_new.to(tl.float32), mask=d_ok)
         if ESTIMATE:
             estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row,
-                                head, mean_new.to(tl.float32), sum_shares(SHARES, pair, BP, BLOCK_E), offs_d, d_ok,
+                                head, mean_new.to(tl.float32), sum_shares(SHARES, qcq, pair, BP, BLOCK_E, SPREAD),
+                                offs_d, d_ok,
                                 stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv,
                                 t_sink, t_local, scale, softcap, n_nodes, log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_E,
                                 BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN, HAS_SINKS, PROMOTE,
@@ -284,7 +299,7 @@ def stored_moment_step_kernel(
     ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
     SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr,
     HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SPREAD: tl.constexpr,
     PAGE_TOPS: tl.constexpr, PT_G: tl.constexpr, PT_D: tl.constexpr, PT_BLOCK_G: tl.constexpr,
     PT_BLOCK_D: tl.constexpr, PT_BLOCK_P: tl.constexpr, PT_PAGE: tl.constexpr, PT_TOP: tl.constexpr,
     PT_BLOCK_M: tl.constexpr, PT_HAS_START: tl.constexpr, PT_HAS_END: tl.constexpr,
@@ -299,23 +314,25 @@ def stored_moment_step_kernel(
     :func:`current_moment_step_kernel`, whose grid and block pairs this kernel shares: each of ``S2``'s block pairs
     updated by its program (``S2 += w x xᵀ``, or the jump's), written back and centred into the covariance's two
     blocks (``½ (C + Cᵀ)``, ``C = (S2 - count c cᵀ) / max(count, 1)``, ``c = S1 / max(count, 1)``), the last of the
-    pair's programs updating ``COUNT``, ``S1`` and ``OLD_END``, which the others read.
+    pair's programs updating ``COUNT``, ``S1`` and ``OLD_END``, which the others read (without ``SPREAD``: one
+    program per pair, every block pair in turn).
 
     With ``PAGE_TOPS`` the launch also carries a ``qada_tail`` step's page-top programs
-    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, BP + stretches)``, program ``(pair, BP
-    + s)`` runs :func:`~qada.attention._fused_tail_kernel.page_top_program` for stretch ``s`` and nothing else."""
+    (:mod:`qada.attention.page_tops`, the ``PT_`` arguments) after its own ``PROGRAMS`` per pair, as
+    :func:`current_moment_step_kernel`'s."""
     NB: tl.constexpr = BLOCK_D // BLOCK_T
     BP: tl.constexpr = NB * (NB + 1) // 2
+    PROGRAMS: tl.constexpr = BP if SPREAD else 1  # the moment step's programs per (row, KV head)
     scale, softcap, log_tau = as_float32(scale), as_float32(softcap), as_float32(log_tau)  # (fp64: see as_float32)
     let_next_start(PDL)  # (with PDL: the split launch may start; it waits before reading what this one writes)
-    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, BP + stretches)): not a moment step
-        if tl.program_id(1) >= BP:
+    if PAGE_TOPS:  # the page-top programs this launch carries (grid (pairs, PROGRAMS + stretches)): no moment step
+        if tl.program_id(1) >= PROGRAMS:
             page_top_program(PT_Q, PT_K, PT_START, PT_END, PT_KMIN, PT_KMAX, PT_VALS, PT_IDS, PT_OKS, pt_stride_qb,
                              pt_stride_qh, pt_stride_qd, pt_stride_kb, pt_stride_kh, pt_stride_kt, pt_stride_kd,
                              pt_stride_eb, pt_stride_eh, pt_stride_ep, pt_stride_ed, pt_C, pt_H_kv, pt_t_sink,
                              pt_t_local, pt_scale, pt_n_pages, pt_pages_per_program, pt_n_stretches,
-                             tl.program_id(0), tl.program_id(1) - BP, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D, PT_BLOCK_P,
-                             PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
+                             tl.program_id(0), tl.program_id(1) - PROGRAMS, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D,
+                             PT_BLOCK_P, PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
             return
     pid = tl.program_id(0)
     row = pid // H_kv
@@ -348,28 +365,29 @@ def stored_moment_step_kernel(
     w_sum = tl.where(hit, 0.0, w)
     offs_t = tl.arange(0, BLOCK_T)
     q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
-    k = tl.program_id(1)
-    i, j = block_pair_of(k, NB)
-    rows = i * BLOCK_T + offs_t
-    cols = j * BLOCK_T + offs_t
-    i_ok = rows < D
-    j_ok = cols < D
-    ok = i_ok[:, None] & j_ok[None, :]
-    x_i = tl.load(ref + rows * stride_rd, mask=i_ok, other=0.0).to(tl.float64) - tl.load(shift + rows, mask=i_ok)
-    c_i = (tl.load(s1_from + rows, mask=i_ok, other=0.0) + w_sum * x_i) / n_safe
-    x_j = tl.load(ref + cols * stride_rd, mask=j_ok, other=0.0).to(tl.float64) - tl.load(shift + cols, mask=j_ok)
-    c_j = (tl.load(s1_from + cols, mask=j_ok, other=0.0) + w_sum * x_j) / n_safe
-    a = tl.load(s2_from + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
-    b = transposed_block(s2_from, a, rows, cols, ok, i, j, D) + w_sum * (x_j[:, None] * x_i[None, :])
-    a = a + w_sum * (x_i[:, None] * x_j[None, :])
-    centred_a = a - count * (c_i[:, None] * c_j[None, :])
-    centred_b = b - count * (c_j[:, None] * c_i[None, :])
-    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
-    acc = finish_block_pair(s2, COV + pair * D * D, acc, a, b, centred_a, centred_b, n_safe, q_head, stride_qh,
-                            stride_qd, rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
-    if ESTIMATE:
-        store_share(SHARES, acc, pair, k, BP, BLOCK_E)
-    if last_to_arrive(ARRIVED, pair, BP):  # every block pair has read the old sums and count
+    k_begin = tl.program_id(1) if SPREAD else 0  # this program's block pairs: its own, or every one in turn
+    qcq = tl.zeros([BLOCK_E], dtype=tl.float32)  # (without SPREAD: the shares summed here, in block-pair order)
+    for k in range(k_begin, k_begin + BP // PROGRAMS):
+        i, j = block_pair_of(k, NB)
+        rows = i * BLOCK_T + offs_t
+        cols = j * BLOCK_T + offs_t
+        i_ok = rows < D
+        j_ok = cols < D
+        ok = i_ok[:, None] & j_ok[None, :]
+        x_i = tl.load(ref + rows * stride_rd, mask=i_ok, other=0.0).to(tl.float64) - tl.load(shift + rows, mask=i_ok)
+        c_i = (tl.load(s1_from + rows, mask=i_ok, other=0.0) + w_sum * x_i) / n_safe
+        x_j = tl.load(ref + cols * stride_rd, mask=j_ok, other=0.0).to(tl.float64) - tl.load(shift + cols, mask=j_ok)
+        c_j = (tl.load(s1_from + cols, mask=j_ok, other=0.0) + w_sum * x_j) / n_safe
+        a = tl.load(s2_from + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
+        b = transposed_block(s2_from, a, rows, cols, ok, i, j, D) + w_sum * (x_j[:, None] * x_i[None, :])
+        a = a + w_sum * (x_i[:, None] * x_j[None, :])
+        centred_a = a - count * (c_i[:, None] * c_j[None, :])
+        centred_b = b - count * (c_j[:, None] * c_i[None, :])
+        acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
+        acc = finish_block_pair(s2, COV + pair * D * D, acc, a, b, centred_a, centred_b, n_safe, q_head, stride_qh,
+                                stride_qd, rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
+        qcq = add_share(SHARES, qcq, acc, pair, k, BP, BLOCK_E, ESTIMATE, SPREAD)
+    if last_to_arrive(ARRIVED, pair, PROGRAMS):  # every block pair has read the old sums and count
         x = tl.load(ref + offs_d * stride_rd, mask=d_ok, other=0.0).to(tl.float64) - tl.load(shift + offs_d,
                                                                                                mask=d_ok)
         s1 = tl.load(s1_from + offs_d, mask=d_ok, other=0.0) + w_sum * x
@@ -382,7 +400,8 @@ def stored_moment_step_kernel(
         tl.store(MEAN + pair * D + offs_d, mean.to(tl.float32), mask=d_ok)
         if ESTIMATE:
             estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row,
-                                head, mean.to(tl.float32), sum_shares(SHARES, pair, BP, BLOCK_E), offs_d, d_ok,
+                                head, mean.to(tl.float32), sum_shares(SHARES, qcq, pair, BP, BLOCK_E, SPREAD),
+                                offs_d, d_ok,
                                 stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv,
                                 t_sink, t_local, scale, softcap, n_nodes, log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_E,
                                 BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN, HAS_SINKS, PROMOTE,

@@ -410,6 +410,15 @@ class FusedTritonExecutor(TritonExecutor):
     not, 288 > 264); under Triton's interpreter (one SM counted) at most 2 heads. The same scores and decisions
     either way."""
 
+    spread_moments: bool = True
+    """Whether the moment step's launch runs one program per (row, KV head) and block pair of the ``d x d`` state
+    (three at ``d = 64``; the last of a (row, KV head)'s programs to finish updates the count and sums and writes the
+    estimate: :mod:`qada.attention._moment_kernel`) or one per (row, KV head) taking every pair in turn (``False``,
+    as until 2026-12-06). At batch size 1 the launch has a few programs, and its longest one sets its time: on
+    SmolLM2 one block pair and the end is 24 loads against 38 for all three, counted in Triton's interpreter
+    (``benchmarks/launch_bytes.py``). The same state, moments, estimates and decisions either way; what it is worth
+    in time awaits a GPU (the GPU suite's ``qada fused unspread`` row)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         value = self.pages_per_program
@@ -423,6 +432,8 @@ class FusedTritonExecutor(TritonExecutor):
             raise ValueError(f"expected cap_registers to be a bool but got {self.cap_registers!r}")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"expected pdl to be a bool but got {self.pdl!r}")
+        if not isinstance(self.spread_moments, bool):
+            raise ValueError(f"expected spread_moments to be a bool but got {self.spread_moments!r}")
         if self.heads_apart is not None and not isinstance(self.heads_apart, bool):
             raise ValueError(f"expected heads_apart to be a bool or None but got {self.heads_apart!r}")
 
@@ -449,7 +460,7 @@ class FusedTritonExecutor(TritonExecutor):
         out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         nodes, log_weights = self.hermite_rule(query.device) if softcap else (out, out)  # (read only under a cap)
         return BulkEstimate(query, scale, softcap, nodes, log_weights, out, decision, self.programmatic(query.device),
-                            page_tops)
+                            page_tops, self.spread_moments)
 
     def page_top_stretches(self, tail: FusedTail) -> int:
         """Page-top programs per (row, KV head) of a ``qada_tail`` step on ``tail``: its pages over

@@ -98,6 +98,8 @@ class BulkEstimate(NamedTuple):
         page_tops: the page-top programs of a ``qada_tail`` step the same launch carries
             (:class:`~qada.attention.page_tops.PageTops`: its grid grows by ``stretches`` programs per (row, KV
             head)), or ``None``.
+        spread: a moment step's launch runs one program per block pair of the state (:func:`block_pairs`), else one
+            per (row, KV head) taking every pair in turn (the ``triton_fused`` executor's ``spread_moments``).
     """
 
     query: torch.Tensor
@@ -109,6 +111,7 @@ class BulkEstimate(NamedTuple):
     decision: EstimateDecision | None = None
     pdl: bool = False
     page_tops: Any = None
+    spread: bool = True
 
     @classmethod
     def uncapped(cls, query: torch.Tensor, scale: float) -> BulkEstimate:
@@ -208,22 +211,24 @@ def block_pairs(d: int, G: int) -> int:
 
 
 def _rendezvous(state: dict[str, torch.Tensor], count: torch.Tensor, pairs: int, estimate: BulkEstimate | None,
-                G: int, d: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(ARRIVED, SHARES, programs per (row, KV head))`` of a moment step's launch: the state's ``arrived``
-    (``[b, H_kv]`` int32, 0 between launches) where a (row, KV head) has several block pairs, and, with
-    ``estimate``, a new ``[pairs, block pairs, BLOCK_E]`` float32 buffer for their shares of ``q^T cov q``
-    (:func:`~qada.attention._moment_kernel.last_to_arrive`); ``count`` in place of either where none is needed."""
-    own = block_pairs(d, G)
-    arrived = count
-    if own > 1:
+                G: int, d: int) -> tuple[torch.Tensor, torch.Tensor, int, dict[str, bool]]:
+    """``(ARRIVED, SHARES, programs per (row, KV head), constants)`` of a moment step's launch: spread over the
+    state's block pairs (:func:`block_pairs`; unless ``estimate.spread`` is off) where it has several, the state's
+    ``arrived`` (``[b, H_kv]`` int32, 0 between launches) and, with ``estimate``, a new ``[pairs, block pairs,
+    BLOCK_E]`` float32 buffer for their shares of ``q^T cov q`` (:func:`~qada.attention._moment_kernel.
+    last_to_arrive`); ``count`` in place of either where none is read."""
+    spread = (estimate is None or estimate.spread) and block_pairs(d, G) > 1
+    own = block_pairs(d, G) if spread else 1
+    arrived = shares = count
+    if spread:
         arrived = state.get("arrived")
         if (arrived is None or arrived.dtype != torch.int32 or arrived.shape != count.shape
                 or not arrived.is_contiguous()):
             raise ValueError(f"expected the moment state's 'arrived' as a contiguous int32 tensor of shape "
                              f"{tuple(count.shape)} (zeros: the state a prefill declares)")
-    shares = count if estimate is None else torch.empty(pairs, own, block_sizes(d, G)["BLOCK_E"],
-                                                        dtype=torch.float32, device=count.device)
-    return arrived, shares, own
+        if estimate is not None:
+            shares = torch.empty(pairs, own, block_sizes(d, G)["BLOCK_E"], dtype=torch.float32, device=count.device)
+    return arrived, shares, own, {"SPREAD": spread}
 
 
 def _constants(d: int, start: torch.Tensor | None, G: int) -> dict:
@@ -256,13 +261,13 @@ def current_step_launch(state: dict[str, torch.Tensor], keys: torch.Tensor, star
     if estimate is not None and estimate.decision is not None and estimate.decision.keys is not keys:
         raise ValueError("expected the decision's keys to be the moment step's")
     tensors, scalars, constants = _estimate_parts(estimate, H_kv, count, start, end)
-    arrived, shares, own = _rendezvous(state, count, b * H_kv, estimate, constants["G"], d)
+    arrived, shares, own, spread = _rendezvous(state, count, b * H_kv, estimate, constants["G"], d)
     grid, rider, rider_constants = _rider(estimate, b * H_kv, own, count)
     _triton_kernel.run(
         _moment_kernel.current_moment_step_kernel, grid,
         count, mean, m2, out_mean, out_cov, keys, end if start is None else start, end, *tensors, arrived, shares,
         H_kv, t_local, t_recent, *keys.stride(), *_row_strides(start, end), *scalars, *rider,
-        **_constants(d, start, constants["G"]), **constants, **rider_constants,
+        **_constants(d, start, constants["G"]), **constants, **rider_constants, **spread,
     )  # fmt: skip
     return BulkMoments(out_mean, out_cov)
 
@@ -285,14 +290,14 @@ def stored_step_launch(state: dict[str, torch.Tensor], start: torch.Tensor | Non
     N, d = ref.shape[1], ref.shape[2]
     tensors, scalars, constants = _estimate_parts(estimate, H_kv, count, start, end)
     keys, key_strides = (count, (0,) * 4) if estimate is None else estimate.decision_keys(count)
-    arrived, shares, own = _rendezvous(state, count, b * H_kv, estimate, constants["G"], d)
+    arrived, shares, own, spread = _rendezvous(state, count, b * H_kv, estimate, constants["G"], d)
     grid, rider, rider_constants = _rider(estimate, b * H_kv, own, count)
     _triton_kernel.run(
         _moment_kernel.stored_moment_step_kernel, grid,
         count, s1, s2, state["old_end"], *jumps, mean, cov, ref, shift, end if start is None else start, end,
         keys, *tensors, arrived, shares, H_kv, N, jumps[0].shape[1], t_local, offset, first,
         min_bulk_keys, *ref.stride(), *_row_strides(start, end), *key_strides, *scalars, *rider,
-        **_constants(d, start, constants["G"]), **constants, **rider_constants,
+        **_constants(d, start, constants["G"]), **constants, **rider_constants, **spread,
     )  # fmt: skip
     return BulkMoments(mean, cov)
 

@@ -277,11 +277,10 @@ def current_moment_step_kernel(
         if ESTIMATE:
             estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row,
                                 head, mean_new.to(tl.float32), sum_shares(SHARES, qcq, pair, BP, BLOCK_E, SPREAD),
-                                offs_d, d_ok,
-                                stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv,
-                                t_sink, t_local, scale, softcap, n_nodes, log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_E,
-                                BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN, HAS_SINKS, PROMOTE,
-                                INPUT_PRECISION, DOT_FP32)  # fmt: skip
+                                offs_d, d_ok, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt,
+                                stride_kd, C, H_kv, t_sink, t_local, scale, softcap, n_nodes, log_tau, G, D, BLOCK_G,
+                                BLOCK_D, BLOCK_E, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN, HAS_SINKS,
+                                PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
 
 
 @triton.jit
@@ -401,8 +400,7 @@ def stored_moment_step_kernel(
         if ESTIMATE:
             estimate_and_decide(Q, LME, GH_X, GH_LOGW, KEYS, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row,
                                 head, mean.to(tl.float32), sum_shares(SHARES, qcq, pair, BP, BLOCK_E, SPREAD),
-                                offs_d, d_ok,
-                                stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv,
-                                t_sink, t_local, scale, softcap, n_nodes, log_tau, G, D, BLOCK_G, BLOCK_D, BLOCK_E,
-                                BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN, HAS_SINKS, PROMOTE,
-                                INPUT_PRECISION, DOT_FP32)  # fmt: skip
+                                offs_d, d_ok, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt,
+                                stride_kd, C, H_kv, t_sink, t_local, scale, softcap, n_nodes, log_tau, G, D, BLOCK_G,
+                                BLOCK_D, BLOCK_E, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN, HAS_SINKS,
+                                PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip

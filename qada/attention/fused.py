@@ -415,10 +415,10 @@ class FusedTritonExecutor(TritonExecutor):
     (three at ``d = 64``; the last of a (row, KV head)'s programs to finish updates the count and sums and writes the
     estimate: :mod:`qada.attention._moment_kernel`) or one per (row, KV head) taking every pair in turn (``False``:
     the launch until 2026-12-06, but for a few loads: each pair reads its row block's key and mean again). At batch
-    size 1 the launch has a few programs, and its longest one sets its time: on
-    SmolLM2 one block pair and the end is 24 loads against 38 for all three, counted in Triton's interpreter
-    (``benchmarks/launch_bytes.py``). The same state, moments, estimates and decisions either way; what it is worth
-    in time awaits a GPU (the GPU suite's ``qada fused unspread`` row)."""
+    size 1 the launch has a few programs, and its longest one sets its time: on SmolLM2 one block pair and the end
+    is 24 loads against 38 for all three, counted in Triton's interpreter (``benchmarks/launch_bytes.py``). The same
+    state, moments, estimates and decisions either way; what it is worth in time awaits a GPU (the GPU suite's
+    ``qada fused unspread`` row)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

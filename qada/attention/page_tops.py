@@ -6,10 +6,10 @@ spread over ``stretches`` programs per (row, KV head). Those programs read the q
 extrema, and nothing the moment step writes, so the launch that steps the moments and writes ``log E[exp(s)]``
 (:mod:`qada.attention.moment_step`) carries them after its own programs: its grid grows from ``(pairs, own)`` to
 ``(pairs, own + stretches)`` (``own``: the moment step's block pairs, or the estimate's one program), and program
-``(pair, own + s)`` finds stretch ``s``'s top pages. A layer's
-``qada_tail`` step then takes the launches of a ``qada`` one (moment step, split, combine) instead of one more. A
-:class:`PageTops` describes the work and where its lists go; :func:`rider_args` gives a moment kernel its arguments
-(none: placeholders and ``PAGE_TOPS=False``, the branch compiled away).
+``(pair, own + s)`` finds stretch ``s``'s top pages. A layer's ``qada_tail`` step then takes the launches of a
+``qada`` one (moment step, split, combine) instead of one more. A :class:`PageTops` describes the work and where its
+lists go; :func:`rider_args` gives a moment kernel its arguments (none: placeholders and ``PAGE_TOPS=False``, the
+branch compiled away).
 """
 
 from __future__ import annotations

@@ -167,6 +167,38 @@ def estimate_and_decide(
 
 
 @triton.jit
+def current_block_pair(OUT_COV, SHARES, key, mean, m2, qcq, k, pair, w, n_safe, q_head, stride_kd, stride_qh,
+                       stride_qd, offs_t, D: tl.constexpr, NB: tl.constexpr, BP: tl.constexpr, BLOCK_T: tl.constexpr,
+                       G: tl.constexpr, BLOCK_E: tl.constexpr, ESTIMATE: tl.constexpr,
+                       SPREAD: tl.constexpr):  # fmt: skip
+    """Block pair ``k`` of :func:`current_moment_step_kernel`'s ``m2`` (one (row, KV head)'s ``M2``, ``mean`` its
+    ``MEAN``, ``key`` the step's key): updated, written back, its covariance blocks written, its share of each head's
+    ``q^T cov q`` stored or added to ``qcq`` (:func:`add_share`); returns ``qcq``."""
+    i, j = block_pair_of(k, NB)
+    rows = i * BLOCK_T + offs_t
+    cols = j * BLOCK_T + offs_t
+    i_ok = rows < D
+    j_ok = cols < D
+    ok = i_ok[:, None] & j_ok[None, :]
+    x_i = tl.load(key + rows * stride_kd, mask=i_ok, other=0.0).to(tl.float64)
+    mean_i = tl.load(mean + rows, mask=i_ok, other=0.0)
+    delta_i = x_i - mean_i
+    after_i = x_i - (mean_i + delta_i * (w / n_safe))  # x - mean'
+    x_j = tl.load(key + cols * stride_kd, mask=j_ok, other=0.0).to(tl.float64)
+    mean_j = tl.load(mean + cols, mask=j_ok, other=0.0)
+    delta_j = x_j - mean_j
+    after_j = x_j - (mean_j + delta_j * (w / n_safe))
+    a = tl.load(m2 + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
+    b = transposed_block(m2, a, rows, cols, ok, i, j, D)
+    a = a + w * (delta_i[:, None] * after_j[None, :])
+    b = b + w * (delta_j[:, None] * after_i[None, :])
+    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
+    acc = finish_block_pair(m2, OUT_COV + pair * D * D, acc, a, b, a, b, n_safe, q_head, stride_qh, stride_qd,
+                            rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
+    return add_share(SHARES, qcq, acc, pair, k, BP, BLOCK_E, ESTIMATE, SPREAD)
+
+
+@triton.jit
 def current_moment_step_kernel(
     COUNT, MEAN, M2, OUT_MEAN, OUT_COV, KEYS, START, END,
     Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN, ARRIVED, SHARES,
@@ -241,31 +273,16 @@ def current_moment_step_kernel(
     n_safe = tl.maximum(n, 1.0)
     offs_t = tl.arange(0, BLOCK_T)
     q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
-    k_begin = tl.program_id(1) if SPREAD else 0  # this program's block pairs: its own, or every one in turn
     qcq = tl.zeros([BLOCK_E], dtype=tl.float32)  # (without SPREAD: the shares summed here, in block-pair order)
-    for k in range(k_begin, k_begin + BP // PROGRAMS):
-        i, j = block_pair_of(k, NB)
-        rows = i * BLOCK_T + offs_t
-        cols = j * BLOCK_T + offs_t
-        i_ok = rows < D
-        j_ok = cols < D
-        ok = i_ok[:, None] & j_ok[None, :]
-        x_i = tl.load(key + rows * stride_kd, mask=i_ok, other=0.0).to(tl.float64)
-        mean_i = tl.load(mean + rows, mask=i_ok, other=0.0)
-        delta_i = x_i - mean_i
-        after_i = x_i - (mean_i + delta_i * (w / n_safe))  # x - mean'
-        x_j = tl.load(key + cols * stride_kd, mask=j_ok, other=0.0).to(tl.float64)
-        mean_j = tl.load(mean + cols, mask=j_ok, other=0.0)
-        delta_j = x_j - mean_j
-        after_j = x_j - (mean_j + delta_j * (w / n_safe))
-        a = tl.load(m2 + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
-        b = transposed_block(m2, a, rows, cols, ok, i, j, D)
-        a = a + w * (delta_i[:, None] * after_j[None, :])
-        b = b + w * (delta_j[:, None] * after_i[None, :])
-        acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
-        acc = finish_block_pair(m2, OUT_COV + pair * D * D, acc, a, b, a, b, n_safe, q_head, stride_qh, stride_qd,
-                                rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
-        qcq = add_share(SHARES, qcq, acc, pair, k, BP, BLOCK_E, ESTIMATE, SPREAD)
+    if SPREAD:  # this program's own block pair
+        qcq = current_block_pair(OUT_COV, SHARES, key, mean, m2, qcq, tl.program_id(1), pair, w, n_safe, q_head,
+                                 stride_kd, stride_qh, stride_qd, offs_t, D, NB, BP, BLOCK_T, G, BLOCK_E, ESTIMATE,
+                                 SPREAD)  # fmt: skip
+    else:  # every block pair in turn
+        for k in range(0, BP):
+            qcq = current_block_pair(OUT_COV, SHARES, key, mean, m2, qcq, k, pair, w, n_safe, q_head, stride_kd,
+                                     stride_qh, stride_qd, offs_t, D, NB, BP, BLOCK_T, G, BLOCK_E, ESTIMATE,
+                                     SPREAD)  # fmt: skip
     if last_to_arrive(ARRIVED, pair, PROGRAMS):  # every block pair has read the old mean and count
         x = tl.load(key + offs_d * stride_kd, mask=d_ok, other=0.0).to(tl.float64)
         mean_old = tl.load(mean + offs_d, mask=d_ok, other=0.0)
@@ -281,6 +298,36 @@ def current_moment_step_kernel(
                                 stride_kd, C, H_kv, t_sink, t_local, scale, softcap, n_nodes, log_tau, G, D, BLOCK_G,
                                 BLOCK_D, BLOCK_E, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, HAS_START, END_GIVEN, HAS_SINKS,
                                 PROMOTE, INPUT_PRECISION, DOT_FP32)  # fmt: skip
+
+
+@triton.jit
+def stored_block_pair(COV, SHARES, ref, shift, s1_from, s2_from, s2, qcq, k, pair, w_sum, count, n_safe, q_head,
+                      stride_rd, stride_qh, stride_qd, offs_t, D: tl.constexpr, NB: tl.constexpr, BP: tl.constexpr,
+                      BLOCK_T: tl.constexpr, G: tl.constexpr, BLOCK_E: tl.constexpr, ESTIMATE: tl.constexpr,
+                      SPREAD: tl.constexpr):  # fmt: skip
+    """Block pair ``k`` of :func:`stored_moment_step_kernel`'s sums (one (row, KV head)'s, read from ``s1_from``,
+    ``s2_from``: the state's or a jump's; ``s2`` the state's ``S2``; ``ref`` the key moving in or out): updated,
+    written back, centred into its covariance blocks (written), its share of each head's ``q^T cov q`` stored or
+    added to ``qcq`` (:func:`add_share`); returns ``qcq``."""
+    i, j = block_pair_of(k, NB)
+    rows = i * BLOCK_T + offs_t
+    cols = j * BLOCK_T + offs_t
+    i_ok = rows < D
+    j_ok = cols < D
+    ok = i_ok[:, None] & j_ok[None, :]
+    x_i = tl.load(ref + rows * stride_rd, mask=i_ok, other=0.0).to(tl.float64) - tl.load(shift + rows, mask=i_ok)
+    c_i = (tl.load(s1_from + rows, mask=i_ok, other=0.0) + w_sum * x_i) / n_safe
+    x_j = tl.load(ref + cols * stride_rd, mask=j_ok, other=0.0).to(tl.float64) - tl.load(shift + cols, mask=j_ok)
+    c_j = (tl.load(s1_from + cols, mask=j_ok, other=0.0) + w_sum * x_j) / n_safe
+    a = tl.load(s2_from + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
+    b = transposed_block(s2_from, a, rows, cols, ok, i, j, D) + w_sum * (x_j[:, None] * x_i[None, :])
+    a = a + w_sum * (x_i[:, None] * x_j[None, :])
+    centred_a = a - count * (c_i[:, None] * c_j[None, :])
+    centred_b = b - count * (c_j[:, None] * c_i[None, :])
+    acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
+    acc = finish_block_pair(s2, COV + pair * D * D, acc, a, b, centred_a, centred_b, n_safe, q_head, stride_qh,
+                            stride_qd, rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
+    return add_share(SHARES, qcq, acc, pair, k, BP, BLOCK_E, ESTIMATE, SPREAD)
 
 
 @triton.jit
@@ -364,28 +411,16 @@ def stored_moment_step_kernel(
     w_sum = tl.where(hit, 0.0, w)
     offs_t = tl.arange(0, BLOCK_T)
     q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
-    k_begin = tl.program_id(1) if SPREAD else 0  # this program's block pairs: its own, or every one in turn
     qcq = tl.zeros([BLOCK_E], dtype=tl.float32)  # (without SPREAD: the shares summed here, in block-pair order)
-    for k in range(k_begin, k_begin + BP // PROGRAMS):
-        i, j = block_pair_of(k, NB)
-        rows = i * BLOCK_T + offs_t
-        cols = j * BLOCK_T + offs_t
-        i_ok = rows < D
-        j_ok = cols < D
-        ok = i_ok[:, None] & j_ok[None, :]
-        x_i = tl.load(ref + rows * stride_rd, mask=i_ok, other=0.0).to(tl.float64) - tl.load(shift + rows, mask=i_ok)
-        c_i = (tl.load(s1_from + rows, mask=i_ok, other=0.0) + w_sum * x_i) / n_safe
-        x_j = tl.load(ref + cols * stride_rd, mask=j_ok, other=0.0).to(tl.float64) - tl.load(shift + cols, mask=j_ok)
-        c_j = (tl.load(s1_from + cols, mask=j_ok, other=0.0) + w_sum * x_j) / n_safe
-        a = tl.load(s2_from + rows[:, None] * D + cols[None, :], mask=ok, other=0.0)
-        b = transposed_block(s2_from, a, rows, cols, ok, i, j, D) + w_sum * (x_j[:, None] * x_i[None, :])
-        a = a + w_sum * (x_i[:, None] * x_j[None, :])
-        centred_a = a - count * (c_i[:, None] * c_j[None, :])
-        centred_b = b - count * (c_j[:, None] * c_i[None, :])
-        acc = tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32)
-        acc = finish_block_pair(s2, COV + pair * D * D, acc, a, b, centred_a, centred_b, n_safe, q_head, stride_qh,
-                                stride_qd, rows, cols, i_ok, j_ok, i, j, D, G, BLOCK_E, ESTIMATE)  # fmt: skip
-        qcq = add_share(SHARES, qcq, acc, pair, k, BP, BLOCK_E, ESTIMATE, SPREAD)
+    if SPREAD:  # this program's own block pair
+        qcq = stored_block_pair(COV, SHARES, ref, shift, s1_from, s2_from, s2, qcq, tl.program_id(1), pair, w_sum,
+                                count, n_safe, q_head, stride_rd, stride_qh, stride_qd, offs_t, D, NB, BP, BLOCK_T, G,
+                                BLOCK_E, ESTIMATE, SPREAD)  # fmt: skip
+    else:  # every block pair in turn
+        for k in range(0, BP):
+            qcq = stored_block_pair(COV, SHARES, ref, shift, s1_from, s2_from, s2, qcq, k, pair, w_sum, count, n_safe,
+                                    q_head, stride_rd, stride_qh, stride_qd, offs_t, D, NB, BP, BLOCK_T, G, BLOCK_E,
+                                    ESTIMATE, SPREAD)  # fmt: skip
     if last_to_arrive(ARRIVED, pair, PROGRAMS):  # every block pair has read the old sums and count
         x = tl.load(ref + offs_d * stride_rd, mask=d_ok, other=0.0).to(tl.float64) - tl.load(shift + offs_d,
                                                                                                mask=d_ok)

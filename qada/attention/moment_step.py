@@ -217,8 +217,9 @@ def _rendezvous(state: dict[str, torch.Tensor], count: torch.Tensor, pairs: int,
     ``arrived`` (``[b, H_kv]`` int32, 0 between launches) and, with ``estimate``, a new ``[pairs, block pairs,
     BLOCK_E]`` float32 buffer for their shares of ``q^T cov q`` (:func:`~qada.attention._moment_kernel.
     last_to_arrive`); ``count`` in place of either where none is read."""
-    spread = (estimate is None or estimate.spread) and block_pairs(d, G) > 1
-    own = block_pairs(d, G) if spread else 1
+    n_pairs = block_pairs(d, G)
+    spread = (estimate is None or estimate.spread) and n_pairs > 1
+    own = n_pairs if spread else 1
     arrived = shares = count
     if spread:
         arrived = state.get("arrived")

@@ -101,11 +101,12 @@ def tau_between(ratio, has_bulk, G):
     return min(gaps)[1]
 
 
-def check_fused(step, tau, policy="exact", block=16, splits=3, decide_once=False):
+def check_fused(step, tau, policy="exact", block=16, splits=3, decide_once=False, estimate_in_splits=False):
     """The fused launch against the eager criterion (decisions, fail-safe), the unfused ``triton`` executor on the
     eager decision (output) and the block counts of :func:`hand_blocks` (local groups skip their bulk blocks)."""
     decided, local, read, fail_safe, ratio = eager(step, tau, policy)
-    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=decide_once)
+    executor = FusedTritonExecutor(group_policy=policy, block_size=block, num_splits=splits, decide_once=decide_once,
+                                   estimate_in_splits=estimate_in_splits)
     sums = torch.rand(3, 5, dtype=torch.float64, device=DEVICE)  # a run's statistics sums: the step adds its row at 1
     before = sums.clone()
     got = executor.decide_and_attend(fresh(step), tau, policy, add_to=(sums, torch.tensor(1, device=DEVICE)))
@@ -430,11 +431,11 @@ COMPILE = textwrap.dedent(
                         START="*i64" if rows else "*" + dtype, END="*i64" if rows else "*" + dtype,
                         SINKS="*fp32" if features else "*" + dtype,
                         ACC="*fp32", M="*fp32", L="*fp32", COUNTS="*i32", DECIDED="*u8", LOCAL="*u8", READ="*u8",
-                        BROKEN="*u8")
+                        BROKEN="*u8", MEAN="*fp32", COV="*fp32", GH_X="*fp32", GH_LOGW="*fp32")
         constants = dict(G=4, D=128, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, HAS_START=rows,
                          HAS_END=rows, HAS_SINKS=features, PROMOTE=features,
                          INPUT_PRECISION="ieee" if dtype == "fp32" else None, DOT_FP32=False, SOFTCAP=features,
-                         PDL=features)
+                         PDL=features, ESTIMATE=features, BLOCK_T=32, BLOCK_E=4, BLOCK_X=16)
         floats = {n: "fp32" for n in ("scale", "qk_scale", "softcap", "log_tau")}
         names = kernel.arg_names
         signature = {n: pointers.get(n, "constexpr" if n in constants else floats.get(n, "i32")) for n in names}
@@ -447,7 +448,7 @@ COMPILE = textwrap.dedent(
 
 def test_fused_kernel_compiles_for_the_gpu():
     """The fused split kernel compiles (TTIR .. cubin) for sm_90 without a GPU: with bfloat16 inputs, rows, a soft
-    cap, sink logits and ``promote``, and with float32 inputs and none of them."""
+    cap, sink logits, ``promote`` and the estimate in the split, and with float32 inputs and none of them."""
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:
@@ -564,9 +565,10 @@ def test_replayed_launches_agree_with_themselves_and_name_a_difference(model, re
                      "qada_decode_combine_kernel"] * model.config.num_hidden_layers  # fmt: skip
     assert replay_launches(launches, _eager_launch, _eager_launch) == []
 
-    def other_tau(kernel, grid, args, kwargs):  # log_tau: the split kernel's last positional argument
+    def other_tau(kernel, grid, args, kwargs):  # the split kernel's log_tau
         if kernel.fn.__name__ == "qada_fused_split_kernel":
-            args = (*args[:-1], math.log(0.999))
+            at = kernel.arg_names.index("log_tau")
+            args = (*args[:at], math.log(0.999), *args[at + 1:])
         _eager_launch(kernel, grid, args, kwargs)
 
     found = replay_launches(launches, _eager_launch, other_tau)

@@ -13,27 +13,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qada.attention._fused_kernel import cap, decide_group_and_store
+from qada.attention._fused_kernel import decide_group_and_store
 from qada.attention._fused_tail_kernel import page_top_program
+from qada.attention._lognormal_kernel import add_block_pair, log_mean_exp, moments_log_mean_exp, query_tile
 from qada.attention._triton_kernel import as_float32, let_next_start
 
-
-@triton.jit
-def query_tile(q_head, stride_qh, stride_qd, offs, ok, G: tl.constexpr, BLOCK_E: tl.constexpr):
-    """``[BLOCK_E, len(offs)]`` float32: features ``offs`` (where ``ok``) of the group's ``G`` query heads (the first at
-    ``q_head``, the others ``stride_qh`` apart; padding heads 0)."""
-    offs_e = tl.arange(0, BLOCK_E)
-    return tl.load(q_head + offs_e[:, None] * stride_qh + offs[None, :] * stride_qd,
-                   mask=(offs_e < G)[:, None] & ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-
-
-@triton.jit
-def add_block_pair(acc, cov_ij, cov_ji_t, q_i, q_j):
-    """``acc [BLOCK_E, T, T]`` plus one block pair's share of each head's ``q^T cov q`` (eq. 6): ``(cov_ij +
-    cov_ji_t) * q_i q_j`` elementwise, with ``cov_ij = cov[I, J]``, ``cov_ji_t = cov[J, I]^T`` (0 on the diagonal
-    block, ``I = J``) as ``[T, T]`` float32 and the heads' features ``q_i``, ``q_j [BLOCK_E, T]``. Summed over its
-    ``T x T`` terms and over every block pair ``I <= J`` it is ``q^T cov q``."""
-    return acc + (cov_ij + cov_ji_t)[None, :, :] * (q_i[:, :, None] * q_j[:, None, :])
+__all__ = ["add_block_pair", "bulk_estimate_kernel", "decide_after_estimate", "query_tile", "store_log_mean_exp"]
 
 
 @triton.jit
@@ -45,21 +30,9 @@ def store_log_mean_exp(
     (float32, contiguous), from ``mu [BLOCK_E]`` (eq. 5, ``scale q·mean``) and ``var [BLOCK_E]`` (eq. 6, ``scale^2 q^T
     cov q``): ``mu + var / 2``, or under ``SOFTCAP`` ``log E[exp(c tanh(s / c))]`` by Gauss-Hermite with the
     ``n_nodes`` nodes ``GH_X`` and log weights ``GH_LOGW``."""
-    if SOFTCAP:  # log E[exp(c tanh(s / c))], s ~ N(mu, var): log sum_j w_j / sqrt(pi) exp(cap(mu + sqrt(2) sigma x_j))
-        offs_x = tl.arange(0, BLOCK_X)
-        x_ok = offs_x < n_nodes
-        x = tl.load(GH_X + offs_x, mask=x_ok, other=0.0).to(tl.float32)
-        log_w = tl.load(GH_LOGW + offs_x, mask=x_ok, other=0.0).to(tl.float32)
-        sigma = tl.sqrt(tl.maximum(var, 0.0))
-        terms = log_w[None, :] + cap(mu[:, None] + 1.4142135623730951 * sigma[:, None] * x[None, :], softcap)
-        terms = tl.where(x_ok[None, :], terms, float("-inf"))
-        peak = tl.max(terms, axis=1)  # finite unless mu or var is NaN (the terms are at most c + log w_j)
-        peak = tl.where(tl.abs(peak) < float("inf"), peak, 0.0)
-        log_mean_exp = peak + tl.log(tl.sum(tl.exp(terms - peak[:, None]), axis=1))
-    else:
-        log_mean_exp = mu + 0.5 * var
+    result = log_mean_exp(GH_X, GH_LOGW, mu, var, softcap, n_nodes, BLOCK_X, SOFTCAP)
     offs_e = tl.arange(0, BLOCK_E)
-    tl.store(LME + row.to(tl.int64) * (H_kv * G) + kv_head * G + offs_e, log_mean_exp, mask=offs_e < G)
+    tl.store(LME + row.to(tl.int64) * (H_kv * G) + kv_head * G + offs_e, result, mask=offs_e < G)
 
 
 @triton.jit
@@ -131,33 +104,13 @@ def bulk_estimate_kernel(
     kv_head = pid % H_kv
     row64 = row.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
-    mean_base = MEAN + row64 * stride_mb + kv64 * stride_mh
-    cov_base = COV + row64 * stride_cb + kv64 * stride_ch
     q_head = Q + row64 * stride_qb + (kv64 * G) * stride_qh
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    mean = tl.load(mean_base + offs_d * stride_md, mask=d_ok, other=0.0).to(tl.float32)
-    mu = tl.sum(query_tile(q_head, stride_qh, stride_qd, offs_d, d_ok, G, BLOCK_E) * mean[None, :], axis=1) * scale
-    qcq = tl.zeros([BLOCK_E], dtype=tl.float32)
-    offs_t = tl.arange(0, BLOCK_T)
-    for i in range(0, BLOCK_D // BLOCK_T):
-        rows = i * BLOCK_T + offs_t
-        i_ok = rows < D
-        q_i = query_tile(q_head, stride_qh, stride_qd, rows, i_ok, G, BLOCK_E)
-        for j in range(i, BLOCK_D // BLOCK_T):
-            cols = j * BLOCK_T + offs_t
-            ok = i_ok[:, None] & (cols < D)[None, :]
-            cov_ij = tl.load(cov_base + rows[:, None] * stride_ci + cols[None, :] * stride_cj, mask=ok,
-                             other=0.0).to(tl.float32)  # fmt: skip
-            cov_ji = tl.load(cov_base + cols[:, None] * stride_ci + rows[None, :] * stride_cj,
-                             mask=tl.trans(ok) & (i != j), other=0.0).to(tl.float32)  # fmt: skip
-            q_j = query_tile(q_head, stride_qh, stride_qd, cols, cols < D, G, BLOCK_E)
-            share = add_block_pair(tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32), cov_ij, tl.trans(cov_ji),
-                                   q_i, q_j)
-            qcq += tl.sum(tl.sum(share, axis=2), axis=1)  # (pair by pair, as the moment kernels sum their shares)
-    var = qcq * scale * scale
-    store_log_mean_exp(LME, GH_X, GH_LOGW, row, kv_head, mu, var, H_kv, softcap, n_nodes, G, BLOCK_E, BLOCK_X,
-                       SOFTCAP)  # fmt: skip
+    result = moments_log_mean_exp(q_head, MEAN + row64 * stride_mb + kv64 * stride_mh,
+                                  COV + row64 * stride_cb + kv64 * stride_ch, GH_X, GH_LOGW, stride_qh, stride_qd,
+                                  stride_md, stride_ci, stride_cj, scale, softcap, n_nodes, D, G, BLOCK_D, BLOCK_T,
+                                  BLOCK_E, BLOCK_X, SOFTCAP)  # fmt: skip
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(LME + row64 * (H_kv * G) + kv_head * G + offs_e, result, mask=offs_e < G)
     decide_after_estimate(Q, LME, K, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, kv_head, stride_qb,
                           stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local,
                           scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_D, DECIDE, BLOCK_N, HAS_START, END_GIVEN,

@@ -44,7 +44,7 @@ def qada_budget_score_kernel(
                       DOT_FP32)  # fmt: skip
     log_local, log_bulk, bad, has_bulk = group_log_masses(
         q, K + row64 * stride_kb + kv64 * stride_kh, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last,
-        t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS,
-        INPUT_PRECISION, DOT_FP32, False,
+        t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, 0.0, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS,
+        INPUT_PRECISION, DOT_FP32, False, False,
     )  # fmt: skip
     tl.store(SCORE + row64 * (H_KV * G) + heads, tl.where(bad > 0, float("nan"), log_local - log_bulk), mask=g_ok)

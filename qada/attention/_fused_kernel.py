@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from qada.attention._group_decision import group_policy, store_decision
+from qada.attention._lognormal_kernel import cap, moments_log_mean_exp, spread_over_heads
 from qada.attention._triton_kernel import (
     as_float32,
     attend_split,
@@ -20,12 +21,6 @@ from qada.attention._triton_kernel import (
     through_memory,
     wait_for_previous,
 )
-
-
-@triton.jit
-def cap(s, softcap):
-    """``c tanh(s / c)`` (``c = softcap``) as ``c (1 - 2 / (exp(2 s / c) + 1))``, float32."""
-    return (softcap * (1.0 - 2.0 / (tl.math.exp2(2.0 * s / softcap * 1.4426950408889634) + 1.0))).to(tl.float32)
 
 
 @triton.jit
@@ -124,10 +119,12 @@ def qada_fused_split_kernel(
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     C, H_KV, t_sink, t_local, num_splits, scale, qk_scale, softcap, log_tau,
+    MEAN, COV, GH_X, GH_LOGW, stride_mb, stride_mh, stride_md, stride_cb, stride_ch, stride_ci, stride_cj, n_nodes,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_START: tl.constexpr, HAS_END: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
+    ESTIMATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
 ):  # fmt: skip
     """One program = one (row, KV head) and one split: the group's QAdA decision, then its split of the attention.
 
@@ -153,6 +150,13 @@ def qada_fused_split_kernel(
     With ``PDL`` (launched as a programmatic dependent launch after the moment step's launch, which wrote ``LME``)
     it lets the combine launch start, scores the window while the moment step may still run, and waits for it before
     reading ``LME`` (:func:`group_decision`): everything read before was written before the moment step started.
+
+    With ``ESTIMATE`` (the executor's ``estimate_in_splits``) ``LME`` is not read: each program computes its heads'
+    ``log E[exp(s)]`` itself from the KV head's float32 bulk moments ``MEAN [b, H_kv, d]``, ``COV [b, H_kv, d, d]``
+    (the ``stride_m*``, ``stride_c*`` strides; under ``SOFTCAP`` the ``n_nodes`` Gauss-Hermite nodes ``GH_X`` and
+    log weights ``GH_LOGW``) as the launch writing ``LME`` does
+    (:func:`~qada.attention._lognormal_kernel.moments_log_mean_exp`: the same float32 value), after waiting for the
+    launch before with ``PDL``: no launch of its own for the estimate.
     """
     scale, qk_scale = as_float32(scale), as_float32(qk_scale)  # (fp64 where torch.compile launches)
     softcap, log_tau = as_float32(softcap), as_float32(log_tau)
@@ -173,11 +177,19 @@ def qada_fused_split_kernel(
     has_bulk = t_bulk > 0
 
     # --- the group's decision: log A_local, eq. 7 from LME, the threshold (fail-safe), the group policy -------
+    lme = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if ESTIMATE:  # the heads' log E[exp(s)] from the moments, as the launch writing LME computes it
+        wait_for_previous(PDL)  # the moments are in memory
+        lme = spread_over_heads(moments_log_mean_exp(
+            Q + row64 * stride_qb + (kv64 * G) * stride_qh, MEAN + row64 * stride_mb + kv64 * stride_mh,
+            COV + row64 * stride_cb + kv64 * stride_ch, GH_X, GH_LOGW, stride_qh, stride_qd, stride_md, stride_ci,
+            stride_cj, scale, softcap, n_nodes, D, G, BLOCK_D, BLOCK_T, BLOCK_E, BLOCK_X, SOFTCAP,
+        ), BLOCK_E, BLOCK_G)  # fmt: skip
     q = group_queries(q_rows, stride_qd, g_ok, D, BLOCK_D, DOT_FP32)
     decided, local, broken, dense, read = group_decision(
         q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
-        scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION,
-        DOT_FP32, PDL,
+        scale, softcap, log_tau, lme, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS, PROMOTE, INPUT_PRECISION,
+        DOT_FP32, PDL, ESTIMATE,
     )  # fmt: skip
     if split == 0:
         store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
@@ -195,17 +207,18 @@ def qada_fused_split_kernel(
 @triton.jit
 def group_log_masses(
     q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
-    scale, softcap,
+    scale, softcap, lme,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, LME_GIVEN: tl.constexpr,
 ):  # fmt: skip
     """``(log A_local, log Â_bulk, bad [BLOCK_G], has_bulk)`` of the ``G`` query heads ``heads [BLOCK_G]`` (where
     ``g_ok``) of one (row, KV head): the window's exact mass (and the sink logit) from their queries ``q [BLOCK_G,
     BLOCK_D]`` (as :func:`window_log_mass` takes them), the KV head's keys at ``k_base`` and the row's range
     (:func:`~qada.attention._triton_kernel.row_range`), whether a window score is NaN or ``+inf`` (``bad``), and
     eq. 7's ``log T_bulk + log E[exp(s)]`` from the heads' ``LME [b, H]`` (read after
-    :func:`~qada.attention._triton_kernel.wait_for_previous` with ``PDL``; ``-inf`` where the row has no bulk)."""
+    :func:`~qada.attention._triton_kernel.wait_for_previous` with ``PDL``; ``-inf`` where the row has no bulk), or
+    with ``LME_GIVEN`` from ``lme [BLOCK_G]``, the program's own (``LME`` not read)."""
     has_bulk = t_bulk > 0
     # log A_local: the window's exact mass (and the sink logit)
     log_local, bad = window_log_local(q, k_base, stride_kt, stride_kd, first, last, bulk_lo, bulk_hi, has_bulk,
@@ -213,8 +226,11 @@ def group_log_masses(
                                       HAS_SINKS, INPUT_PRECISION, DOT_FP32)  # fmt: skip
     # eq. 7: the lognormal estimate of log A_bulk (its query side computed once per step: LME, by the previous launch
     # or, deciding once, by this program)
-    wait_for_previous(PDL)
-    log_mean_exp = tl.load(LME + row64 * (H_KV * G) + heads, mask=g_ok, other=0.0)
+    if LME_GIVEN:
+        log_mean_exp = lme
+    else:
+        wait_for_previous(PDL)
+        log_mean_exp = tl.load(LME + row64 * (H_KV * G) + heads, mask=g_ok, other=0.0)
     log_t = tl.log(tl.maximum(t_bulk, 1).to(tl.float32))
     log_bulk = tl.where(has_bulk, log_t + log_mean_exp, float("-inf"))
     return log_local, log_bulk, bad, has_bulk
@@ -223,17 +239,18 @@ def group_log_masses(
 @triton.jit
 def group_decision(
     q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
-    scale, softcap, log_tau,
+    scale, softcap, log_tau, lme,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr, LME_GIVEN: tl.constexpr,
 ):  # fmt: skip
     """The decision of the ``G`` query heads ``heads [BLOCK_G]`` (where ``g_ok``) of one (row, KV head)
     (:func:`qada_fused_split_kernel`'s docstring): ``(decided, local, broken, dense [BLOCK_G], read)``
     (:func:`threshold_decision`) on :func:`group_log_masses` (same arguments)."""
     log_local, log_bulk, bad, has_bulk = group_log_masses(
         q, k_base, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last, t_bulk, bulk_lo, bulk_hi, H_KV,
-        scale, softcap, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS, INPUT_PRECISION, DOT_FP32, PDL,
+        scale, softcap, lme, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS, INPUT_PRECISION, DOT_FP32, PDL,
+        LME_GIVEN,
     )  # fmt: skip
     # the threshold decision (fail-safe), then the group policy
     return threshold_decision(log_local, log_bulk, bad, has_bulk, log_tau, G, BLOCK_G, PROMOTE)
@@ -261,8 +278,8 @@ def decide_group_and_store(
                       DOT_FP32)  # fmt: skip
     decided, local, broken, dense, read = group_decision(
         q, K + row64 * stride_kb + kv64 * stride_kh, stride_kt, stride_kd, LME, SINKS, row64, heads, g_ok, first, last,
-        t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP, HAS_SINKS,
-        PROMOTE, INPUT_PRECISION, DOT_FP32, False,
+        t_bulk, bulk_lo, bulk_hi, H_KV, scale, softcap, log_tau, 0.0, G, D, BLOCK_G, BLOCK_N, BLOCK_D, SOFTCAP,
+        HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32, False, False,
     )  # fmt: skip
     store_decision(DECIDED, LOCAL, BROKEN, READ, row64, kv64, heads, g_ok, H_KV, G, decided, local, broken,
                    read)  # fmt: skip

@@ -57,7 +57,7 @@ import torch
 
 from qada.attention import triton_decode
 from qada.attention.base import GroupDecision, register_executor
-from qada.attention.moment_step import BulkEstimate, EstimateDecision, estimate_launch
+from qada.attention.moment_step import BulkEstimate, EstimateDecision, block_sizes, estimate_launch
 from qada.attention.page_tops import PageTops
 from qada.attention.triton_decode import (
     BudgetRank,
@@ -420,6 +420,15 @@ class FusedTritonExecutor(TritonExecutor):
     state, moments, estimates and decisions either way; what it is worth in time awaits a GPU (the GPU suite's
     ``qada fused unspread`` row)."""
 
+    estimate_in_splits: bool = False
+    """Whether a plain ``qada`` decision made in the splits (not :attr:`decide_once`) computes each head's ``log
+    E[exp(s)]`` in every split program from the float32 bulk moments (the split kernel's ``ESTIMATE``: the same
+    float32 value as the launch that writes it) instead of reading it from a launch before: no launch of its own for
+    the estimate after a moment source stepped in torch (a frozen ``current`` source, ``bucketed``, a user's: two
+    launches a layer instead of three), and for the built-in ``current`` and ``stored`` sources a moment step's
+    launch without one. Each split program then reads the ``d x d`` covariance too (16 KB at ``d = 64``, from L2
+    after the first). The same decisions either way; opt-in until a GPU has timed it."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         value = self.pages_per_program
@@ -435,6 +444,8 @@ class FusedTritonExecutor(TritonExecutor):
             raise ValueError(f"expected pdl to be a bool but got {self.pdl!r}")
         if not isinstance(self.spread_moments, bool):
             raise ValueError(f"expected spread_moments to be a bool but got {self.spread_moments!r}")
+        if not isinstance(self.estimate_in_splits, bool):
+            raise ValueError(f"expected estimate_in_splits to be a bool but got {self.estimate_in_splits!r}")
         if self.heads_apart is not None and not isinstance(self.heads_apart, bool):
             raise ValueError(f"expected heads_apart to be a bool or None but got {self.heads_apart!r}")
 
@@ -566,11 +577,14 @@ class FusedTritonExecutor(TritonExecutor):
         if page_tops is not None and page_tops.stretches != self.page_top_stretches(tail):
             raise ValueError(f"expected page_tops of {self.page_top_stretches(tail)} stretches for this tail index "
                              f"and pages_per_program={self.pages_per_program} but got {page_tops.stretches}")
-        if log_mean_exp is None:  # (one estimate launch, which runs the page-top programs too)
+        in_splits = self.estimates_in_splits(tail, budget)
+        if in_splits and log_mean_exp is not None:
+            raise ValueError("with estimate_in_splits the split launch computes log_mean_exp itself: pass None")
+        if log_mean_exp is None and not in_splits:  # (one estimate launch, which runs the page-top programs too)
             log_mean_exp = estimate_launch(self.bulk_estimate(query, step.scale, step.softcap, page_tops=spread),
                                            step.bulk_moments)
             page_tops = spread
-        elif (log_mean_exp.shape != (b, H) or log_mean_exp.dtype != torch.float32
+        elif not in_splits and (log_mean_exp.shape != (b, H) or log_mean_exp.dtype != torch.float32
               or not log_mean_exp.is_contiguous()):
             raise ValueError(f"expected log_mean_exp as a contiguous float32 tensor of shape [{b}, {H}] but got "
                              f"{log_mean_exp.dtype} {tuple(log_mean_exp.shape)}")
@@ -599,8 +613,8 @@ class FusedTritonExecutor(TritonExecutor):
                       PROMOTE=policy == "promote",
                       INPUT_PRECISION=input_precision, DOT_FP32=dot_fp32, SOFTCAP=bool(softcap),
                       num_warps=self.num_warps, num_stages=self.num_stages)
-        inputs = (query, key, value, log_mean_exp, query if start is None else start, query if end is None else end,
-                  query if sinks is None else sinks)
+        inputs = (query, key, value, m if in_splits else log_mean_exp, query if start is None else start,
+                  query if end is None else end, query if sinks is None else sinks)
         outputs = (acc, m, l, counts, flags[0], flags[1], read, flags[2])
         strides = (*query.stride(), *key.stride(), *value.stride())
         sizes = (C, H_kv, window.t_sink, window.t_local, S, float(step.scale),
@@ -611,8 +625,9 @@ class FusedTritonExecutor(TritonExecutor):
         grid = (pairs, G if heads_apart else S)
         pdl = self.programmatic(device)  # each launch below may start while the one before it runs
         if tail is None:  # (the decision made in every split: not apart)
+            estimate_args, estimate_constants = self._split_estimate(step, in_splits, m)
             _triton_kernel.run(_fused_kernel.qada_fused_split_kernel, grid, *inputs, *outputs, *strides,
-                               *sizes, **common, **pdl_launch_options(pdl))
+                               *sizes, *estimate_args, **common, **estimate_constants, **pdl_launch_options(pdl))
         else:
             from qada.attention import _fused_tail_kernel
 
@@ -654,6 +669,21 @@ class FusedTritonExecutor(TritonExecutor):
                                log_ratio, n_exact, row)
         output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)
         return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read, flags[2], counts, log_ratio, n_exact, row)
+
+    def _split_estimate(self, step: DecodeStep, in_splits: bool, placeholder: torch.Tensor) -> tuple[tuple, dict]:
+        """The plain ``qada`` split kernel's estimate arguments (``MEAN, COV, GH_X, GH_LOGW``, the moments' strides,
+        ``n_nodes``) and constants (``ESTIMATE``, ``BLOCK_T``, ``BLOCK_E``, ``BLOCK_X``): ``step``'s moments where
+        the splits compute the estimate (``in_splits``), ``placeholder`` (never read) where they read it."""
+        if not in_splits:
+            return (placeholder,) * 4 + (0,) * 7 + (1,), dict(ESTIMATE=False, BLOCK_T=16, BLOCK_E=16, BLOCK_X=16)
+        mean, cov = step.bulk_moments
+        query = step.query
+        d = query.shape[2]
+        G = query.shape[1] // mean.shape[1]
+        nodes, log_weights = self.hermite_rule(query.device) if step.softcap else (placeholder, placeholder)
+        sizes = block_sizes(d, G)
+        return ((mean, cov, nodes, log_weights, *mean.stride(), *cov.stride(), nodes.shape[0]),
+                dict(ESTIMATE=True, BLOCK_T=sizes["BLOCK_T"], BLOCK_E=sizes["BLOCK_E"], BLOCK_X=_tile(nodes.shape[0])))
 
     def _budget_decision(self, step: DecodeStep, budget: FusedBudget, policy: str,
                          add_to: tuple[torch.Tensor, torch.Tensor] | None,
@@ -717,6 +747,11 @@ class FusedTritonExecutor(TritonExecutor):
                            self.programmatic(step.query.device))
         return FusedLaunch(done.output, done.bulk_blocks, decision.decided, decision.local, decision.read,
                            decision.broken, done.counts, None, None, statistics.row)
+
+    def estimates_in_splits(self, tail: FusedTail | None = None, budget: FusedBudget | None = None) -> bool:
+        """Whether the split launch computes each head's ``log E[exp(s)]`` itself (:attr:`estimate_in_splits`): a
+        plain ``qada`` decision (no ``tail``, no ``budget``) made in the splits."""
+        return self.estimate_in_splits and tail is None and budget is None and not self.decides_once(None)
 
     def decides_once(self, tail: FusedTail | None = None) -> bool:
         """Whether a threshold decision (``tail``: a ``qada_tail`` one) is a launch of its own (:attr:`decide_once`,

@@ -133,12 +133,15 @@ def fused_layer_step(
                                               window)
     # a qada_tail step's page-top programs (if its pages are spread) run in the moment step's launch
     page_tops = None if tail is None else executor.page_tops(step, tail)
-    estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap, decision, page_tops)  # by the moment step
+    estimate = None  # the estimate computed by the split launch itself (estimate_in_splits), or:
+    if not executor.estimates_in_splits(tail, budget):  # by the moment step's launch
+        estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap, decision, page_tops)
     bulk = advance_moments(step, keys, start, end, layer, moment_state, moments, window,
                            functools.partial(fused_moment_step, moments, estimate=estimate))
     tau = 0.0 if budget is not None else criterion.tau  # (a budget ranks: no threshold)
     add_to = None if sums is None else (sums, layer)  # the combine launch adds the row to sums[layer]
-    launch = executor.decide_and_attend(step, tau, policy, tail, budget, add_to, log_mean_exp=estimate.out,
+    launch = executor.decide_and_attend(step, tau, policy, tail, budget, add_to,
+                                        log_mean_exp=None if estimate is None else estimate.out,
                                         decision=decision, page_tops=page_tops)
     counts = launch.row
     return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,

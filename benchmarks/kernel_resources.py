@@ -49,6 +49,8 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments, the GPU sui
     "qada dense": {"criterion": "dense", "moments": "none", "executor": {"name": "triton"}},
     "qada": {"criterion": {"name": "qada", "tau": 0.6}, "executor": {"name": "triton"}},
     "qada fused": {"criterion": {"name": "qada", "tau": 0.6}, "executor": {"name": "triton_fused"}},
+    "qada fused estimating": {"criterion": {"name": "qada", "tau": 0.6},
+                              "executor": {"name": "triton_fused", "estimate_in_splits": True}},
     "qada fused once": {"criterion": {"name": "qada", "tau": 0.6},
                         "executor": {"name": "triton_fused", "decide_once": True}},
     "qada_tail fused": {"criterion": {"name": "qada_tail", "tau": 0.3},  # (the decision in every split)

@@ -41,10 +41,19 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.dispatch_count import LEAN  # noqa: E402  (the accurate read-lean qada_tail configuration)
 
-CONFIGS: dict[str, tuple[Any, str, dict[str, Any]]] = {  # name: (criterion, moments, executor)
+FROZEN = {"name": "current", "freeze": True}
+"""The ``current`` source frozen at the prefill's moments (the paper's setting for short answers): stepped in torch
+(no moment step at all), so the estimate is a launch of its own, or the splits' (``estimating``)."""
+
+CONFIGS: dict[str, tuple[Any, Any, dict[str, Any]]] = {  # name: (criterion, moments, executor)
     "qada dense": ("dense", "none", {"name": "triton"}),
     "qada fused": ({"name": "qada", "tau": 0.6}, "stored", {"name": "triton_fused"}),
     "qada fused once": ({"name": "qada", "tau": 0.6}, "stored", {"name": "triton_fused", "decide_once": True}),
+    "qada fused estimating": ({"name": "qada", "tau": 0.6}, "stored", {"name": "triton_fused",
+                                                                        "estimate_in_splits": True}),
+    "qada fused frozen": ({"name": "qada", "tau": 0.6}, FROZEN, {"name": "triton_fused"}),
+    "qada fused frozen estimating": ({"name": "qada", "tau": 0.6}, FROZEN, {"name": "triton_fused",
+                                                                             "estimate_in_splits": True}),
     "qada_tail fused splits": ({"name": "qada_tail", "tau": 0.3}, "stored",
                                {"name": "triton_fused", "decide_once": False}),
     "qada_tail fused once": ({"name": "qada_tail", "tau": 0.3}, "stored",
@@ -62,7 +71,8 @@ fused splits`` in every split at any length (the executor's default, the suite's
 fused``), ``once`` in a launch before the split, ``spread`` once with every row's page bounds spread over page-top
 programs of 32 pages each (the GPU suite's row of that name, :data:`~benchmarks.suites.SPREAD_PAGES`: no torch
 import here), the read-lean rows by default (in the splits up to 256 bounded pages, its super-pages and the pages of
-its best four)."""
+its best four). ``estimating``: each split computes its heads' ``log E[exp(s)]`` from the moments
+(``estimate_in_splits``); ``frozen``: :data:`FROZEN` moments instead of stored ones."""
 
 KV_ARGS = {"K", "V", "KEYS", "PT_K"}
 """The arguments that are the KV cache in every launch that reads it (``KEYS``: the moment step's, whose launch reads
@@ -300,7 +310,8 @@ def report(results: dict[str, Any]) -> str:
     lines = [f"# Bytes per decode step, counted in Triton's interpreter: {results['model']}, "
              f"{results['layers']} layers",
              "", f"Command: `{results['command']}`; torch {results['machine']['torch']}, triton "
-             f"{results['triton']}, stored moments, a static cache, the second decode step after a "
+             f"{results['triton']}, stored moments (rows named `frozen`: the prompt's own, frozen at the prefill), a "
+             "static cache, the second decode step after a "
              f"{results['prompt_tokens']:,}-token pass-key prompt, split grids sized for {results['sms']} SMs (an "
              "H100's or H200's count). *unique*: distinct bytes (the floor of the "
              "memory traffic on a GPU) of each kernel over its launches, summed over the step's kernels (a byte "

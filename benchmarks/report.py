@@ -248,7 +248,7 @@ def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmea
 
 
 FUSED_QADA_VARIANTS = ("qada fused once", "qada fused wide", "qada fused once wide", "qada fused pdl",
-                       "qada fused inductor", "qada fused unspread")
+                       "qada fused inductor", "qada fused unspread", "qada fused estimating")
 """The launch variants of the ``qada fused`` row whose ratios its goal's detail lists (the default row is the goal's:
 a variant that beats it is a case for changing the executor's defaults, measured)."""
 

@@ -124,6 +124,7 @@ FUSED_VARIANTS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     "qada_tail fused splits": ("qada_tail", {"name": "triton_fused", "decide_once": False}),
     "qada fused unspread": ("qada", {"name": "triton_fused", "decide_once": False, "spread_moments": False}),
     "qada_tail fused unspread": ("qada_tail", {"name": "triton_fused", "spread_moments": False}),
+    "qada fused estimating": ("qada", {"name": "triton_fused", "decide_once": False, "estimate_in_splits": True}),
 }  # fmt: skip
 """Rows built only where a workload's compiled rows name them (the GPU suite's; on the CPU, under Triton's
 interpreter, each would be its plain ``fused`` row again): name -> (``qada`` or a criterion of
@@ -140,8 +141,9 @@ the default's one per query head where that grid fits one wave (as at B = 1: Smo
 ``qada_tail fused splits``: the decision in every split (``decide_once=False``) where the default decides once
 (above ``pages_per_program`` bounded pages: SmolLM2 at 7,680 tokens has 481; the GPU results of 2026-11-28 and before
 name this row ``qada_tail fused``); ``unspread``: the moment step's launch one program per (row, KV head), every block
-pair of its state in turn (``spread_moments=False``, as until 2026-12-06), against the default's one per block pair.
-``pdl`` and ``wide`` decide in the splits too."""
+pair of its state in turn (``spread_moments=False``, as until 2026-12-06), against the default's one per block pair;
+``qada fused estimating``: each split computes its heads' ``log E[exp(s)]`` from the moments (``estimate_in_splits``),
+the moment step's launch only updating the state. ``pdl`` and ``wide`` decide in the splits too."""
 
 LEAN_ROWS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qada_tail+E/lean": (LEAN_TAIL, {"name": "triton"}),
@@ -162,7 +164,7 @@ SMOLLM2_GPU = Workload("smollm2", (7680,), batches=(1, 32),
                                  "qada_tail", "qada_tail fused", "qada_tail fused once", "qada_tail fused pdl",
                                  "qada_tail fused spread", "qada_tail fused wide", "qada_tail fused once together",
                                  "qada_tail fused splits", "qada fused unspread", "qada_tail fused unspread",
-                                 "qada_tail_budget", "qada_tail_budget fused", *LEAN_ROWS,
+                                 "qada fused estimating", "qada_tail_budget", "qada_tail_budget fused", *LEAN_ROWS,
                                  "qada_tail+E/lean fused uncapped"),
                        eager=True, tail=True, lean=True,
                        moments="stored")  # fmt: skip

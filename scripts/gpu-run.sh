@@ -21,7 +21,9 @@
 #   bash scripts/gpu-run.sh spread-b1 spread-b32        # qada fused and qada_tail fused with the moment step's launch
 #                                                       # one program per block pair of its state (the default since
 #                                                       # 2026-12-06) and one per (row, KV head) (spread_moments=False,
-#                                                       # "unspread": the launch every GPU run before timed)
+#                                                       # "unspread": the launch every GPU run before timed), and
+#                                                       # qada fused estimating (estimate_in_splits=True: the
+#                                                       # estimate in each split, the moment launch update-only)
 #   bash scripts/gpu-run.sh wide-b32                    # qada fused and qada_tail fused with splits for 8 programs per
 #                                                       # SM (programs_per_sm=8, decided in the splits) beside the
 #                                                       # defaults (qada_tail decided once at 7.68k), and qada fused
@@ -68,7 +70,8 @@
 # and qada_tail_budget fused, graph-captured; every fused row with the executor's defaults, qada_tail's decided once
 # at 7.68k), wide-b32 (7.68k, B = 32: dense, qada fused and qada_tail fused, each also with splits for 8 programs per
 # SM, qada fused once with 8, graph-captured), spread-b1, spread-b32 (7.68k, one batch size: dense, qada fused and
-# qada_tail fused with the moment step spread over its block pairs and not, graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, qada fused, qada_tail
+# qada_tail fused with the moment step spread over its block pairs and not, qada fused estimating in its splits,
+# graph-captured), lean-b1, lean-b32 (7.68k, one batch size: dense, qada fused, qada_tail
 # fused and fused splits, qada_tail+E/lean with its layer step compiled, fused and fused once, graph-captured), cap-b1,
 # cap-b32 (7.68k, one batch size: dense, qada_tail+E/lean fused with and without its register cap), budget-heads
 # (128k, B = 1: dense, the group budget fused with its score launch per query head and per KV head), tail-heads
@@ -93,8 +96,8 @@ tail_heads_rows="dense compiled,qada fused compiled,qada_tail fused splits compi
 qada_tail fused once together compiled"
 tail_rows="dense compiled,qada fused compiled,qada fused once compiled,qada fused inductor compiled,qada_tail fused compiled,\
 qada_tail fused splits compiled,qada_tail fused spread compiled,qada_tail_budget fused compiled"
-spread_rows="dense compiled,qada fused compiled,qada fused unspread compiled,qada_tail fused compiled,\
-qada_tail fused unspread compiled"
+spread_rows="dense compiled,qada fused compiled,qada fused unspread compiled,qada fused estimating compiled,\
+qada_tail fused compiled,qada_tail fused unspread compiled"
 
 stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   local name=$1 default=$2; shift 2
@@ -131,7 +134,7 @@ for s in "$@"; do
              --batches "${s#pdl-b}" --configs "$pdl_rows" ;;
     tail-b1|tail-b32) stage "$s" 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#tail-b}" --configs "$tail_rows" ;;
-    spread-b1|spread-b32) stage "$s" 420 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
+    spread-b1|spread-b32) stage "$s" 500 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches "${s#spread-b}" --configs "$spread_rows" ;;
     wide-b32) stage wide-b32 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 \
              --batches 32 --configs "$wide_rows" ;;

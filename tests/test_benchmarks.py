@@ -508,7 +508,8 @@ def test_a_row_says_when_its_layer_step_ran_eagerly():
                                   "qada_tail fused spread", "qada_tail_budget/group fused", "qada fused wide",
                                   "qada fused once wide", "qada_tail fused wide", "qada_tail_budget/group fused wide",
                                   "qada_tail_budget/group fused together", "qada_tail+E/lean fused uncapped",
-                                  "qada_tail fused splits", "qada fused unspread", "qada_tail fused unspread"])
+                                  "qada_tail fused splits", "qada fused unspread", "qada_tail fused unspread",
+                                  "qada fused estimating"])
 def test_fused_variant_rows_only_where_a_workload_names_them(name):
     """The fused variants (``inductor``: ``compile_step=True``; ``pdl``: programmatic dependent launches; ``spread``:
     narrow page-top programs; ``/group``: the budget over whole KV groups; ``wide``: splits for more programs per
@@ -543,6 +544,7 @@ def test_fused_variant_rows_only_where_a_workload_names_them(name):
     assert run.criterion.registry_name == criterion and run.executor.registry_name == "triton_fused"
     assert run.executor.compile_step is name.endswith("inductor") and run.executor.pdl is name.endswith("pdl")
     assert run.executor.spread_moments is not name.endswith("unspread")
+    assert run.executor.estimate_in_splits is name.endswith("estimating")
     if name.endswith("unspread"):  # (the plain row's decision: qada's in the splits, qada_tail's by default)
         assert run.executor.decide_once is FUSED_VARIANTS[name][1].get("decide_once")
     else:

@@ -97,15 +97,17 @@ from tests.test_fused_decision import greedy, make_run, model, reference  # noqa
 FROZEN = {"name": "current", "freeze": True}
 
 
-@pytest.mark.parametrize("source", ["stored", "current", "frozen"])
-def test_model_run_estimating_in_splits_equals_the_estimate_launch(model, reference, source):
+@pytest.mark.parametrize(("source", "cache"), [("stored", "static"), ("current", "static"), ("frozen", "static"),
+                                             ("stored", "dynamic"), ("current", "dynamic")])
+def test_model_run_estimating_in_splits_equals_the_estimate_launch(model, reference, source, cache):
     """Greedy decoding on the tiny model (two rows, one left-padded): the same tokens and statistics, exactly, with
     the estimate in the splits as with the launch that writes it (the moment step's, or after a frozen source's
-    moments one of its own)."""
+    moments one of its own); for ``stored`` and ``current`` with the moments stepped one decode step ahead, by the
+    prefill and then each step's combine launch."""
     moments = FROZEN if source == "frozen" else source
     executor = {"name": "triton_fused", "block_size": 16}
-    read = greedy(model, make_run(moments, executor, reference), "static")
-    estimated = greedy(model, make_run(moments, {**executor, "estimate_in_splits": True}, reference), "static")
+    read = greedy(model, make_run(moments, executor, reference), cache)
+    estimated = greedy(model, make_run(moments, {**executor, "estimate_in_splits": True}, reference), cache)
     assert torch.equal(estimated[0], read[0])
     for key in ("sparsity", "kv_sparsity", "kv_read", "fail_safe", "decode_steps"):
         assert estimated[1][key] == read[1][key], key
@@ -114,11 +116,12 @@ def test_model_run_estimating_in_splits_equals_the_estimate_launch(model, refere
 
 @pytest.mark.parametrize(("source", "expected"), [
     ("frozen", ["qada_fused_split_kernel", "qada_decode_combine_kernel"]),
-    ("stored", ["stored_moment_step_kernel", "qada_fused_split_kernel", "qada_decode_combine_kernel"]),
+    ("stored", ["qada_fused_split_kernel", "combine_and_stored_step_kernel"]),
+    ("current", ["qada_fused_split_kernel", "combine_and_current_step_kernel"]),
 ])
-def test_model_layer_step_launches(monkeypatch, model, reference, source, expected):
-    """A layer's decode step estimating in the splits: after a frozen source, the split and the combine alone (two
-    launches, as the dense path); after the ``stored`` source's step, its launch without the estimate, then the two."""
+def test_model_layer_step_is_two_launches(monkeypatch, model, reference, source, expected):
+    """A layer's decode step estimating in the splits is two launches, as the dense path's: the split and the combine,
+    which for the ``stored`` and ``current`` sources also steps the moments for the next decode step."""
     from qada.models.layer_step import LayerStep
     from tests.triton_launches import LaunchRecorder
 

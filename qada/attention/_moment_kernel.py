@@ -251,13 +251,38 @@ def current_moment_step_kernel(
                              tl.program_id(0), tl.program_id(1) - PROGRAMS, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D,
                              PT_BLOCK_P, PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
             return
-    pid = tl.program_id(0)
+    current_moment_program(COUNT, MEAN, M2, OUT_MEAN, OUT_COV, KEYS, START, END, Q, LME, GH_X, GH_LOGW, SINKS, DECIDED,
+                           LOCAL, READ, BROKEN, ARRIVED, SHARES, H_kv, t_local, t_recent, stride_kb, stride_kh,
+                           stride_kt, stride_kd, stride_start, stride_end, stride_qb, stride_qh, stride_qd, scale,
+                           softcap, n_nodes, C, t_sink, log_tau, tl.program_id(0), tl.program_id(1) if SPREAD else 0, 0,
+                           D, BLOCK_T, BLOCK_D, HAS_START, ESTIMATE, G, BLOCK_G, BLOCK_E, BLOCK_X, SOFTCAP, DECIDE,
+                           BLOCK_N, END_GIVEN, HAS_SINKS, PROMOTE, INPUT_PRECISION, DOT_FP32, SPREAD)  # fmt: skip
+
+
+@triton.jit
+def current_moment_program(
+    COUNT, MEAN, M2, OUT_MEAN, OUT_COV, KEYS, START, END,
+    Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN, ARRIVED, SHARES,
+    H_kv, t_local, t_recent, stride_kb, stride_kh, stride_kt, stride_kd, stride_start, stride_end,
+    stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau, pid, k, ahead,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
+    ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
+    SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPREAD: tl.constexpr,
+):  # fmt: skip
+    """Program ``(pid, k)`` of :func:`current_moment_step_kernel` (same arguments): (row, KV head) ``pid``, block pair
+    ``k`` (with ``SPREAD``), for rows ending ``ahead`` keys past ``END`` (0 in that launch; 1 in a combine launch that
+    steps the moments for the next decode step, :mod:`qada.attention._ahead_kernel`)."""
+    NB: tl.constexpr = BLOCK_D // BLOCK_T
+    BP: tl.constexpr = NB * (NB + 1) // 2
+    PROGRAMS: tl.constexpr = BP if SPREAD else 1  # the moment step's programs per (row, KV head)
     row = pid // H_kv
     head = pid % H_kv
     pair = pid.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    end = tl.load(END + row * stride_end).to(tl.int64)
+    end = tl.load(END + row * stride_end).to(tl.int64) + ahead
     if HAS_START:
         start = tl.load(START + row * stride_start).to(tl.int64)
     else:
@@ -275,12 +300,12 @@ def current_moment_step_kernel(
     q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
     qcq = tl.zeros([BLOCK_E], dtype=tl.float32)  # (without SPREAD: the shares summed here, in block-pair order)
     if SPREAD:  # this program's own block pair
-        qcq = current_block_pair(OUT_COV, SHARES, key, mean, m2, qcq, tl.program_id(1), pair, w, n_safe, q_head,
+        qcq = current_block_pair(OUT_COV, SHARES, key, mean, m2, qcq, k, pair, w, n_safe, q_head,
                                  stride_kd, stride_qh, stride_qd, offs_t, D, NB, BP, BLOCK_T, G, BLOCK_E, ESTIMATE,
                                  SPREAD)  # fmt: skip
     else:  # every block pair in turn
-        for k in range(0, BP):
-            qcq = current_block_pair(OUT_COV, SHARES, key, mean, m2, qcq, k, pair, w, n_safe, q_head, stride_kd,
+        for kk in range(0, BP):
+            qcq = current_block_pair(OUT_COV, SHARES, key, mean, m2, qcq, kk, pair, w, n_safe, q_head, stride_kd,
                                      stride_qh, stride_qd, offs_t, D, NB, BP, BLOCK_T, G, BLOCK_E, ESTIMATE,
                                      SPREAD)  # fmt: skip
     if last_to_arrive(ARRIVED, pair, PROGRAMS):  # every block pair has read the old mean and count
@@ -380,13 +405,41 @@ def stored_moment_step_kernel(
                              tl.program_id(0), tl.program_id(1) - PROGRAMS, PT_G, PT_D, PT_BLOCK_G, PT_BLOCK_D,
                              PT_BLOCK_P, PT_PAGE, PT_TOP, PT_BLOCK_M, PT_HAS_START, PT_HAS_END)  # fmt: skip
             return
-    pid = tl.program_id(0)
+    stored_moment_program(COUNT, S1, S2, OLD_END, JUMP_N, JUMP_COUNT, JUMP_S1, JUMP_S2, MEAN, COV, REF, SHIFT, START,
+                          END, KEYS, Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN, ARRIVED, SHARES, H_kv,
+                          N, num_jumps, t_local, offset, first, min_bulk_keys, stride_rh, stride_rn, stride_rd,
+                          stride_start, stride_end, stride_kb, stride_kh, stride_kt, stride_kd, stride_qb, stride_qh,
+                          stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau, tl.program_id(0),
+                          tl.program_id(1) if SPREAD else 0, 0, D, BLOCK_T, BLOCK_D, HAS_START, ESTIMATE, G, BLOCK_G,
+                          BLOCK_E, BLOCK_X, SOFTCAP, DECIDE, BLOCK_N, END_GIVEN, HAS_SINKS, PROMOTE, INPUT_PRECISION,
+                          DOT_FP32, SPREAD)  # fmt: skip
+
+
+@triton.jit
+def stored_moment_program(
+    COUNT, S1, S2, OLD_END, JUMP_N, JUMP_COUNT, JUMP_S1, JUMP_S2, MEAN, COV, REF, SHIFT, START, END, KEYS,
+    Q, LME, GH_X, GH_LOGW, SINKS, DECIDED, LOCAL, READ, BROKEN, ARRIVED, SHARES,
+    H_kv, N, num_jumps, t_local, offset, first, min_bulk_keys, stride_rh, stride_rn, stride_rd,
+    stride_start, stride_end, stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_qb, stride_qh, stride_qd, scale, softcap, n_nodes, C, t_sink, log_tau, pid, k, ahead,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr,
+    ESTIMATE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
+    SOFTCAP: tl.constexpr, DECIDE: tl.constexpr, BLOCK_N: tl.constexpr, END_GIVEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PROMOTE: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPREAD: tl.constexpr,
+):  # fmt: skip
+    """Program ``(pid, k)`` of :func:`stored_moment_step_kernel` (same arguments): (row, KV head) ``pid``, block pair
+    ``k`` (with ``SPREAD``), for rows ``ahead`` keys longer than ``END - START`` (0 in that launch; 1 in a combine
+    launch that steps the moments for the next decode step, :mod:`qada.attention._ahead_kernel`)."""
+    NB: tl.constexpr = BLOCK_D // BLOCK_T
+    BP: tl.constexpr = NB * (NB + 1) // 2
+    PROGRAMS: tl.constexpr = BP if SPREAD else 1  # the moment step's programs per (row, KV head)
     row = pid // H_kv
     head = pid % H_kv
     pair = pid.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    n = tl.load(END + row * stride_end).to(tl.int64)
+    n = tl.load(END + row * stride_end).to(tl.int64) + ahead
     if HAS_START:
         n -= tl.load(START + row * stride_start).to(tl.int64)
     new_end = reference_end(n, t_local, offset, first, min_bulk_keys, N)
@@ -413,12 +466,12 @@ def stored_moment_step_kernel(
     q_head = Q + row.to(tl.int64) * stride_qb + (head.to(tl.int64) * G) * stride_qh
     qcq = tl.zeros([BLOCK_E], dtype=tl.float32)  # (without SPREAD: the shares summed here, in block-pair order)
     if SPREAD:  # this program's own block pair
-        qcq = stored_block_pair(COV, SHARES, ref, shift, s1_from, s2_from, s2, qcq, tl.program_id(1), pair, w_sum,
+        qcq = stored_block_pair(COV, SHARES, ref, shift, s1_from, s2_from, s2, qcq, k, pair, w_sum,
                                 count, n_safe, q_head, stride_rd, stride_qh, stride_qd, offs_t, D, NB, BP, BLOCK_T, G,
                                 BLOCK_E, ESTIMATE, SPREAD)  # fmt: skip
     else:  # every block pair in turn
-        for k in range(0, BP):
-            qcq = stored_block_pair(COV, SHARES, ref, shift, s1_from, s2_from, s2, qcq, k, pair, w_sum, count, n_safe,
+        for kk in range(0, BP):
+            qcq = stored_block_pair(COV, SHARES, ref, shift, s1_from, s2_from, s2, qcq, kk, pair, w_sum, count, n_safe,
                                     q_head, stride_rd, stride_qh, stride_qd, offs_t, D, NB, BP, BLOCK_T, G, BLOCK_E,
                                     ESTIMATE, SPREAD)  # fmt: skip
     if last_to_arrive(ARRIVED, pair, PROGRAMS):  # every block pair has read the old sums and count

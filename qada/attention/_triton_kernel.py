@@ -426,9 +426,29 @@ def qada_decode_combine_kernel(
     more split: ``EXTRA_M, EXTRA_L [b, H]`` and ``EXTRA_ACC [b, H, d]`` float32 (contiguous, log2 domain, as a
     split's; :func:`~qada.functional.extra_set.merge_extra`'s merge by masses). With ``PDL`` (launched as a
     programmatic dependent launch after the split launch) it first waits for the splits."""
+    combine_program(ACC, M, L, COUNTS, OUT, BULK_BLOCKS, SINKS, LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER,
+                    EXTRA_M, EXTRA_L, EXTRA_ACC, EXTRA_LOCAL, stride_ob, stride_oh, stride_od, H, num_splits,
+                    num_counts, C, t_local, page_size, heavy, pages, super_page, super_pages, exact_reads,
+                    tl.program_id(0), tl.num_programs(0) - 1, G, D, BLOCK_S, CHUNK_S, BLOCK_D, BLOCK_C, HAS_SINKS,
+                    STATS, HAS_START, HAS_END, TAIL_READS, ADD, EXTRA, PDL, ALL_DENSE)  # fmt: skip
+
+
+@triton.jit
+def combine_program(
+    ACC, M, L, COUNTS, OUT, BULK_BLOCKS, SINKS,
+    LOCAL, READ, BROKEN, START, END, ROW, SUMS, LAYER, EXTRA_M, EXTRA_L, EXTRA_ACC, EXTRA_LOCAL,
+    stride_ob, stride_oh, stride_od,
+    H, num_splits, num_counts, C, t_local, page_size, heavy, pages, super_page, super_pages, exact_reads, pid, n_heads,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_SINKS: tl.constexpr, STATS: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr,
+    TAIL_READS: tl.constexpr, ADD: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr,
+    ALL_DENSE: tl.constexpr,
+):  # fmt: skip
+    """Program ``pid`` of :func:`qada_decode_combine_kernel` (same arguments), whose ``n_heads = b H`` programs merge
+    a query head's splits each and whose program ``n_heads`` counts the bulk blocks and writes the statistics row: for
+    that launch, or a launch that carries other programs besides (:mod:`qada.attention._ahead_kernel`)."""
     wait_for_previous(PDL)
-    pid = tl.program_id(0)
-    n_heads = tl.num_programs(0) - 1
     if pid == n_heads:
         # (names differ from the other branch's: Triton requires one type per name across both branches)
         offs_count = tl.arange(0, BLOCK_C)

@@ -523,7 +523,7 @@ class FusedTritonExecutor(TritonExecutor):
                           add_to: tuple[torch.Tensor, torch.Tensor] | None = None,
                           log_mean_exp: torch.Tensor | None = None,
                           decision: EstimateDecision | None = None,
-                          page_tops: PageTops | None = None) -> FusedLaunch:
+                          page_tops: PageTops | None = None, moment_rider: Any = None) -> FusedLaunch:
         """The ``qada`` decision at ``tau`` with the group ``policy`` and the attention of ``step``, in two launches;
         with ``tail``, the ``qada_tail`` decision (:mod:`qada.attention._fused_tail_kernel`), whose split launch
         also makes the step's key join its page in ``tail``'s extrema (in place, as
@@ -546,6 +546,9 @@ class FusedTritonExecutor(TritonExecutor):
         the ``triton`` split and combine launches. A ``qada_tail`` step whose pages are spread over page-top
         programs (:meth:`page_tops`) has them run by the launch that writes ``log_mean_exp``: ``page_tops`` are those
         it ran (:meth:`bulk_estimate`); ``None`` with ``log_mean_exp``: a launch of their own runs them now.
+        ``moment_rider``: with :attr:`estimate_in_splits`, the moment step for the next decode step that the combine
+        launch runs besides (:class:`~qada.attention.moment_step.MomentRider`, :mod:`qada.attention._ahead_kernel`),
+        or ``None``.
         """
         query, key, value = step.query, step.keys, step.values
         check_triton_runtime(query.device, query.dtype, "triton_fused")
@@ -578,6 +581,9 @@ class FusedTritonExecutor(TritonExecutor):
             raise ValueError(f"expected page_tops of {self.page_top_stretches(tail)} stretches for this tail index "
                              f"and pages_per_program={self.pages_per_program} but got {page_tops.stretches}")
         in_splits = self.estimates_in_splits(tail, budget)
+        if moment_rider is not None and not in_splits:
+            raise ValueError("a moment step riding in the combine launch steps the moments ahead of a split launch "
+                             "that computes the estimate from them: estimate_in_splits=True, a plain qada decision")
         if in_splits and log_mean_exp is not None:
             raise ValueError("with estimate_in_splits the split launch computes log_mean_exp itself: pass None")
         if log_mean_exp is None and not in_splits:  # (one estimate launch, which runs the page-top programs too)
@@ -667,7 +673,7 @@ class FusedTritonExecutor(TritonExecutor):
             done = self.launch(step, GroupDecision(flags[1], read), statistics, pdl, extra, rank, heads)
             return FusedLaunch(done.output, done.bulk_blocks, flags[0], flags[1], read, flags[2], done.counts,
                                log_ratio, n_exact, row)
-        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra)
+        output, bulk_blocks = combine(query, acc, m, l, counts, sinks, statistics, pdl, extra, moment_rider)
         return FusedLaunch(output, bulk_blocks, flags[0], flags[1], read, flags[2], counts, log_ratio, n_exact, row)
 
     def _split_estimate(self, step: DecodeStep, in_splits: bool, placeholder: torch.Tensor) -> tuple[tuple, dict]:

@@ -29,7 +29,8 @@ from qada.attention.page_tops import rider_args
 from qada.attention.triton_decode import _next_pow2, _tile
 from qada.step import BulkMoments
 
-__all__ = ["BulkEstimate", "EstimateDecision", "current_step_launch", "estimate_launch", "stored_step_launch"]
+__all__ = ["BulkEstimate", "EstimateDecision", "MomentRider", "current_step_launch", "current_step_rider",
+           "estimate_launch", "stored_step_launch", "stored_step_rider"]
 
 _PAIR_TERMS = 4096
 """Elements of the estimate's running ``[BLOCK_E, BLOCK_T, BLOCK_T]`` sum of ``q^T cov q`` (float32, 32 registers per
@@ -331,3 +332,61 @@ def estimate_launch(estimate: BulkEstimate, moments: BulkMoments) -> torch.Tenso
         D=d, HAS_START=start is not None, **block_sizes(d, constants["G"]), **constants, **rider_constants,
     )  # fmt: skip
     return out
+
+
+class MomentRider(NamedTuple):
+    """A moment step for the next decode step that the combine launch carries
+    (:func:`~qada.attention.triton_decode.combine`'s ``rider``, :mod:`qada.attention._ahead_kernel`): the kernel's
+    name there, its ``MS_`` positional arguments and constants, the ``(row, KV head)`` pairs and the programs per pair
+    (the state's block pairs)."""
+
+    kernel: str
+    args: tuple
+    constants: dict
+    pairs: int
+    programs: int
+
+
+def _rider_rendezvous(state: dict[str, torch.Tensor], count: torch.Tensor, d: int) -> tuple[torch.Tensor, int]:
+    """``(ARRIVED, block pairs)`` of a moment step riding in the combine launch: always one program per block pair
+    (``G`` does not matter without an estimate: the blocks of ``G = 1``)."""
+    arrived, _, own, _ = _rendezvous(state, count, count.numel(), None, 1, d)
+    return arrived, own
+
+
+def current_step_rider(state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
+                       end: torch.Tensor, t_local: int, t_recent: int) -> MomentRider:
+    """:func:`current_step_launch` (no estimate) for rows ending one key past ``end`` (the next decode step's; its
+    key, at ``end - T_recent``, is in ``keys`` already: ``t_recent >= 1``), as programs of the combine launch."""
+    if t_recent < 1:
+        raise ValueError(f"expected T_recent >= 1 to step the moments ahead (the key entering the bulk at the next "
+                         f"step must be in the cache already) but got {t_recent}")
+    b, H_kv, _, d = keys.shape
+    count, mean, m2, out_mean, out_cov = (state[name] for name in ("count", "mean", "m2", "out_mean", "out_cov"))
+    _contiguous(count=count, mean=mean, m2=m2, out_mean=out_mean, out_cov=out_cov)
+    arrived, own = _rider_rendezvous(state, count, d)
+    sizes = block_sizes(d, 1)
+    args = (count, mean, m2, out_mean, out_cov, keys, end if start is None else start, end, arrived, H_kv, t_local,
+            t_recent, *keys.stride(), *_row_strides(start, end), b * H_kv)
+    constants = dict(MS_D=d, MS_BLOCK_T=sizes["BLOCK_T"], MS_BLOCK_D=sizes["BLOCK_D"], MS_HAS_START=start is not None)
+    return MomentRider("combine_and_current_step_kernel", args, constants, b * H_kv, own)
+
+
+def stored_step_rider(state: dict[str, torch.Tensor], start: torch.Tensor | None, end: torch.Tensor, *,
+                      t_local: int, offset: int, first: int, min_bulk_keys: int) -> MomentRider:
+    """:func:`stored_step_launch` (no estimate) for rows one key longer than ``end - start`` (the next decode
+    step's), as programs of the combine launch."""
+    ref, shift = state["ref"], state["shift"]
+    count, s1, s2, mean, cov = (state[name] for name in ("count", "s1", "s2", "mean", "cov"))
+    jumps = tuple(state[name] for name in ("jump_n", "jump_count", "jump_s1", "jump_s2"))
+    _contiguous(count=count, s1=s1, s2=s2, mean=mean, cov=cov, shift=shift, jump_n=jumps[0], jump_count=jumps[1],
+                jump_s1=jumps[2], jump_s2=jumps[3])
+    b, H_kv = count.shape
+    N, d = ref.shape[1], ref.shape[2]
+    arrived, own = _rider_rendezvous(state, count, d)
+    sizes = block_sizes(d, 1)
+    args = (count, s1, s2, state["old_end"], *jumps, mean, cov, ref, shift, end if start is None else start, end,
+            arrived, H_kv, N, jumps[0].shape[1], t_local, offset, first, min_bulk_keys, *ref.stride(),
+            *_row_strides(start, end), b * H_kv)
+    constants = dict(MS_D=d, MS_BLOCK_T=sizes["BLOCK_T"], MS_BLOCK_D=sizes["BLOCK_D"], MS_HAS_START=start is not None)
+    return MomentRider("combine_and_stored_step_kernel", args, constants, b * H_kv, own)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -342,12 +342,15 @@ def register_cap(num_warps: int, programs: int) -> dict[str, int]:
 
 def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, counts: torch.Tensor,
             sinks: torch.Tensor | None, statistics: StepStatistics | None = None,
-            pdl: bool = False, extra: ExtraAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            pdl: bool = False, extra: ExtraAttention | None = None,
+            rider: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The combine launch: the splits ``acc [pairs, S, G, d]``, ``m, l [pairs, S, G]``, ``counts [pairs, S, 2]``
     of a split kernel for ``query [b, H, d]`` (and the sink logits ``[H]`` or ``None``) merged into ``(output [b,
     H, 1, d]`` in the query dtype, ``bulk_blocks`` 0-d int64); with ``statistics``, its ``row`` written too; with
     ``extra``, the local heads also attend over their extra set (:class:`ExtraAttention`). ``pdl``: as a
-    programmatic dependent launch right after the split launch (it waits for it first)."""
+    programmatic dependent launch right after the split launch (it waits for it first). ``rider``: a
+    :class:`~qada.attention.moment_step.MomentRider`, the moment step for the next decode step that the same launch
+    runs besides (:mod:`qada.attention._ahead_kernel`), or ``None``."""
     from qada.attention import _triton_kernel
 
     b, H, d = query.shape
@@ -389,14 +392,22 @@ def combine(query: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Te
     reads = stats.tail_reads or TailReads(1, 0, 0)
     sums, layer = stats.add_to or (stats.row, stats.row)
     extras = (extra.m, extra.l, extra.acc, extra.local) if extra is not None else (m, m, m, m)
+    kernel, grid, riding, rider_constants = _triton_kernel.qada_decode_combine_kernel, (b * H + 1,), (), {}
+    if rider is not None:  # the moment step's programs beside the combine's (module _ahead_kernel)
+        from qada.attention import _ahead_kernel
+
+        kernel = getattr(_ahead_kernel, rider.kernel)
+        grid = (max(b * H + 1, rider.pairs), 1 + rider.programs)
+        riding, rider_constants = (b * H, *rider.args), rider.constants
     _triton_kernel.run(
-        _triton_kernel.qada_decode_combine_kernel, (b * H + 1,),
+        kernel, grid,
         acc, m, l, counts, output, bulk_blocks, m if sinks is None else sinks.contiguous(),
         *flags, m if stats.start is None else stats.start, m if stats.end is None else stats.end, stats.row, sums,
         layer, *extras,
         output.stride(0), output.stride(1), output.stride(3),
         H, S, pairs * S, stats.length, stats.t_local, reads.page_size, reads.heavy, reads.pages, reads.super_page,
-        reads.super_pages, 2 if reads.attend_exact else 1,
+        reads.super_pages, 2 if reads.attend_exact else 1, *riding,
+        **rider_constants,
         G=G, D=d, BLOCK_S=BLOCK_S, CHUNK_S=min(BLOCK_S, 16), BLOCK_D=_tile(d), BLOCK_C=256,
         HAS_SINKS=sinks is not None, STATS=statistics is not None, HAS_START=stats.start is not None,
         HAS_END=stats.end is not None, TAIL_READS=stats.tail_reads is not None, ADD=stats.add_to is not None,

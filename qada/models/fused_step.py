@@ -29,7 +29,8 @@ from qada.moments.base import MomentSource
 from qada.step import BulkMoments, DecodeStep
 from qada.window import Window
 
-__all__ = ["check_fusable", "fused_budget", "fused_layer_step", "fused_moment_step", "fused_tail", "is_fusable"]
+__all__ = ["advance_after_prefill", "check_fusable", "fused_budget", "fused_layer_step", "fused_moment_step",
+           "fused_tail", "has_step_kernel", "held_moments", "is_fusable", "moment_step_rider", "steps_moments_ahead"]
 
 
 def check_fusable(criterion: HeadCriterion, moments: MomentSource | None, executor: Any) -> None:
@@ -133,20 +134,84 @@ def fused_layer_step(
                                               window)
     # a qada_tail step's page-top programs (if its pages are spread) run in the moment step's launch
     page_tops = None if tail is None else executor.page_tops(step, tail)
-    estimate = None  # the estimate computed by the split launch itself (estimate_in_splits), or:
-    if not executor.estimates_in_splits(tail, budget):  # by the moment step's launch
+    estimate = rider = None  # the estimate computed by the split launch itself (estimate_in_splits), or:
+    in_splits = executor.estimates_in_splits(tail, budget)
+    if not in_splits:  # by the moment step's launch
         estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap, decision, page_tops)
-    bulk = advance_moments(step, keys, start, end, layer, moment_state, moments, window,
-                           functools.partial(fused_moment_step, moments, estimate=estimate))
+    elif has_step_kernel(moments, moment_state):  # the moments are this step's already: the next step's in the combine
+        rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
+        rider = moment_step_rider(moments, moment_state, keys, start, rows_end, window)
+    if rider is not None:
+        step.moments = held_moments(moment_state)
+        bulk = None  # (overwritten by the combine launch: not kept for later readers)
+    else:
+        bulk = advance_moments(step, keys, start, end, layer, moment_state, moments, window,
+                               functools.partial(fused_moment_step, moments, estimate=estimate))
     tau = 0.0 if budget is not None else criterion.tau  # (a budget ranks: no threshold)
     add_to = None if sums is None else (sums, layer)  # the combine launch adds the row to sums[layer]
     launch = executor.decide_and_attend(step, tau, policy, tail, budget, add_to,
                                         log_mean_exp=None if estimate is None else estimate.out,
-                                        decision=decision, page_tops=page_tops)
+                                        decision=decision, page_tops=page_tops, moment_rider=rider)
     counts = launch.row
     return LayerStepResult(launch.decided, launch.local, launch.read, counts[None], counts[3], None, None, None,
                            None, None, bulk, step.query, step.start, step.end,
                            output=launch.output, bulk_blocks=launch.bulk_blocks)
+
+
+def has_step_kernel(moments: MomentSource | None, state: dict[str, torch.Tensor] | None) -> bool:
+    """Whether ``moments`` steps ``state`` (its :meth:`~qada.moments.MomentSource.step_state`) in a kernel of its
+    own (:mod:`qada.attention.moment_step`): the plain ``current`` source stepping every key (not frozen, not in
+    blocks), the plain ``stored`` one."""
+    from qada.moments.current import CurrentMoments
+    from qada.moments.stored import StoredMoments
+
+    if state is None:
+        return False
+    if type(moments) is CurrentMoments:
+        return "m2" in state and not moments.freeze
+    return type(moments) is StoredMoments and "s2" in state
+
+
+def steps_moments_ahead(criterion: HeadCriterion, moments: MomentSource | None, executor: Any,
+                        state: dict[str, torch.Tensor] | None) -> bool:
+    """Whether a run's fused layer step keeps ``moments`` (``state``, a layer's) one decode step ahead: the plain
+    ``qada`` criterion on an executor whose splits compute the estimate (``estimate_in_splits``) from a source with
+    a step kernel (:func:`has_step_kernel`). Each step's combine launch then steps them for the next
+    (:func:`moment_step_rider`), and the prefill for the first (:func:`advance_after_prefill`)."""
+    from qada.criteria.qada import QAdACriterion
+
+    return (getattr(executor, "fuses_decision", False) and type(criterion) is QAdACriterion
+            and executor.estimates_in_splits() and has_step_kernel(moments, state))
+
+
+def advance_after_prefill(moments: MomentSource, state: dict[str, torch.Tensor], keys: torch.Tensor,
+                          start: torch.Tensor | None, window: Window) -> None:
+    """Step a layer's prefilled moment ``state`` to the first decode step's (rows of ``keys [b, H_kv, T, d]``, the
+    prompt, then ending at ``T + 1``) with the source's kernel: for a run that steps its moments ahead
+    (:func:`steps_moments_ahead`)."""
+    end = torch.full((keys.shape[0],), keys.shape[2] + 1, dtype=torch.long, device=keys.device)
+    fused_moment_step(moments, state, keys, start, end, window)
+
+
+def moment_step_rider(moments: MomentSource, state: dict[str, torch.Tensor], keys: torch.Tensor,
+                      start: torch.Tensor | None, end: torch.Tensor, window: Window) -> Any:
+    """The :class:`~qada.attention.moment_step.MomentRider` stepping ``state`` to the next decode step's (rows ending
+    one key past ``end``) in the combine launch, for a source with a step kernel (:func:`has_step_kernel`)."""
+    from qada.attention.moment_step import current_step_rider, stored_step_rider
+    from qada.moments.current import CurrentMoments
+
+    if type(moments) is CurrentMoments:
+        return current_step_rider(state, keys, start, end, window.t_local, window.t_recent)
+    return stored_step_rider(state, start, end, t_local=window.t_local, offset=moments.offset,
+                             first=moments.first(window), min_bulk_keys=moments.min_bulk_keys)
+
+
+def held_moments(state: dict[str, torch.Tensor]) -> BulkMoments:
+    """The float32 moments a source's step ``state`` holds: ``current``'s ``out_mean, out_cov``, ``stored``'s
+    ``mean, cov``."""
+    if "out_cov" in state:
+        return BulkMoments(state["out_mean"], state["out_cov"])
+    return BulkMoments(state["mean"], state["cov"])
 
 
 def fused_moment_step(moments: MomentSource, state: dict[str, torch.Tensor], keys: torch.Tensor,

@@ -228,9 +228,22 @@ class QAdARun:
                                                    device=key.device))
         if self.uses_moments:  # a growing cache is a buffer whose capacity is its length
             self.moments.prefill(layer, key, start, self.window, capacity=capacity or key.shape[2])
+            self._step_moments_ahead(layer, key, start)
         self.criterion.observe_prefill(layer, key, query, scale, start, self.window, capacity)
         self._layer_inputs(layer, capacity or key.shape[2], key.device)  # made now, never inside a decode step
         self.fanout.prefill(layer, key.shape[2])
+
+    def _step_moments_ahead(self, layer: int, key: torch.Tensor, start: torch.Tensor | None) -> None:
+        """Where the fused layer step keeps the moments one decode step ahead (``estimate_in_splits`` on a source with
+        a step kernel: :func:`~qada.models.fused_step.steps_moments_ahead`), step ``layer``'s prefilled moments to the
+        first decode step's."""
+        from qada.models.fused_step import advance_after_prefill, steps_moments_ahead
+
+        if not getattr(self.executor, "fuses_decision", False) or not self.moments.has_state(layer):
+            return
+        state = self.moments.step_state(layer)
+        if steps_moments_ahead(self.criterion, self.moments, self.executor, state):
+            advance_after_prefill(self.moments, state, key, start, self.window)
 
     def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None,

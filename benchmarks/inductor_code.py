@@ -50,6 +50,8 @@ CONFIGS: dict[str, dict[str, Any]] = {  # name: build_run arguments (stored mome
                                     "moments": "current"},
     "qada fused once": {"criterion": {"name": "qada", "tau": 0.6},
                         "executor": {"name": "triton_fused", "decide_once": True}},
+    "qada fused estimating": {"criterion": {"name": "qada", "tau": 0.6},
+                              "executor": {"name": "triton_fused", "estimate_in_splits": True}},
     "qada_tail fused": {"criterion": {"name": "qada_tail", "tau": 0.3}, "executor": {"name": "triton_fused"}},
     "qada_tail fused (pages spread)": {"criterion": {"name": "qada_tail", "tau": 0.3},
                                       "executor": {"name": "triton_fused", "decide_once": True,

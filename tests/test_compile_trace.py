@@ -31,6 +31,9 @@ CASES = {  # name: (model family, moment source, criterion, executor)
                                            {"name": "qada_tail_budget", "sparsity": 0.5, "per_group": True}, {}),
     "qada soft cap (gemma2)": ("gemma2", "current", {"name": "qada", "tau": 0.3}, {}),
     "qada_tail sinks (gpt_oss)": ("gpt_oss", "current", {"name": "qada_tail", "tau": 0.3}, {}),
+    "qada estimating": ("llama", "stored", {"name": "qada", "tau": 0.3}, {"estimate_in_splits": True}),
+    "qada estimating soft cap (gemma2)": ("gemma2", "current", {"name": "qada", "tau": 0.3},
+                                          {"estimate_in_splits": True}),
 }  # fmt: skip
 
 SCRIPT = textwrap.dedent(
@@ -102,7 +105,8 @@ def test_compiled_fused_step_is_its_launches_and_nothing_else(traced, case):
     assert row["analysis_fallbacks"] == []
     assert len(row["graphs"]) == 2  # static shapes, then symbolic ones
     for graph in row["graphs"]:
-        expected = fused_step_launches(source, criterion["name"], executor.get("decide_once", False))
+        expected = fused_step_launches(source, criterion["name"], executor.get("decide_once", False),
+                                       executor.get("estimate_in_splits", False))
         assert [launch["kernel"] for launch in graph["launches"]] == expected
         assert graph["ops"] == {} and graph["constants"] == 0
         assert graph["dtype_views"] == []  # (a bool one fails Inductor's lowering on torch 2.11, a GPU's torch)
@@ -111,6 +115,21 @@ def test_compiled_fused_step_is_its_launches_and_nothing_else(traced, case):
             assert launch["writes"], launch
             if not launch["kernel"].endswith("moment_step_kernel"):  # (its MEAN, COV are its outputs)
                 assert not set(launch["writes"]) & READ_ONLY, launch
+
+
+@pytest.mark.parametrize("case", ["qada estimating", "qada estimating soft cap (gemma2)"])
+def test_the_combine_that_steps_the_moments_is_seen_writing_them(traced, case):
+    """With the moments a step ahead, the write analysis sees the combine launch write the moment state (float64
+    sums, count, the float32 moments the next step's splits read) besides the output: a compiled step that did not
+    know would be free to drop or reorder those writes. (The tiny models' heads are one block pair: no arrival
+    count to write.)"""
+    _, source, _, _ = CASES[case]
+    state = {"MS_COUNT"} | ({"MS_S1", "MS_S2", "MS_MEAN", "MS_COV"} if source == "stored"
+                            else {"MS_MEAN", "MS_M2", "MS_OUT_MEAN", "MS_OUT_COV"})
+    for graph in traced[case]["graphs"]:
+        combine = graph["launches"][-1]
+        assert combine["kernel"] == f"combine_and_{source}_step_kernel"
+        assert state <= set(combine["writes"]) and "OUT" in combine["writes"], sorted(state - set(combine["writes"]))
 
 
 @pytest.mark.parametrize("case", FORWARD)

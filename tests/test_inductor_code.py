@@ -147,6 +147,8 @@ CASES = {  # name: (moment source, criterion, executor options)
     "qada": ("stored", {"name": "qada", "tau": 0.3}, {}),
     "qada decide_once": ("stored", {"name": "qada", "tau": 0.3}, {"decide_once": True}),
     "qada current": ("current", {"name": "qada", "tau": 0.3}, {}),
+    "qada estimating": ("stored", {"name": "qada", "tau": 0.3}, {"estimate_in_splits": True}),
+    "qada estimating current": ("current", {"name": "qada", "tau": 0.3}, {"estimate_in_splits": True}),
     "qada_tail": ("stored", {"name": "qada_tail", "tau": 0.3}, {}),
     "qada_tail pages spread": ("stored", {"name": "qada_tail", "tau": 0.3},
                                {"decide_once": True, "pages_per_program": 1}),
@@ -252,7 +254,8 @@ def test_compiled_fused_step_launches_what_the_eager_step_launches(measured, cas
     more at a second cache size (symbolic sizes), the same kernels."""
     source, criterion, executor = CASES[case]
     row = measured[case]
-    expected = fused_step_launches(source, criterion["name"], executor.get("decide_once", False))
+    expected = fused_step_launches(source, criterion["name"], executor.get("decide_once", False),
+                                   executor.get("estimate_in_splits", False))
     assert [k["name"] for k in row["kernels"]] == expected
     assert (row["inductor"], row["extern"], row["fallback"]) == (0, 0, 0)
     assert row["differences"] == []

@@ -55,13 +55,17 @@ def refusing_host_reads(monkeypatch: pytest.MonkeyPatch):
         yield
 
 
-def fused_step_launches(source: str, criterion: str, decide_once: bool = False) -> list[str]:
+def fused_step_launches(source: str, criterion: str, decide_once: bool = False,
+                        estimate_in_splits: bool = False) -> list[str]:
     """The kernels one ``triton_fused`` layer step launches, in order: the moment step of ``source`` (``stored`` or
     ``current``; it runs a ``qada_tail`` step's page-top programs too, where its pages are spread over them), the
     fused split of ``criterion`` (``qada``, or a name starting ``qada_tail``; none for ``qada`` with
     ``decide_once``: the moment step's launch decides; ``qada_budget...``: its score launch instead), the ``triton``
     split where the decision is made apart (``decide_once`` or a budget, which that split ranks), then the
-    combine."""
+    combine. With ``estimate_in_splits`` (plain ``qada`` decided in the splits) the split, then the combine that
+    steps the moments for the next step."""
+    if estimate_in_splits and criterion == "qada" and not decide_once:
+        return ["qada_fused_split_kernel", f"combine_and_{source}_step_kernel"]
     tail = criterion.startswith("qada_tail")
     if criterion.startswith("qada_budget"):
         split = ["qada_budget_score_kernel"]

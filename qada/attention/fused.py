@@ -19,7 +19,9 @@ No other device work, no host read of a tensor value, grid from the shapes only.
 criterion's up to float32 rounding (a head whose ratio lies within rounding of ``tau`` may go either way). A moment
 source that steps in torch (or a frozen one) gets one launch more for ``log E[exp(s)]``
 (:func:`~qada.attention.moment_step.estimate_launch`), as does :meth:`FusedTritonExecutor.decide_and_attend` called
-without it.
+without it. With ``estimate_in_splits=True`` each split computes ``log E[exp(s)]`` itself from the moments, and the
+built-in sources' moment step, kept one decode step ahead, runs in the combine launch for the next step
+(:mod:`qada.attention._ahead_kernel`): two launches a layer in all.
 
 On a run whose criterion is the tail-aware ``qada_tail`` the split launch is :mod:`qada.attention._fused_tail_kernel`'s
 instead (:class:`FusedTail` carries the layer's tail index): each program also makes the step's key join its page
@@ -423,11 +425,13 @@ class FusedTritonExecutor(TritonExecutor):
     estimate_in_splits: bool = False
     """Whether a plain ``qada`` decision made in the splits (not :attr:`decide_once`) computes each head's ``log
     E[exp(s)]`` in every split program from the float32 bulk moments (the split kernel's ``ESTIMATE``: the same
-    float32 value as the launch that writes it) instead of reading it from a launch before: no launch of its own for
-    the estimate after a moment source stepped in torch (a frozen ``current`` source, ``bucketed``, a user's: two
-    launches a layer instead of three), and for the built-in ``current`` and ``stored`` sources a moment step's
-    launch without one. Each split program then reads the ``d x d`` covariance too (16 KB at ``d = 64``, from L2
-    after the first). The same decisions either way; opt-in until a GPU has timed it."""
+    float32 value as the launch that writes it) instead of reading it from a launch before. A layer's step is then two
+    launches, the split and the combine: with the built-in ``current`` (stepping every key) and ``stored`` sources the
+    moments are kept one decode step ahead, each step's combine launch stepping them for the next
+    (:mod:`qada.attention._ahead_kernel`) and the prefill for the first; after a source stepped in torch or a frozen
+    one there is no moment launch. Each split program then reads the ``d x d`` covariance too (16 KB at ``d = 64``,
+    from L2 after the first), and the layer step returns no moments (the next step's overwrite them). The same
+    decisions, output and statistics either way; opt-in until a GPU has timed it."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -187,10 +187,11 @@ def steps_moments_ahead(criterion: HeadCriterion, moments: MomentSource | None, 
 def advance_after_prefill(moments: MomentSource, state: dict[str, torch.Tensor], keys: torch.Tensor,
                           start: torch.Tensor | None, window: Window) -> None:
     """Step a layer's prefilled moment ``state`` to the first decode step's (rows of ``keys [b, H_kv, T, d]``, the
-    prompt, then ending at ``T + 1``) with the source's kernel: for a run that steps its moments ahead
+    prompt, then ending at ``T + 1``) with the source's own step, in torch (no kernel at the prefill: the moment
+    kernels' state equals it to float64 rounding): for a run that steps its moments ahead
     (:func:`steps_moments_ahead`)."""
     end = torch.full((keys.shape[0],), keys.shape[2] + 1, dtype=torch.long, device=keys.device)
-    fused_moment_step(moments, state, keys, start, end, window)
+    moments.step(state, keys, start, end, window)
 
 
 def moment_step_rider(moments: MomentSource, state: dict[str, torch.Tensor], keys: torch.Tensor,

@@ -248,6 +248,18 @@ def _contiguous(**tensors: torch.Tensor) -> None:
             raise ValueError(f"expected the moment state's {name!r} to be contiguous")
 
 
+_STORED_STATE = ("count", "s1", "s2", "old_end", "jump_n", "jump_count", "jump_s1", "jump_s2", "mean", "cov", "ref",
+                 "shift")
+"""The ``stored`` source's step state as its kernel takes it (``COUNT`` .. ``SHIFT``)."""
+
+
+def _stored_state(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The tensors :data:`_STORED_STATE` names, in order, checked contiguous (but ``old_end`` and the reference
+    keys ``ref [H_kv, N, d]``, read with their strides)."""
+    _contiguous(**{name: state[name] for name in _STORED_STATE if name not in ("old_end", "ref")})
+    return tuple(state[name] for name in _STORED_STATE)
+
+
 def current_step_launch(state: dict[str, torch.Tensor], keys: torch.Tensor, start: torch.Tensor | None,
                         end: torch.Tensor, t_local: int, t_recent: int,
                         estimate: BulkEstimate | None = None) -> BulkMoments:
@@ -283,11 +295,8 @@ def stored_step_launch(state: dict[str, torch.Tensor], start: torch.Tensor | Non
     ``BulkMoments(mean, cov)``."""
     from qada.attention import _moment_kernel, _triton_kernel
 
-    ref, shift = state["ref"], state["shift"]  # [H_kv, N, d], [H_kv, d]
-    count, s1, s2, mean, cov = (state[name] for name in ("count", "s1", "s2", "mean", "cov"))
-    jumps = tuple(state[name] for name in ("jump_n", "jump_count", "jump_s1", "jump_s2"))
-    _contiguous(count=count, s1=s1, s2=s2, mean=mean, cov=cov, shift=shift, jump_n=jumps[0], jump_count=jumps[1],
-                jump_s1=jumps[2], jump_s2=jumps[3])
+    sums = _stored_state(state)
+    count, ref = sums[0], sums[-2]  # [b, H_kv], [H_kv, N, d]
     b, H_kv = count.shape
     N, d = ref.shape[1], ref.shape[2]
     tensors, scalars, constants = _estimate_parts(estimate, H_kv, count, start, end)
@@ -296,12 +305,12 @@ def stored_step_launch(state: dict[str, torch.Tensor], start: torch.Tensor | Non
     grid, rider, rider_constants = _rider(estimate, b * H_kv, own, count)
     _triton_kernel.run(
         _moment_kernel.stored_moment_step_kernel, grid,
-        count, s1, s2, state["old_end"], *jumps, mean, cov, ref, shift, end if start is None else start, end,
-        keys, *tensors, arrived, shares, H_kv, N, jumps[0].shape[1], t_local, offset, first,
+        *sums, end if start is None else start, end,
+        keys, *tensors, arrived, shares, H_kv, N, state["jump_n"].shape[1], t_local, offset, first,
         min_bulk_keys, *ref.stride(), *_row_strides(start, end), *key_strides, *scalars, *rider,
         **_constants(d, start, constants["G"]), **constants, **rider_constants, **spread,
     )  # fmt: skip
-    return BulkMoments(mean, cov)
+    return BulkMoments(state["mean"], state["cov"])
 
 
 def estimate_launch(estimate: BulkEstimate, moments: BulkMoments) -> torch.Tensor:
@@ -376,17 +385,14 @@ def stored_step_rider(state: dict[str, torch.Tensor], start: torch.Tensor | None
                       t_local: int, offset: int, first: int, min_bulk_keys: int) -> MomentRider:
     """:func:`stored_step_launch` (no estimate) for rows one key longer than ``end - start`` (the next decode
     step's), as programs of the combine launch."""
-    ref, shift = state["ref"], state["shift"]
-    count, s1, s2, mean, cov = (state[name] for name in ("count", "s1", "s2", "mean", "cov"))
-    jumps = tuple(state[name] for name in ("jump_n", "jump_count", "jump_s1", "jump_s2"))
-    _contiguous(count=count, s1=s1, s2=s2, mean=mean, cov=cov, shift=shift, jump_n=jumps[0], jump_count=jumps[1],
-                jump_s1=jumps[2], jump_s2=jumps[3])
+    sums = _stored_state(state)
+    count, ref = sums[0], sums[-2]
     b, H_kv = count.shape
     N, d = ref.shape[1], ref.shape[2]
     arrived, own = _rider_rendezvous(state, count, d)
     sizes = block_sizes(d, 1)
-    args = (count, s1, s2, state["old_end"], *jumps, mean, cov, ref, shift, end if start is None else start, end,
-            arrived, H_kv, N, jumps[0].shape[1], t_local, offset, first, min_bulk_keys, *ref.stride(),
+    args = (*sums, end if start is None else start, end, arrived, H_kv, N, state["jump_n"].shape[1], t_local, offset,
+            first, min_bulk_keys, *ref.stride(),
             *_row_strides(start, end), b * H_kv)
     constants = dict(MS_D=d, MS_BLOCK_T=sizes["BLOCK_T"], MS_BLOCK_D=sizes["BLOCK_D"], MS_HAS_START=start is not None)
     return MomentRider("combine_and_stored_step_kernel", args, constants, b * H_kv, own)

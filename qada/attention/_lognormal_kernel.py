@@ -86,9 +86,13 @@ def moments_log_mean_exp(
             ok = i_ok[:, None] & (cols < D)[None, :]
             cov_ij = tl.load(cov_base + rows[:, None] * stride_ci + cols[None, :] * stride_cj, mask=ok,
                              other=0.0).to(tl.float32)  # fmt: skip
-            cov_ji = tl.load(cov_base + cols[:, None] * stride_ci + rows[None, :] * stride_cj,
-                             mask=tl.trans(ok) & (i != j), other=0.0).to(tl.float32)  # fmt: skip
-            q_j = query_tile(q_head, stride_qh, stride_qd, cols, cols < D, G, BLOCK_E)
+            if i != j:  # an off-diagonal pair: the block [J, I] and the features J too
+                cov_ji = tl.load(cov_base + cols[:, None] * stride_ci + rows[None, :] * stride_cj,
+                                 mask=tl.trans(ok), other=0.0).to(tl.float32)  # fmt: skip
+                q_j = query_tile(q_head, stride_qh, stride_qd, cols, cols < D, G, BLOCK_E)
+            else:  # the diagonal block: counted once (0 for its transpose), the features I again
+                cov_ji = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+                q_j = q_i
             share = add_block_pair(tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32), cov_ij, tl.trans(cov_ji),
                                    q_i, q_j)
             qcq += tl.sum(tl.sum(share, axis=2), axis=1)  # (pair by pair, as the moment kernels sum their shares)

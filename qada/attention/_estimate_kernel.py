@@ -30,9 +30,16 @@ def store_log_mean_exp(
     (float32, contiguous), from ``mu [BLOCK_E]`` (eq. 5, ``scale q·mean``) and ``var [BLOCK_E]`` (eq. 6, ``scale^2 q^T
     cov q``): ``mu + var / 2``, or under ``SOFTCAP`` ``log E[exp(c tanh(s / c))]`` by Gauss-Hermite with the
     ``n_nodes`` nodes ``GH_X`` and log weights ``GH_LOGW``."""
-    result = log_mean_exp(GH_X, GH_LOGW, mu, var, softcap, n_nodes, BLOCK_X, SOFTCAP)
+    store_heads(LME, row, kv_head, log_mean_exp(GH_X, GH_LOGW, mu, var, softcap, n_nodes, BLOCK_X, SOFTCAP), H_kv, G,
+                BLOCK_E)
+
+
+@triton.jit
+def store_heads(LME, row, kv_head, values, H_kv, G: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Store ``values [BLOCK_E]``, one per query head of (``row``, ``kv_head``)'s group (the first ``G``), at ``LME [b,
+    H]`` (float32, contiguous)."""
     offs_e = tl.arange(0, BLOCK_E)
-    tl.store(LME + row.to(tl.int64) * (H_kv * G) + kv_head * G + offs_e, result, mask=offs_e < G)
+    tl.store(LME + row.to(tl.int64) * (H_kv * G) + kv_head * G + offs_e, values, mask=offs_e < G)
 
 
 @triton.jit
@@ -109,8 +116,7 @@ def bulk_estimate_kernel(
                                   COV + row64 * stride_cb + kv64 * stride_ch, GH_X, GH_LOGW, stride_qh, stride_qd,
                                   stride_md, stride_ci, stride_cj, scale, softcap, n_nodes, D, G, BLOCK_D, BLOCK_T,
                                   BLOCK_E, BLOCK_X, SOFTCAP)  # fmt: skip
-    offs_e = tl.arange(0, BLOCK_E)
-    tl.store(LME + row64 * (H_kv * G) + kv_head * G + offs_e, result, mask=offs_e < G)
+    store_heads(LME, row, kv_head, result, H_kv, G, BLOCK_E)
     decide_after_estimate(Q, LME, K, START, END, SINKS, DECIDED, LOCAL, READ, BROKEN, row, kv_head, stride_qb,
                           stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd, C, H_kv, t_sink, t_local,
                           scale, softcap, log_tau, G, D, BLOCK_G, BLOCK_D, DECIDE, BLOCK_N, HAS_START, END_GIVEN,

@@ -588,13 +588,14 @@ class FusedTritonExecutor(TritonExecutor):
         if moment_rider is not None and not in_splits:
             raise ValueError("a moment step riding in the combine launch steps the moments ahead of a split launch "
                              "that computes the estimate from them: estimate_in_splits=True, a plain qada decision")
-        if in_splits and log_mean_exp is not None:
-            raise ValueError("with estimate_in_splits the split launch computes log_mean_exp itself: pass None")
-        if log_mean_exp is None and not in_splits:  # (one estimate launch, which runs the page-top programs too)
+        if in_splits:
+            if log_mean_exp is not None:
+                raise ValueError("with estimate_in_splits the split launch computes log_mean_exp itself: pass None")
+        elif log_mean_exp is None:  # (one estimate launch, which runs the page-top programs too)
             log_mean_exp = estimate_launch(self.bulk_estimate(query, step.scale, step.softcap, page_tops=spread),
                                            step.bulk_moments)
             page_tops = spread
-        elif not in_splits and (log_mean_exp.shape != (b, H) or log_mean_exp.dtype != torch.float32
+        elif (log_mean_exp.shape != (b, H) or log_mean_exp.dtype != torch.float32
               or not log_mean_exp.is_contiguous()):
             raise ValueError(f"expected log_mean_exp as a contiguous float32 tensor of shape [{b}, {H}] but got "
                              f"{log_mean_exp.dtype} {tuple(log_mean_exp.shape)}")

@@ -123,7 +123,7 @@ def fused_layer_step(
     then ``executor.decide_and_attend`` at ``criterion.tau``): ``query [b, H, 1, d]``, ``keys, values [b, H_kv, C,
     d]``. Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the
     attention. A moment source without a kernel steps in torch (:meth:`~qada.moments.MomentSource.step`)."""
-    from qada.models.layer_step import LayerStepResult, advance_moments, new_step
+    from qada.models.layer_step import LayerStepResult, advance_moments, new_step, rows_end
 
     step = new_step(query, keys, values, start, end, scale, layer, criterion_states, sink_logits, softcap, window)
     tail = fused_tail(criterion, step)  # (None: the plain qada criterion, or qada_budget)
@@ -135,12 +135,11 @@ def fused_layer_step(
     # a qada_tail step's page-top programs (if its pages are spread) run in the moment step's launch
     page_tops = None if tail is None else executor.page_tops(step, tail)
     estimate = rider = None  # the estimate computed by the split launch itself (estimate_in_splits), or:
-    in_splits = executor.estimates_in_splits(tail, budget)
-    if not in_splits:  # by the moment step's launch
+    if not executor.estimates_in_splits(tail, budget):  # by the moment step's launch
         estimate = executor.bulk_estimate(query[:, :, 0], scale, softcap, decision, page_tops)
-    elif has_step_kernel(moments, moment_state):  # the moments are this step's already: the next step's in the combine
-        rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
-        rider = moment_step_rider(moments, moment_state, keys, start, rows_end, window)
+    elif steps_moments_ahead(criterion, moments, executor, moment_state):  # this step's already (the prefill or the
+        # last step's combine stepped them): the next step's in the combine launch
+        rider = moment_step_rider(moments, moment_state, keys, start, rows_end(end, layer, keys), window)
     if rider is not None:
         step.moments = held_moments(moment_state)
         bulk = None  # (overwritten by the combine launch: not kept for later readers)
@@ -234,7 +233,7 @@ def fused_moment_step(moments: MomentSource, state: dict[str, torch.Tensor], key
                                   first=moments.first(window), min_bulk_keys=moments.min_bulk_keys,
                                   estimate=estimate)
     if type(moments) is CurrentMoments and "m2" in state:  # frozen: the moments of the prefill
-        bulk = BulkMoments(state["out_mean"], state["out_cov"])
+        bulk = held_moments(state)
     else:
         bulk = moments.step(state, keys, start, end, window)
     if estimate is not None:

@@ -232,12 +232,18 @@ def advance_moments(step: DecodeStep, keys: torch.Tensor, start: torch.Tensor | 
     the bulk moments, or ``None`` without a source."""
     bulk = None
     if moments is not None:
-        rows_end = end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
         # (an explicit None test: torch 2.11's dynamo cannot take the truth value of a functools.partial)
         moment_step = step_with if step_with is not None else moments.step
-        bulk = moment_step(moment_state, keys, start, rows_end, window)
+        bulk = moment_step(moment_state, keys, start, rows_end(end, layer, keys), window)
     step.moments = bulk
     return bulk
+
+
+def rows_end(end: torch.Tensor | None, layer: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The rows' ends ``[b]`` a moment step takes: ``end``, or, on a cache whose rows all end at its length ``C``
+    (``keys [b, H_kv, C, d]``), ``C`` for each row (a device value made from the layer's index tensor ``layer``: no
+    host data in a compiled step)."""
+    return end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
 
 
 def statistics_row(step: DecodeStep, local: torch.Tensor, read: torch.Tensor, forced: torch.Tensor | None,

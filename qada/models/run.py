@@ -239,9 +239,7 @@ class QAdARun:
         first decode step's."""
         from qada.models.fused_step import advance_after_prefill, steps_moments_ahead
 
-        if not getattr(self.executor, "fuses_decision", False) or not self.moments.has_state(layer):
-            return
-        state = self.moments.step_state(layer)
+        state = self.moments.step_state(layer) if self.moments.has_state(layer) else None
         if steps_moments_ahead(self.criterion, self.moments, self.executor, state):
             advance_after_prefill(self.moments, state, key, start, self.window)
 

@@ -114,7 +114,8 @@ for s in "$@"; do
     tests) stage tests 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_attention_triton.py \
              tests/test_attention_triton_buffer.py tests/test_buffer_decode.py tests/test_auto_executor.py ;;
     fused) stage fused 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decision.py tests/test_fused_tail.py \
-        tests/test_fused_budget.py tests/test_moment_step_kernel.py tests/test_dense_step.py ;;
+        tests/test_fused_budget.py tests/test_moment_step_kernel.py tests/test_dense_step.py \
+        tests/test_estimate_in_splits.py tests/test_moments_ahead.py ;;
     graphs) stage graphs 360 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_decision.py \
              tests/test_buffer_decode.py -k "cuda_graphs or compiles_and_decides or same_inputs or each_fused_launch or programmatic" ;;
     parity) stage parity 540 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;

@@ -100,11 +100,16 @@ def test_fused_kernel_decides_as_the_torch_path(tiny, criterion):
                                 compile=False, executor=executor)
 
     reference, _ = decide(tau, "sdpa")
-    fused, described = decide(tau, {"name": "triton_fused", "block_size": 16})
-    report = compare_decisions(reference, fused, decide(tau - 0.01, "sdpa")[0], decide(tau + 0.01, "sdpa")[0])
-    assert described["executor"]["name"] == "triton_fused"
-    assert report.equal and report.decisions == 3 * 3 * model.config.num_attention_heads, report
-    assert 0.2 < report.sparsity["other"] < 0.8
+    band = decide(tau - 0.01, "sdpa")[0], decide(tau + 0.01, "sdpa")[0]
+    executors = [{"name": "triton_fused", "block_size": 16}]
+    if criterion["name"] == "qada":  # the estimate in the splits, the moments a step ahead (a plain decision only)
+        executors.append({"name": "triton_fused", "block_size": 16, "estimate_in_splits": True})
+    for executor in executors:
+        fused, described = decide(tau, executor)
+        report = compare_decisions(reference, fused, *band)
+        assert described["executor"]["name"] == "triton_fused"
+        assert report.equal and report.decisions == 3 * 3 * model.config.num_attention_heads, (executor, report)
+        assert 0.2 < report.sparsity["other"] < 0.8
 
 
 def test_describe_names_the_stored_reference_file_and_fingerprint(tiny, tmp_path):
@@ -164,7 +169,7 @@ def cpu_decisions(smollm2_pair):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("executor", ["triton", "triton_fused", "triton_fused compile_step"])
+@pytest.mark.parametrize("executor", ["triton", "triton_fused", "triton_fused compile_step", "triton_fused estimating"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("moments", ["stored", "current"])
 @pytest.mark.parametrize("criterion", [{"name": "qada", "tau": 0.6}, {"name": "qada_tail", "tau": 0.3}],
@@ -174,11 +179,17 @@ def test_cuda_decides_as_the_cpu(smollm2_pair, cpu_decisions, criterion, moments
     deciding inside its kernel; eager or compiled) equal the CPU's eager ones on the same prompt, tokens and dtype,
     except heads whose ratio lies within 0.01 of tau; both read the same stored reference (file and fingerprint).
     ``triton_fused compile_step``: the fused layer step compiled by Inductor (not the default: on an H200 it decided
-    4 of a tiny model's 96 head-steps otherwise than the eager step; this case says whether those lie near tau)."""
+    4 of a tiny model's 96 head-steps otherwise than the eager step; this case says whether those lie near tau).
+    ``triton_fused estimating``: the estimate in every split, the moment step a decode step ahead in the combine
+    launch (``estimate_in_splits``: a plain ``qada`` decision only)."""
     if executor.endswith("compile_step"):
         if not compile:
             pytest.skip("compile_step applies to a compiled run")
         executor = {"name": "triton_fused", "compile_step": True}
+    elif executor.endswith("estimating"):
+        if criterion["name"] != "qada":
+            pytest.skip("estimate_in_splits applies to a plain qada decision")
+        executor = {"name": "triton_fused", "estimate_in_splits": True}
     _, gpu, tokenizer, ids, continuation = smollm2_pair
     tau = criterion["tau"]
     reference, described_reference = cpu_decisions(criterion, moments, tau)

@@ -633,23 +633,28 @@ def test_gpu_fused_layer_step_compiles_and_decides_as_eager(model, reference, cr
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("criterion", [{"name": "qada", "tau": 0.3}, {"name": "qada_tail", "tau": 0.3},
-                                       {"name": "qada_tail_budget", "sparsity": 0.5}],
-                         ids=["qada", "qada_tail", "qada_tail_budget"])
-def test_gpu_fused_cuda_graphs_replay_equals_eager(model, reference, criterion):
+@pytest.mark.parametrize(("criterion", "source", "options"), [
+    ({"name": "qada", "tau": 0.3}, "stored", {}), ({"name": "qada_tail", "tau": 0.3}, "stored", {}),
+    ({"name": "qada_tail_budget", "sparsity": 0.5}, "stored", {}),
+    ({"name": "qada", "tau": 0.3}, "stored", {"estimate_in_splits": True}),
+    ({"name": "qada", "tau": 0.3}, "current", {"estimate_in_splits": True})],
+    ids=["qada", "qada_tail", "qada_tail_budget", "qada estimating", "qada estimating current"])
+def test_gpu_fused_cuda_graphs_replay_equals_eager(model, reference, criterion, source, options):
     """``triton_fused`` (its layer step eager, the default ``compile_step=False``) inside a model compiled with
     ``mode="reduce-overhead"`` (CUDA graphs), over two sequences: the replayed steps give an eager run's tokens and
     statistics. (With the layer step compiled, a step that fell back to eager while the graph was recorded left its
-    tensors in the graph's pool: "Detected 10 tensor(s) in the cudagraph pool not tracked as outputs", H200.)"""
+    tensors in the graph's pool: "Detected 10 tensor(s) in the cudagraph pool not tracked as outputs", H200.)
+    ``estimating``: the estimate in the splits and the moment step, one decode step ahead, inside the combine launch
+    (two launches a layer; the moments a replayed step reads are the ones the step before wrote)."""
     from tests.test_buffer_decode import greedy_compiled
 
-    executor = {"name": "triton_fused", "block_size": 16}
+    executor = {"name": "triton_fused", "block_size": 16, **options}
     torch._dynamo.reset()
-    run = make_run("stored", executor, reference, criterion)
+    run = make_run(source, executor, reference, criterion)
     forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     for seed in (3, 5):
         graphs = greedy_compiled(model, run, 8, {}, device=DEVICE, seed=seed, forward=forward)
-        eager = greedy_compiled(model, make_run("stored", executor, reference, criterion, compile=False), 8,
+        eager = greedy_compiled(model, make_run(source, executor, reference, criterion, compile=False), 8,
                                 {"disable": True}, device=DEVICE, seed=seed)
         assert torch.equal(graphs[0], eager[0])
         for key in ("sparsity", "kv_sparsity", "decode_steps"):
@@ -658,18 +663,20 @@ def test_gpu_fused_cuda_graphs_replay_equals_eager(model, reference, criterion):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize(("criterion", "decide_once"), [
-    ({"name": "qada", "tau": 0.3}, False), ({"name": "qada", "tau": 0.3}, True),
-    ({"name": "qada_tail", "tau": 0.3}, False), ({"name": "qada_tail", "tau": 0.3}, True),
-    ({"name": "qada_tail_budget", "sparsity": 0.5}, None)], ids=["qada", "qada once", "qada_tail", "qada_tail once",
-                                                                 "qada_tail_budget"])
-def test_gpu_programmatic_launches_equal_ordinary_ones(model, reference, criterion, decide_once):
+@pytest.mark.parametrize(("criterion", "decide_once", "options"), [
+    ({"name": "qada", "tau": 0.3}, False, {}), ({"name": "qada", "tau": 0.3}, True, {}),
+    ({"name": "qada", "tau": 0.3}, False, {"estimate_in_splits": True}),
+    ({"name": "qada_tail", "tau": 0.3}, False, {}), ({"name": "qada_tail", "tau": 0.3}, True, {}),
+    ({"name": "qada_tail_budget", "sparsity": 0.5}, None, {})],
+    ids=["qada", "qada once", "qada estimating", "qada_tail", "qada_tail once", "qada_tail_budget"])
+def test_gpu_programmatic_launches_equal_ordinary_ones(model, reference, criterion, decide_once, options):
     """``pdl=True`` (programmatic dependent launches on sm_90+: a split starts while the moment step runs and waits
     for it before reading its estimate; the combine waits for the splits), eagerly and replayed in a model's CUDA
-    graphs over two sequences: an ordinary eager run's tokens and statistics."""
+    graphs over two sequences: an ordinary eager run's tokens and statistics. ``estimating``: the combine launch's
+    moment programs wait for the splits, which read the moments they overwrite for the next step."""
     from tests.test_buffer_decode import greedy_compiled
 
-    executor = {"name": "triton_fused", "block_size": 16, "decide_once": decide_once, "pdl": True}
+    executor = {"name": "triton_fused", "block_size": 16, "decide_once": decide_once, "pdl": True, **options}
     ordinary = dict(executor, pdl=False)
     run = make_run("stored", executor, reference, criterion)
     assert run.executor.programmatic(torch.device(DEVICE)) == (torch.cuda.get_device_capability(DEVICE)[0] >= 9)

@@ -5,7 +5,7 @@
 #   bash scripts/gpu-run.sh env tests attention      # no model needed (the first call, with .gpu/p0)
 #   bash scripts/gpu-run.sh smollm2                  # the embedded model (after the last part: "model ready")
 #   bash scripts/gpu-run.sh llama                    # Llama-3-8B shapes, random weights
-#   bash scripts/gpu-run.sh fused parity                # issue 33: the fused kernels on CUDA, CPU-vs-CUDA decisions
+#   bash scripts/gpu-run.sh fused fused-more parity     # issue 33: the fused kernels on CUDA, CPU-vs-CUDA decisions
 #   bash scripts/gpu-run.sh graphs                      # the fused step in a CUDA graph, and compiled (tiny model)
 #   bash scripts/gpu-run.sh goals-smollm2 goals-llama   # issue 33's speed goals only: the graph-captured rows they name
 #   bash scripts/gpu-run.sh tail-b1 tail-b32            # the qada_tail fused rows beside qada fused (SmolLM2, one
@@ -62,7 +62,9 @@
 # to the call that carries the last part and run tail-b1 or parity in the freed call. wide-b32 comes before lean-b1
 # (7 rows at B = 1, LIMIT_lean_b1=340: the next lent session's third call): B = 32's 2x goal was the nearest to met
 # (1.90x on 2026-11-28) and wide-b32 also times qada_tail fused against qada fused there.
-# Stages: env, tests, fused (the triton_fused tests and the dense step's, on CUDA), graphs (triton_fused inside a model's CUDA graph, and
+# Stages: env, tests, fused (the triton_fused tests and the dense step's, on CUDA), fused-more (the later fused
+# kernels' tests on CUDA: the estimate in the splits, the moments a step ahead, heads apart, the budget's ranking in
+# the split, the moment launch in a model's step), graphs (triton_fused inside a model's CUDA graph, and
 # its layer step compiled by Inductor, against eager, over a decode, call by call and launch by launch on the same
 # inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
 # model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
@@ -114,8 +116,10 @@ for s in "$@"; do
     tests) stage tests 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_attention_triton.py \
              tests/test_attention_triton_buffer.py tests/test_buffer_decode.py tests/test_auto_executor.py ;;
     fused) stage fused 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decision.py tests/test_fused_tail.py \
-        tests/test_fused_budget.py tests/test_moment_step_kernel.py tests/test_dense_step.py \
-        tests/test_estimate_in_splits.py tests/test_moments_ahead.py ;;
+        tests/test_fused_budget.py tests/test_moment_step_kernel.py tests/test_dense_step.py ;;
+    fused-more) stage fused-more 300 "$py" -m pytest -q -p no:cacheprovider tests/test_estimate_in_splits.py \
+        tests/test_moments_ahead.py tests/test_tail_heads_apart.py tests/test_budget_rank.py \
+        tests/test_fused_qada_budget.py tests/test_moment_launch_step.py ;;
     graphs) stage graphs 360 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_decision.py \
              tests/test_buffer_decode.py -k "cuda_graphs or compiles_and_decides or same_inputs or each_fused_launch or programmatic" ;;
     parity) stage parity 540 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;

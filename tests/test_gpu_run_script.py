@@ -146,3 +146,15 @@ def test_an_interrupted_bandwidth_section_saves_the_rows_it_measured(tmp_path, m
     data = json.loads((tmp_path / "gpu-dryrun-cpu-bandwidth.json").read_text())
     assert data["errors"] == ["bandwidth: interrupted (KeyboardInterrupt)"]
     assert {r["executor"] for r in data["attention"]} == {"dense_sdpa", "triton"}
+
+
+def test_every_test_file_a_stage_runs_exists():
+    """The pytest stages (``tests``, ``fused``, ``fused-more``, ``graphs``, ``parity``) name test files that exist:
+    a renamed file would make a lent GPU's stage collect nothing or fail at collection."""
+    named = set()
+    for line in logical_lines(SCRIPT.read_text()):
+        if "-m pytest" in line:
+            named.update(re.findall(r"tests/[A-Za-z0-9_]+\.py", line))
+    assert {"tests/test_estimate_in_splits.py", "tests/test_moments_ahead.py", "tests/test_device_parity.py"} <= named
+    missing = sorted(name for name in named if not (ROOT / name).is_file())
+    assert not missing, missing

@@ -54,6 +54,34 @@ def test_the_estimate_decides_near_tau_as_the_estimate_launch():
             assert torch.equal(getattr(one, name), getattr(two, name)), (tau, name)
 
 
+def test_only_the_covariance_blocks_on_and_above_the_diagonal_are_read():
+    """A covariance is symmetric, so the estimate reads its blocks ``[I, J]``, ``I <= J``, only (an off-diagonal
+    one counted twice): NaN in every block below the diagonal changes neither the estimate launch's ``log E[exp(s)]``
+    nor what the splits that estimate decide and attend (d = 64: blocks of 32, one pair off the diagonal)."""
+    from qada.attention.moment_step import block_sizes, estimate_launch
+    from qada.step import BulkMoments
+
+    step = make_step(2, 6, 2, 300, 64, [0, 9], [300, 280], torch.float32, seed=5)
+    mean, cov = step.moments
+    t = block_sizes(64, 3)["BLOCK_T"]
+    below = (torch.arange(64)[:, None] // t) > (torch.arange(64)[None, :] // t)
+    assert t == 32 and below.any()
+    poisoned = fresh(step)
+    poisoned.moments = BulkMoments(mean, cov.masked_fill(below.to(cov.device), float("nan")))
+    executor = FusedTritonExecutor(block_size=16, num_splits=3)
+    clean = estimate_launch(executor.bulk_estimate(step.query, step.scale, step.softcap), step.moments)
+    dirty = estimate_launch(executor.bulk_estimate(step.query, step.scale, step.softcap), poisoned.moments)
+    assert clean.isfinite().all() and torch.equal(dirty, clean)
+    _, _, _, _, ratio = eager(step, 0.5)
+    tau = tau_between(ratio, fresh(step).has_bulk, 3)
+    estimating = FusedTritonExecutor(block_size=16, num_splits=3, estimate_in_splits=True)
+    got = estimating.decide_and_attend(poisoned, tau)
+    expected = estimating.decide_and_attend(fresh(step), tau)
+    for name in FLAGS:
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    torch.testing.assert_close(got.output, expected.output, atol=0, rtol=0)
+
+
 def test_two_launches_and_no_host_read(monkeypatch):
     """The step's decision and attention from the moments alone: the split launch and the combine launch (no
     estimate launch before), no host read, only allocations."""

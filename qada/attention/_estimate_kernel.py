@@ -89,8 +89,9 @@ def bulk_estimate_kernel(
 
     ``q^T cov q`` is summed ``BLOCK_T x BLOCK_T`` block pair by block pair (:func:`add_block_pair`), each pair's
     terms first, then the pairs in order, as the moment step's kernels sum the shares of the covariance they compute
-    (:mod:`qada.attention._moment_kernel`): from a symmetric covariance both give the same float32 value (bit for
-    bit where the two kernels contract alike).
+    (:mod:`qada.attention._moment_kernel`): both give the same float32 value (bit for bit where the two kernels
+    contract alike). The covariance is symmetric: only its blocks on and above the diagonal are read
+    (:func:`~qada.attention._lognormal_kernel.moments_log_mean_exp`).
 
     With ``PAGE_TOPS`` the launch also carries a ``qada_tail`` step's page-top programs
     (:mod:`qada.attention.page_tops`, the ``PT_`` arguments): grid ``(pairs, 1 + stretches)``, program ``(pair, 1 +

@@ -69,8 +69,10 @@ def moments_log_mean_exp(
     at ``cov_base`` (any strides, any float dtype): ``mu = scale q·mean``, and ``q^T cov q`` summed ``BLOCK_T x
     BLOCK_T`` block pair by block pair (:func:`add_block_pair`), each pair's terms first, then the pairs in order,
     as the moment step's kernels sum the shares of the covariance they compute
-    (:mod:`qada.attention._moment_kernel`): from a symmetric covariance both give the same float32 value (bit for
-    bit where the kernels contract alike)."""
+    (:mod:`qada.attention._moment_kernel`): both give the same float32 value (bit for bit where the kernels
+    contract alike). The covariance is symmetric (every moment source makes it ``½ (C + Cᵀ)``, exactly symmetric;
+    a loaded one is checked), so only its blocks on and above the diagonal are read: an off-diagonal pair counts
+    ``[I, J]`` twice, as the moment kernels do with the block they have just computed."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     mean = tl.load(mean_base + offs_d * stride_md, mask=d_ok, other=0.0).to(tl.float32)
@@ -86,15 +88,13 @@ def moments_log_mean_exp(
             ok = i_ok[:, None] & (cols < D)[None, :]
             cov_ij = tl.load(cov_base + rows[:, None] * stride_ci + cols[None, :] * stride_cj, mask=ok,
                              other=0.0).to(tl.float32)  # fmt: skip
-            if i != j:  # an off-diagonal pair: the block [J, I] and the features J too
-                cov_ji = tl.load(cov_base + cols[:, None] * stride_ci + rows[None, :] * stride_cj,
-                                 mask=tl.trans(ok), other=0.0).to(tl.float32)  # fmt: skip
+            if i != j:  # an off-diagonal pair: [J, I]^T is [I, J] (a symmetric covariance), the features J too
+                cov_ji_t = cov_ij
                 q_j = query_tile(q_head, stride_qh, stride_qd, cols, cols < D, G, BLOCK_E)
             else:  # the diagonal block: counted once (0 for its transpose), the features I again
-                cov_ji = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+                cov_ji_t = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
                 q_j = q_i
-            share = add_block_pair(tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32), cov_ij, tl.trans(cov_ji),
-                                   q_i, q_j)
+            share = add_block_pair(tl.zeros([BLOCK_E, BLOCK_T, BLOCK_T], dtype=tl.float32), cov_ij, cov_ji_t, q_i, q_j)
             qcq += tl.sum(tl.sum(share, axis=2), axis=1)  # (pair by pair, as the moment kernels sum their shares)
     var = qcq * scale * scale
     return log_mean_exp(GH_X, GH_LOGW, mu, var, softcap, n_nodes, BLOCK_X, SOFTCAP)

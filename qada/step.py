@@ -52,7 +52,10 @@ __all__ = ["BulkMoments", "DecodeStep", "StepContext", "check_attention_inputs"]
 
 
 class BulkMoments(NamedTuple):
-    """Mean ``[b, H_kv, d]`` and population covariance ``[b, H_kv, d, d]`` of the bulk keys, per KV head."""
+    """Mean ``[b, H_kv, d]`` and population covariance ``[b, H_kv, d, d]`` of the bulk keys, per KV head.
+
+    The covariance is symmetric (the built-in sources make it ``½ (C + Cᵀ)``, exactly so): the Triton kernels read
+    only its ``BLOCK_T x BLOCK_T`` blocks on and above the diagonal, so a source's asymmetry below it is ignored."""
 
     mean: torch.Tensor
     cov: torch.Tensor

@@ -187,6 +187,7 @@ def on_gpu(results: dict[str, Any]) -> bool:
 
 def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmeasured) -> None:
     """Issue 33's goals: the CPU's decisions on CUDA, the decision in the kernel, dense at bandwidth."""
+    _parity_goal(goal, results, unmeasured)
     r = next((r for config in ("qada", "qada compiled") for r in e2e  # the eager row, else its compiled twin
               if r["config"] == config and r["T"] == 7680 and r.get("model") == "smollm2" and r.get("B", 1) == 1
               and "sparsity" in r), None)  # the CPU suite's row: B = 1, the same prompt
@@ -245,6 +246,54 @@ def _issue33_goals(goal, e2e, attention, copy_bw, compiled_ratio, results, unmea
          "the worst-case goal below covers every qada row)",
          kernels and kernels["counters"]["extra_kernels_per_layer"], 6, higher_is_better=False,
          unmeasured=unmeasured, detail=kernels and _where(kernels))
+
+
+def _parity_goal(goal, results, unmeasured) -> None:
+    """The ``parity`` section's verdict: the most unexplained mismatches of any case (a mismatch of a head not near
+    tau, or a step decided on one device only), 0 where the device decides as the CPU; not measured off a GPU (the
+    dry run compares the CPU with itself) or where a case failed."""
+    rows = results.get("parity", []) if on_gpu(results) else []
+    done = [r for r in rows if "unexplained" in r]
+    failed = len(rows) - len(done)
+    if failed:
+        unmeasured = f"not measured ({failed} of {len(rows)} cases failed)"
+    worst = max(done, key=lambda r: r["unexplained"] + r["missing"]) if done else None
+    detail = worst and (
+        f"{len(done)} cases (qada, qada_tail; stored, current; {', '.join(dict.fromkeys(r['executor'] for r in done))})"
+        f": {sum(r['mismatched'] for r in done)} of {sum(r['decisions'] for r in done)} decisions differ, "
+        f"{sum(r['near_tau'] for r in done)} near tau; sparsity |CPU - device| at most "
+        f"{max(abs(r['sparsity_cpu'] - r['sparsity_device']) for r in done):.4f}; stored reference the same on both: "
+        f"{all(r['same_reference'] for r in done if r['moments'] == 'stored')}")
+    goal("GPU: every layer's decisions on CUDA equal the CPU's (unexplained mismatches, worst case; "
+         "tests/test_device_parity.py asserts it, compiled steps too)",
+         None if failed or not worst else worst["unexplained"] + worst["missing"], 0, higher_is_better=False,
+         unmeasured=unmeasured, detail=detail)
+
+
+def _parity_section(rows: list[dict[str, Any]]) -> str:
+    """The ``parity`` section's table: one row per case."""
+    out = ["\n## Decisions on the device against the CPU's\n\n",
+           "`benchmarks/parity.py`: the embedded SmolLM2 in float32, a pass-key prompt decoded greedily on the CPU, "
+           "then every configuration forced along those tokens on both: the CPU's decisions (`sdpa`, eager, and at "
+           "tau -+ 0.01 to tell the heads near tau) against the device's, executor by executor. *unexplained*: "
+           "mismatches of heads not near tau, and steps decided on one device only (0: the same decisions). Off a "
+           "GPU (the dry run) the device is the CPU again: the code path, not a result.\n\n"]
+    table_rows = []
+    for r in rows:
+        head = [r["criterion"], r["tau"], r["moments"], r["executor"] + (" compiled" if r["compiled"] else ""),
+                r["device"], f"{r['length']} + {r['tokens']}"]
+        if "error" in r:
+            table_rows.append(head + ["FAILED: " + r["error"][:160]] + [""] * 5)
+            continue
+        reference = r.get("reference_device") or {}
+        table_rows.append(head + [r["decisions"], r["mismatched"], r["near_tau"], r["unexplained"] + r["missing"],
+                                  f"{r['sparsity_cpu']:.4f} / {r['sparsity_device']:.4f}",
+                                  (f"{reference.get('file')} {reference.get('fingerprint')} "
+                                   f"({'same' if r['same_reference'] else 'DIFFERENT'} on the CPU)")
+                                  if reference else ""])  # fmt: skip
+    out.append(table(["criterion", "tau", "moments", "executor", "device", "tokens", "decisions", "mismatched",
+                      "near tau", "unexplained", "sparsity CPU / device", "stored reference"], table_rows))
+    return "".join(out)
 
 
 FUSED_QADA_VARIANTS = ("qada fused once", "qada fused wide", "qada fused once wide", "qada fused pdl",
@@ -413,6 +462,8 @@ def markdown(results: dict[str, Any]) -> str:
                               "host waits/step", "DtoH copies/step", "item / _local_scalar_dense", "round trips/step",
                               "extra kernels/layer", "extra round trips/step"], rows))  # fmt: skip
             out.append(_kernel_time_section(counted))
+    if results.get("parity"):
+        out.append(_parity_section(results["parity"]))
     if results.get("goals"):
         out.append("\n## 5. Goals\n\n")
         rows = [[g["goal"], g["target"], _fmt(g["measured"], 3),

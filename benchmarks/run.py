@@ -2,7 +2,8 @@
 
     python benchmarks/run.py --quick              # CPU, ~5-8 min: attention, overhead, end-to-end at 4k and 7.68k
     python benchmarks/run.py                      # the full CPU suite (run it on a quiet machine)
-    python benchmarks/run.py --gpu --out $OUT     # the GPU suite (H100/H200; SmolLM2 and Llama-3-8B shapes, bf16)
+    python benchmarks/run.py --gpu --out $OUT     # the GPU suite (H100/H200; SmolLM2 and Llama-3-8B shapes, bf16,
+                                                  # and every layer's decisions against the CPU's: --only parity)
     python benchmarks/run.py --gpu --dry-run      # the GPU code path on the CPU with tiny shapes
     python benchmarks/run.py --smoke              # tiny shapes, 1 repetition (the test)
 
@@ -29,8 +30,12 @@ if str(ROOT) not in sys.path:  # ``python benchmarks/run.py`` from anywhere
     sys.path.insert(0, str(ROOT))
 
 
-SECTIONS = ("attention", "bandwidth", "overhead", "end_to_end")
-"""What ``--only`` may name (``bandwidth``: the part of ``attention`` that issue 33's dense-at-bandwidth goal reads)."""
+SECTIONS = ("attention", "bandwidth", "overhead", "end_to_end", "parity")
+"""What ``--only`` may name (``bandwidth``: the part of ``attention`` that issue 33's dense-at-bandwidth goal reads;
+``parity``: a GPU suite's, the device's decisions against the CPU's)."""
+
+DEFAULT_SECTIONS = ("attention", "overhead", "end_to_end")
+"""What a suite runs without ``--only``; a suite with parity cases (the GPU suites) also runs ``parity``."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,9 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="with --gpu: the GPU suite's code on CPU, tiny shapes")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--only", default="attention,overhead,end_to_end",
-                        help="comma-separated sections: attention, overhead, end_to_end, and bandwidth (the triton "
-                             "executor's dense path and its launch settings against copy bandwidth, at T >= 32k)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated sections: attention, overhead, end_to_end, bandwidth (the triton "
+                             "executor's dense path and its launch settings against copy bandwidth, at T >= 32k) "
+                             "and parity (--gpu: every layer's decisions on the device against the CPU's); default: "
+                             "attention, overhead, end_to_end, and parity with --gpu")
     parser.add_argument("--models", default=None,
                         help="end-to-end: comma-separated models of the suite to decode (default: all)")
     parser.add_argument("--lengths", default=None, help="end-to-end: only these context lengths (comma-separated)")
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         skip_repeated_patching()
     import torch
 
-    from benchmarks import attention, end_to_end, models, overhead, report
+    from benchmarks import attention, end_to_end, models, overhead, parity, report
     from benchmarks.common import machine_info, machine_tag, write_results
     from benchmarks.suites import SUITES
 
@@ -119,12 +126,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
     device = torch.device(suite.device)
-    sections = set(args.only.split(","))
+    default_sections = {*DEFAULT_SECTIONS, *(("parity",) if suite.parity else ())}
+    sections = set(args.only.split(",")) if args.only else default_sections
     unknown = sections - set(SECTIONS)
     if unknown:
         raise SystemExit(f"--only: {sorted(unknown)} not among the sections {list(SECTIONS)}")
     if {"attention", "bandwidth"} <= sections:
         raise SystemExit("--only: bandwidth is a part of attention (its dense rows and launch sweep): name one of them")
+    if "parity" in sections and not suite.parity:
+        raise SystemExit(f"--only: suite {name} has no parity section (the device against the CPU: --gpu)")
     info = machine_info(device)
     argv_used = sys.argv[1:] if argv is None else argv
     results: dict[str, Any] = {
@@ -140,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workloads = select_workloads(suite, args)
     results["settings"]["e2e"] = [dataclasses.asdict(w) for w in workloads]
     stem = f"{name}-{machine_tag(info)}"
-    if sections != {"attention", "overhead", "end_to_end"}:  # a partial run must not overwrite the whole one
+    if sections != default_sections:  # a partial run must not overwrite the whole one
         stem += "-" + "_".join(sorted(sections))
     if workloads != suite.e2e and "end_to_end" in sections:
         stem += "-" + "_".join(w.model for w in workloads)
@@ -239,10 +249,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         torch.cuda.empty_cache()
                 save()
 
+        def run_parity_section() -> None:
+            rows = results.setdefault("parity", [])
+
+            def row_done(row: dict[str, Any]) -> None:  # saved after every case: a killed run keeps them
+                rows.append(row)
+                if "error" in row:
+                    results["errors"].append(f"parity {row['criterion']} {row['moments']} {row['executor']}"
+                                             f"{' compiled' if row['compiled'] else ''}: {row['error']}")
+                save()
+
+            parity.run_parity(suite.parity, device, log, on_row=row_done)
+
         section("attention", run_attention)
         section("bandwidth", run_bandwidth)
         section("overhead", run_overhead)
         section("end_to_end", run_end_to_end)
+        section("parity", run_parity_section)
     save()
     report.print_tables(results, log=print if not args.quiet else (lambda *a: None))
     log(f"wrote {Path(args.out) / stem}.json and .md in {time.perf_counter() - started:.0f} s")

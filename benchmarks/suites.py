@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from benchmarks.attention import LLAMA8B_BF16, LLAMA8B_BF16_B8, LLAMA8B_F32, SMOLLM2, Shape
+from benchmarks.parity import ParityCases
 
 __all__ = ["SUITES", "Suite", "Workload"]
 
@@ -70,6 +71,7 @@ class Suite:
     copy_bytes: int = 256 * 2**20
     static_rho_kv: list[float] = field(default_factory=lambda: [0.5, 0.875])
     dtype: torch.dtype = torch.float32
+    parity: ParityCases | None = None  # the device's decisions against the CPU's (GPU suites: a default section)
 
 
 TINY = Shape("tiny", 1, 8, 2, 64, torch.float32)
@@ -199,7 +201,7 @@ SUITES = {
         None,
         [LLAMA8B_BF16], [32768, 131072], 10, 20,
         [SMOLLM2_GPU, LLAMA8B_CASES], 16, 3, "triton", "current",
-        e2e_warmup=3, copy_bytes=2 * 2**30, dtype=torch.bfloat16,
+        e2e_warmup=3, copy_bytes=2 * 2**30, dtype=torch.bfloat16, parity=ParityCases(),
     ),
     "gpu-dryrun": Suite(
         "gpu-dryrun", "cpu", [TINY_BF16], [1024], ["sdpa", "flex", "triton"], 1, 1, False, [TINY_BF16], [1024], 1, 1,
@@ -208,5 +210,6 @@ SUITES = {
          Workload("tiny-random", (600,), compiled=LLAMA8B_CASES.compiled, tail=True, moments="current")],
         1, 1, "triton", "current",  # (two decode steps per row: the first compiles, the second reuses it)
         e2e_warmup=1, e2e_count_steps=2, copy_bytes=4 * 2**20, static_rho_kv=[0.875], dtype=torch.bfloat16,
+        parity=ParityCases(length=256, tokens=2, layers=2),
     ),
 }  # fmt: skip

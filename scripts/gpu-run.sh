@@ -7,6 +7,9 @@
 #   bash scripts/gpu-run.sh llama                    # Llama-3-8B shapes, random weights
 #   bash scripts/gpu-run.sh fused fused-more parity     # issue 33: the fused kernels on CUDA, CPU-vs-CUDA decisions
 #   bash scripts/gpu-run.sh graphs                      # the fused step in a CUDA graph, and compiled (tiny model)
+#   bash scripts/gpu-run.sh decisions                   # the GPU suite's parity section (benchmarks/parity.py): every
+#                                                       # layer's decisions on CUDA against the CPU's, eager, each
+#                                                       # executor, as rows and the goal (needs the model)
 #   bash scripts/gpu-run.sh goals-smollm2 goals-llama   # issue 33's speed goals only: the graph-captured rows they name
 #   bash scripts/gpu-run.sh tail-b1 tail-b32            # the qada_tail fused rows beside qada fused (SmolLM2, one
 #                                                       # batch size each): the executor's default (decided once at
@@ -123,6 +126,7 @@ for s in "$@"; do
     graphs) stage graphs 360 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_decision.py \
              tests/test_buffer_decode.py -k "cuda_graphs or compiles_and_decides or same_inputs or each_fused_launch or programmatic" ;;
     parity) stage parity 540 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;
+    decisions) stage decisions 420 "$py" benchmarks/run.py --gpu --out "$out" --only parity ;;
     bandwidth) stage bandwidth 300 "$py" benchmarks/run.py --gpu --out "$out" --only bandwidth ;;
     attention) stage attention 300 "$py" benchmarks/run.py --gpu --out "$out" --only attention,overhead ;;
     smollm2) stage smollm2 540 "$py" benchmarks/run.py --gpu --out "$out" --only end_to_end --models smollm2 ;;

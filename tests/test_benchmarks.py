@@ -348,6 +348,46 @@ def test_gpu_goals_from_measured_rows():
     assert {g["status"] for g in on_cpu if g["goal"].startswith("GPU")} == {NEEDS_GPU}
 
 
+def _parity_row(executor, unexplained=0, near_tau=0, moments="stored", **extra):
+    reference = {"prompt": "random_words", "file": "reference.safetensors", "fingerprint": "abc"}
+    return dict(criterion="qada", tau=0.6, moments=moments, executor=executor, compiled=False, device="cuda",
+                length=2048, tokens=8, decisions=2160, mismatched=near_tau + unexplained, near_tau=near_tau,
+                unexplained=unexplained, missing=0, equal=unexplained == 0, sparsity_cpu=0.70,
+                sparsity_device=0.70 + 0.001 * unexplained, reference_cpu=reference, reference_device=reference,
+                same_reference=True, seconds=1.0) | extra  # fmt: skip
+
+
+def test_parity_goal_reads_the_worst_case_and_a_failed_case_leaves_it_unmeasured():
+    """The parity section's goal: the most unexplained mismatches of any case, 0 to meet it; near-tau mismatches
+    do not count; a failed case leaves it not measured (never met); off a GPU it needs one."""
+    from benchmarks.report import _parity_section
+
+    gpu = {"suite": "gpu", "machine": {"gpu": "NVIDIA H200"}}
+
+    def parity_goal(rows, machine=gpu):
+        (found,) = [g for g in evaluate_goals(machine | {"parity": rows}) if "decisions on CUDA equal" in g["goal"]]
+        return found
+
+    met = parity_goal([_parity_row("triton", near_tau=3), _parity_row("triton_fused", moments="current")])
+    assert (met["measured"], met["status"]) == (0, "met")
+    assert "2 cases" in met["detail"] and "3 near tau" in met["detail"] and "triton, triton_fused" in met["detail"]
+    missed = parity_goal([_parity_row("triton"), _parity_row("triton_fused", unexplained=4, near_tau=1)])
+    assert (missed["measured"], missed["status"]) == (4, "miss")
+    failed = parity_goal([_parity_row("triton"), {k: v for k, v in _parity_row("triton_fused").items()
+                                                  if k in ("criterion", "tau", "moments", "executor", "compiled",
+                                                           "device", "length", "tokens")} | {"error": "boom"}])
+    assert failed["measured"] is None and failed["status"] == "not measured (1 of 2 cases failed)"
+    assert parity_goal([_parity_row("triton")], {"suite": "gpu-dryrun", "machine": {"gpu": None}})["status"] == \
+        NEEDS_GPU  # fmt: skip
+    text = _parity_section([_parity_row("triton", unexplained=2), {"criterion": "qada_tail", "tau": 0.3,
+                            "moments": "current", "executor": "triton", "compiled": True, "device": "cuda",
+                            "length": 2048, "tokens": 8, "error": "boom"}])  # fmt: skip
+    lines = [line for line in text.splitlines() if line.startswith("| qada")]
+    assert len(lines) == 2 and "| 2 |" in lines[0] and "same on the CPU" in lines[0]
+    assert "FAILED: boom" in lines[1] and "triton compiled" in lines[1]
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
 def test_issue33_gpu_goals_from_measured_rows():
     """Issue 33's goals: QAdA's sparsity against the committed CPU suite's, the fused decision's speed and kernels,
     qada_tail against qada, the tail budget at 128k against qada's dense path, triton's dense path at bandwidth."""
@@ -457,6 +497,13 @@ def test_gpu_suite_dry_run_covers_every_gpu_case(tmp_path):
     for key in ("sparsity", "kv_read"):  # the accurate configuration, decided in the kernels as by its torch step
         for fused_name in ("qada_tail+E/lean fused", "qada_tail+E/lean fused once"):
             assert rows[("smollm2", 2, fused_name)][key] == pytest.approx(rows[("smollm2", 2, "qada_tail+E/lean")][key])
+    parity = {(r["criterion"], r["moments"], r["executor"]): r for r in data["parity"]}  # the CPU against itself
+    assert set(parity) == {(c, m, e) for c in ("qada", "qada_tail") for m in ("stored", "current")
+                           for e in ("triton", "triton_fused", "triton_fused estimating")
+                           if c == "qada" or e != "triton_fused estimating"}  # fmt: skip
+    assert all(r["equal"] and r["decisions"] > 0 and "error" not in r for r in parity.values())
+    assert all(r["same_reference"] and r["reference_device"]["file"].endswith(".safetensors")
+               for r in parity.values() if r["moments"] == "stored")  # fmt: skip
     stored = rows[("smollm2", 2, "qada")]["run"]["moments"]  # the CPU suites' source, its reference named
     assert stored["name"] == "stored" and stored["prompt"] == "random_words"
     assert stored["file"].endswith(".safetensors") and len(stored["fingerprint"]) == 16
@@ -658,3 +705,23 @@ def test_launch_bytes_spread_row_is_the_gpu_suites():
     base, settings = FUSED_VARIANTS["qada_tail fused spread"]
     assert criterion["name"] == base and moments == "stored"
     assert executor == settings and executor["pages_per_program"] == SPREAD_PAGES
+
+
+def test_parity_section_rows_and_a_failed_case(monkeypatch):
+    """``benchmarks/parity.py`` on the CPU (the device is the CPU again, the Triton executor in the interpreter):
+    the CPU's decisions against themselves are equal, with counts that are not vacuous; a case whose executor fails
+    is a row with its error, and the cases after it still run."""
+    pytest.importorskip("triton", reason="triton is not installed")  # (the interpreter: tests/conftest.py)
+    from benchmarks import parity
+
+    monkeypatch.setitem(parity.EXECUTORS, "broken", {"name": "no_such_executor"})
+    cases = parity.ParityCases(length=200, tokens=2, layers=1, criteria=(("qada", 0.6),), moments=("current",),
+                               executors=("broken", "triton_fused"))  # fmt: skip
+    seen = []
+    rows = parity.run_parity(cases, torch.device("cpu"), lambda *a, **k: None, on_row=seen.append)
+    assert seen == rows and [r["executor"] for r in rows] == ["broken", "triton_fused"]
+    assert "no_such_executor" in rows[0]["error"] and "decisions" not in rows[0]
+    done = rows[1]
+    assert done["equal"] and done["decisions"] == 2 * 9 and done["unexplained"] == done["missing"] == 0
+    assert done["sparsity_cpu"] == done["sparsity_device"] and done["reference_device"] is None  # (current moments)
+    assert not parity.applies("qada_tail", "triton_fused estimating") and parity.applies("qada", "triton_fused")

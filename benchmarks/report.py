@@ -258,9 +258,11 @@ def _parity_goal(goal, results, unmeasured) -> None:
     if failed:
         unmeasured = f"not measured ({failed} of {len(rows)} cases failed)"
     worst = max(done, key=lambda r: r["unexplained"] + r["missing"]) if done else None
+    kinds = "; ".join(", ".join(dict.fromkeys(str(r[key]) for r in done))
+                      for key in ("criterion", "moments", "executor"))  # fmt: skip
+    mismatched, decisions = sum(r["mismatched"] for r in done), sum(r["decisions"] for r in done)
     detail = worst and (
-        f"{len(done)} cases (qada, qada_tail; stored, current; {', '.join(dict.fromkeys(r['executor'] for r in done))})"
-        f": {sum(r['mismatched'] for r in done)} of {sum(r['decisions'] for r in done)} decisions differ, "
+        f"{len(done)} cases ({kinds}): {mismatched} of {decisions} decisions differ, "
         f"{sum(r['near_tau'] for r in done)} near tau; sparsity |CPU - device| at most "
         f"{max(abs(r['sparsity_cpu'] - r['sparsity_device']) for r in done):.4f}; stored reference the same on both: "
         f"{all(r['same_reference'] for r in done if r['moments'] == 'stored')}")

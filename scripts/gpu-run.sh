@@ -70,7 +70,7 @@
 # the split, the moment launch in a model's step), graphs (triton_fused inside a model's CUDA graph, and
 # its layer step compiled by Inductor, against eager, over a decode, call by call and launch by launch on the same
 # inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
-# model), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
+# model), decisions (the same as the GPU suite's rows and goal, eager: benchmarks/run.py --only parity), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
 # smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, dense packed, qada, qada fused, qada_tail fused
 # and qada_tail_budget fused, graph-captured; every fused row with the executor's defaults, qada_tail's decided once
 # at 7.68k), wide-b32 (7.68k, B = 32: dense, qada fused and qada_tail fused, each also with splits for 8 programs per

@@ -125,9 +125,14 @@ def run_parity(cases: ParityCases, device: torch.device, log: Callable[..., None
     for name, tau in cases.criteria:
         for moments in cases.moments:
             log(f"  parity {name} tau {tau} {moments}: the CPU's decisions (sdpa, eager; and at tau -+ {cases.delta})")
-            (reference, described_reference), (below, _), (above, _) = [
-                decide(reference_model, name, value, moments, False, "sdpa")
-                for value in (tau, max(tau - cases.delta, 0.0), min(tau + cases.delta, 1.0))]
+            try:
+                (reference, described_reference), (below, _), (above, _) = [
+                    decide(reference_model, name, value, moments, False, "sdpa")
+                    for value in (tau, max(tau - cases.delta, 0.0), min(tau + cases.delta, 1.0))]
+                failed = None
+            except Exception as exc:  # its cases become rows with the error; the other configurations still run
+                failed = f"the CPU's reference decisions: {exc!r}"
+                log(traceback.format_exc())
             for executor in (e for e in cases.executors if applies(name, e)):
                 for compiled in cases.compiled:
                     row: dict[str, Any] = dict(criterion=name, tau=tau, moments=moments, executor=executor,
@@ -135,6 +140,8 @@ def run_parity(cases: ParityCases, device: torch.device, log: Callable[..., None
                                                tokens=len(continuation), dtype=str(cases.dtype).replace("torch.", ""))
                     started = time.perf_counter()
                     try:
+                        if failed:
+                            raise RuntimeError(failed)
                         other, described = decide(other_model, name, tau, moments, compiled, dict(EXECUTORS[executor]))
                         row.update(compared(reference, below, above, other, described_reference, described))
                         log(f"    {executor}{' compiled' if compiled else ''}: {row['mismatched']} of "

@@ -725,3 +725,8 @@ def test_parity_section_rows_and_a_failed_case(monkeypatch):
     assert done["equal"] and done["decisions"] == 2 * 9 and done["unexplained"] == done["missing"] == 0
     assert done["sparsity_cpu"] == done["sparsity_device"] and done["reference_device"] is None  # (current moments)
     assert not parity.applies("qada_tail", "triton_fused estimating") and parity.applies("qada", "triton_fused")
+    # a configuration whose CPU reference fails: its cases are rows with that error, the next configuration runs
+    cases = parity.ParityCases(length=200, tokens=1, layers=1, criteria=(("no_such_criterion", 0.5), ("qada", 0.6)),
+                               moments=("current",), executors=("triton_fused",))  # fmt: skip
+    rows = parity.run_parity(cases, torch.device("cpu"), lambda *a, **k: None)
+    assert "reference decisions" in rows[0]["error"] and "no_such_criterion" in rows[0]["error"] and rows[1]["equal"]

@@ -16,6 +16,17 @@ from qada.models.prompt_queries import PromptQueries
 __all__ = ["build_configs", "build_contexts", "build_model", "passkey_rows"]
 
 
+def keep_first_layers(model: Any, layers: int) -> int:
+    """Cut a transformers decoder to its first ``layers`` layers (the dry run: the real model's code path at a tiny
+    cost); returns how many it had."""
+    total = model.config.num_hidden_layers
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    return total
+
+
 def build_model(suite: Suite, workload: Workload, max_length: int) -> tuple[Any, Any, str]:
     """``(model, tokenizer or None, description)`` on the suite's device, in the suite's dtype."""
     import transformers
@@ -27,11 +38,7 @@ def build_model(suite: Suite, workload: Workload, max_length: int) -> tuple[Any,
         model, tokenizer = load_model("smollm2-135m", dtype=suite.dtype, device=suite.device)
         what = f"SmolLM2-135M-Instruct (embedded, real weights, dequantised Q4_1 -> {dtype})"
         if workload.layers:
-            total = model.config.num_hidden_layers
-            model.model.layers = model.model.layers[: workload.layers]
-            model.config.num_hidden_layers = workload.layers
-            if getattr(model.config, "layer_types", None):
-                model.config.layer_types = model.config.layer_types[: workload.layers]
+            total = keep_first_layers(model, workload.layers)
             what += f", only its first {workload.layers} of {total} layers (dry run)"
         return model, tokenizer, what
     if workload.model == "llama3-8b-random":

@@ -64,14 +64,12 @@ class ParityCases:
 
 def load_embedded(cases: ParityCases, device: torch.device) -> tuple[Any, Any]:
     """The embedded SmolLM2 on ``device`` in ``cases.dtype`` (its first ``cases.layers`` layers where given)."""
+    from benchmarks.models import keep_first_layers  # (not at import: benchmarks.models imports the suites)
     from qada.models.loading import load_model
 
     model, tokenizer = load_model("smollm2-135m", dtype=cases.dtype, device=device)
     if cases.layers:
-        model.model.layers = model.model.layers[: cases.layers]
-        model.config.num_hidden_layers = cases.layers
-        if getattr(model.config, "layer_types", None):
-            model.config.layer_types = model.config.layer_types[: cases.layers]
+        keep_first_layers(model, cases.layers)
     return model, tokenizer
 
 

@@ -64,7 +64,10 @@
 # (random weights, random K/V); the third needs every part ("model ready"). Where fewer parts are packed, move wide-b32
 # to the call that carries the last part and run tail-b1 or parity in the freed call. wide-b32 comes before lean-b1
 # (7 rows at B = 1, LIMIT_lean_b1=340: the next lent session's third call): B = 32's 2x goal was the nearest to met
-# (1.90x on 2026-11-28) and wide-b32 also times qada_tail fused against qada fused there.
+# (1.90x on 2026-11-28) and wide-b32 also times qada_tail fused against qada fused there. The CUDA checks of the paths
+# built since the last lent GPU (estimate_in_splits, moments a step ahead, heads apart) are a later session's: `fused-more
+# graphs` (no model, ~4-6 min) in a call of their own, then `decisions` (the parity rows and goal, the model) or
+# `parity` (the pytest, compiled cases too).
 # Stages: env, tests, fused (the triton_fused tests and the dense step's, on CUDA), fused-more (the later fused
 # kernels' tests on CUDA: the estimate in the splits, the moments a step ahead, heads apart, the budget's ranking in
 # the split, the moment launch in a model's step), graphs (triton_fused inside a model's CUDA graph, and

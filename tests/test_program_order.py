@@ -1,0 +1,162 @@
+"""Every fused decode step gives the same result whatever order a launch's programs run in.
+
+On a GPU a launch's programs start and finish in no set order; Triton's interpreter runs them one after the other in
+grid order. The fused kernels share memory between the programs of one launch (the moment launch's block pairs, the
+last of which finishes for the others; page-top programs beside them; the split that writes the decision or the
+step key's page; the combine launch's moment programs stepping the next step's moments), so a result that holds only
+in the grid order would be a GPU-only bug. :func:`~qada.attention.interpreter.program_order` runs each launch's
+programs reversed or shuffled: the tokens' logits, every layer's decisions and the run's statistics must be those of
+the grid order, bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("reorders the programs of Triton's interpreter (a GPU runs its own order)", allow_module_level=True)
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+import triton.language as tl  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
+
+from qada.attention import _moment_kernel  # noqa: E402
+from qada.attention.interpreter import program_order  # noqa: E402
+from qada.eval.decode import prefill, prefill_from_cache  # noqa: E402
+from qada.models import attach, build_run, prepare_run  # noqa: E402
+from qada.models.generation import copy_to_cache  # noqa: E402
+from qada.models.observers import DecisionRecorder  # noqa: E402
+from qada.moments.reference import collect_reference_keys  # noqa: E402
+
+
+@triton.jit
+def _arrival_kernel(COUNT, OUT, NY: tl.constexpr):
+    tl.store(OUT + tl.program_id(0) * NY + tl.program_id(1), tl.atomic_add(COUNT, 1))
+
+
+def _arrivals(order: str, seed: int = 0, grid: tuple[int, int] = (3, 4)) -> list[int]:
+    """The position at which each program of a ``grid`` launch ran, in grid order."""
+    count, out = torch.zeros(1, dtype=torch.int32), torch.full(grid, -1, dtype=torch.int32)
+    with program_order(order, seed=seed):
+        _arrival_kernel[grid](count, out, NY=grid[1])
+    return out.flatten().tolist()
+
+
+def test_each_order_runs_every_program_once():
+    natural, reversed_, shuffled = _arrivals("natural"), _arrivals("reversed"), _arrivals("shuffled", seed=1)
+    assert natural == list(range(12)) and reversed_ == list(range(11, -1, -1))
+    assert sorted(shuffled) == list(range(12)) and shuffled not in (natural, reversed_)
+    assert _arrivals("shuffled", seed=1) == shuffled != _arrivals("shuffled", seed=2)  # a seed's order, repeatable
+    count, out = torch.zeros(1, dtype=torch.int32), torch.full((3, 4), -1, dtype=torch.int32)
+    _arrival_kernel[(3, 4)](count, out, NY=4)  # after the context: the interpreter's own order again
+    assert out.flatten().tolist() == natural
+    with pytest.raises(ValueError, match="expected an order of"):
+        with program_order("backwards"):
+            pass
+
+
+# --- the fused decode steps ----------------------------------------------------------------------------------------
+
+FUSED = {"name": "triton_fused", "block_size": 16, "num_splits": 4}
+LEAN = {"name": "qada_tail", "tau": 0.42, "attend_exact": True, "super_page": 4, "super_pages": 2, "pages": 2,
+        "heavy": 8, "scale_exact": 8192, "shrink_exact": False}
+CASES = {  # name: (criterion, executor, moments); each launch layout whose programs share memory once at least
+    "qada": ({"name": "qada", "tau": 0.42}, FUSED, "stored"),
+    "qada current": ({"name": "qada", "tau": 0.42}, FUSED, "current"),
+    "qada estimating": ({"name": "qada", "tau": 0.42}, {**FUSED, "estimate_in_splits": True}, "stored"),
+    "qada estimating current": ({"name": "qada", "tau": 0.42}, {**FUSED, "estimate_in_splits": True}, "current"),
+    "qada once": ({"name": "qada", "tau": 0.42}, {**FUSED, "decide_once": True}, "current"),
+    "qada_tail once": ({"name": "qada_tail", "tau": 0.42}, {**FUSED, "decide_once": True}, "stored"),
+    "qada_tail splits spread": ({"name": "qada_tail", "tau": 0.42},
+                                {**FUSED, "decide_once": False, "pages_per_program": 4}, "current"),
+    "qada_tail once spread": ({"name": "qada_tail", "tau": 0.42},
+                              {**FUSED, "decide_once": True, "pages_per_program": 4}, "stored"),
+    "lean": (LEAN, {**FUSED, "decide_once": False}, "stored"),
+    "qada_budget": ({"name": "qada_budget", "sparsity": 0.5}, FUSED, "current"),
+    "qada_tail_budget group": ({"name": "qada_tail_budget", "sparsity": 0.5, "per_group": True}, FUSED, "stored"),
+    "dense": ("dense", FUSED, "none"),
+}  # fmt: skip
+STEPS = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def model_and_prompt(tmp_path_factory):
+    """A tiny Llama with SmolLM2's head size (64: three block pairs of moment state per KV head) and three query
+    heads per KV head, a 300-token prompt (19 pages of 16) and a stored reference of 420 keys."""
+    model = tiny_model("llama", num_hidden_layers=2, hidden_size=192, head_dim=64, num_attention_heads=6,
+                       num_key_value_heads=2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (1, 300), generator=g)
+    reference = tmp_path_factory.mktemp("order") / "reference.safetensors"
+    collect_reference_keys(model, torch.randint(3, model.config.vocab_size, (1, 420), generator=g),
+                           info={"prompt": "random_words"}).save(reference)
+    return model, ids, str(reference)
+
+
+def decode(model, ids, reference: str, criterion, executor, moments: str):
+    """``(logits [steps, vocab], {(layer, step): local [1, H]}, summary)`` of :data:`STEPS` decoded after ``ids``."""
+    recorder = DecisionRecorder()
+    source = {"name": "stored", "path": reference, "offset": 64} if moments == "stored" else moments
+    run = prepare_run(build_run(criterion=copy.deepcopy(criterion), moments=source, executor=executor,
+                                observers=[recorder], compile=False), model)
+    done = prefill(model, ids, keep_queries=run.criterion.prompt_queries())
+    cache = copy_to_cache(model, done.cache, "static", ids.shape[1] + len(STEPS) + 1)
+    attach(model, run)
+    logits = []
+    try:
+        prefill_from_cache(run, cache, queries=done.queries)
+        for position, token in enumerate(STEPS, start=ids.shape[1]):
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                        cache_position=torch.tensor([position]))
+            logits.append(out.logits[0, -1])
+        summary = run.summary()
+    finally:
+        run.remove()
+    return torch.stack(logits), {(e.layer, e.step): e.local.bool() for e in recorder.events}, summary
+
+
+def assert_same_decode(got, expected, what: str) -> None:
+    logits, decisions, summary = got
+    assert torch.equal(logits, expected[0]), f"{what}: logits differ by {(logits - expected[0]).abs().max():.3g}"
+    assert decisions.keys() == expected[1].keys(), what
+    for key, local in decisions.items():
+        assert torch.equal(local, expected[1][key]), f"{what}: decisions of layer {key[0]} at step {key[1]}"
+    assert summary == expected[2], what
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_fused_decode_is_the_same_in_every_program_order(model_and_prompt, case):
+    model, ids, reference = model_and_prompt
+    criterion, executor, moments = CASES[case]
+    expected = decode(model, ids, reference, criterion, executor, moments)
+    assert len(expected[1]) == 2 * len(STEPS)
+    for order, seed in (("reversed", 0), ("shuffled", 1)):
+        with program_order(order, seed=seed):
+            assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected,
+                               f"{case}, {order}")
+
+
+@triton.jit
+def _last_by_number(ARRIVED, pair, BP: tl.constexpr):
+    """A wrong :func:`~qada.attention._moment_kernel.last_to_arrive`: the pair's last block pair taken as the last
+    program to finish (true in the interpreter's grid order, not on a GPU)."""
+    return tl.program_id(1) == BP - 1
+
+
+def test_a_kernel_that_holds_only_in_grid_order_is_caught(model_and_prompt, monkeypatch):
+    """Not vacuous: with the moment launch's last program chosen by its number instead of by an atomic count, the
+    decode is right in grid order (the real kernel's, bit for bit) and wrong reversed (the finishing program reads
+    block pairs' shares not yet written)."""
+    model, ids, reference = model_and_prompt
+    criterion, executor, moments = CASES["qada current"]
+    expected = decode(model, ids, reference, criterion, executor, moments)
+    monkeypatch.setattr(_moment_kernel, "last_to_arrive", _last_by_number)
+    assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "grid order")
+    with program_order("reversed"):
+        with pytest.raises(AssertionError):
+            assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "reversed")

@@ -127,7 +127,11 @@ def ptxas_report(ptx: str) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)
-        done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(source), "-o",
+        try:
+            ptxas = get_ptxas(90)  # Triton 3.6 on: the ptxas for the architecture
+        except TypeError:
+            ptxas = get_ptxas()  # Triton 3.5
+        done = subprocess.run([ptxas.path, "-v", "--gpu-name", "sm_90a", str(source), "-o",
                                str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
     log = done.stdout + done.stderr
     registers = re.search(r"Used (\d+) registers", log)

@@ -1,18 +1,20 @@
-"""Every fused decode step gives the same result whatever order a launch's programs run in.
+"""Every fused decode step gives the same result whatever order a launch's programs run in, and interleaved.
 
-On a GPU a launch's programs start and finish in no set order; Triton's interpreter runs them one after the other in
-grid order. The fused kernels share memory between the programs of one launch (the moment launch's block pairs, the
-last of which finishes for the others; page-top programs beside them; the split that writes the decision or the
-step key's page; the combine launch's moment programs stepping the next step's moments), so a result that holds only
-in the grid order would be a GPU-only bug. :func:`~qada.attention.interpreter.program_order` runs each launch's
-programs reversed or shuffled: the tokens' logits, every layer's decisions and the run's statistics must be those of
-the grid order, bit for bit.
+On a GPU a launch's programs run side by side and start and finish in no set order; Triton's interpreter runs them
+one after the other in grid order. The fused kernels share memory between the programs of one launch (the moment
+launch's block pairs, the last of which finishes for the others; page-top programs beside them; the split that
+writes the decision or the step key's page; the combine launch's moment programs stepping the next step's moments),
+so a result that holds only in grid order, or only one program at a time, would be a GPU-only bug.
+:func:`~qada.attention.interpreter.program_order` runs each launch's programs reversed, shuffled or interleaved
+(taking turns at each memory operation): the tokens' logits, every layer's decisions and the run's statistics must
+be those of the grid order, bit for bit.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 
 import triton.language as tl  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
 
 from qada.attention import _moment_kernel  # noqa: E402
 from qada.attention.interpreter import program_order  # noqa: E402
@@ -51,12 +54,46 @@ def test_each_order_runs_every_program_once():
     assert natural == list(range(12)) and reversed_ == list(range(11, -1, -1))
     assert sorted(shuffled) == list(range(12)) and shuffled not in (natural, reversed_)
     assert _arrivals("shuffled", seed=1) == shuffled != _arrivals("shuffled", seed=2)  # a seed's order, repeatable
+    interleaved = _arrivals("interleaved", seed=1)
+    assert sorted(interleaved) == list(range(12)) and interleaved == _arrivals("interleaved", seed=1)
     count, out = torch.zeros(1, dtype=torch.int32), torch.full((3, 4), -1, dtype=torch.int32)
     _arrival_kernel[(3, 4)](count, out, NY=4)  # after the context: the interpreter's own order again
     assert out.flatten().tolist() == natural
     with pytest.raises(ValueError, match="expected an order of"):
         with program_order("backwards"):
             pass
+
+
+@triton.jit
+def _racy_count_kernel(COUNT):
+    tl.store(COUNT, tl.load(COUNT) + 1)  # a read-modify-write that is not atomic
+
+
+def test_interleaved_programs_take_turns_between_memory_operations(monkeypatch):
+    """In any sequential order a non-atomic count of 16 programs reaches 16; interleaved, a program may load the count
+    before another stores it, as on a GPU: updates are lost. A program's error stops the launch and is raised."""
+    for order in ("natural", "reversed", "shuffled"):
+        count = torch.zeros(1, dtype=torch.int32)
+        with program_order(order, seed=3):
+            _racy_count_kernel[(16,)](count)
+        assert count.item() == 16
+    count = torch.zeros(1, dtype=torch.int32)
+    with program_order("interleaved", seed=3):
+        _racy_count_kernel[(16,)](count)
+    assert 1 <= count.item() < 16
+    builder = interpreter.interpreter_builder
+    store = builder.create_store
+
+    def failing_store(*args, **kwargs):
+        if builder.grid_idx == (5, 0, 0):
+            raise RuntimeError("program 5 failed")
+        return store(*args, **kwargs)
+
+    monkeypatch.setattr(builder, "create_store", failing_store)
+    count, threads = torch.zeros(1, dtype=torch.int32), threading.active_count()
+    with program_order("interleaved"), pytest.raises(Exception, match="program 5 failed"):
+        _racy_count_kernel[(8,)](count)
+    assert threading.active_count() == threads  # every program's thread ended
 
 
 # --- the fused decode steps ----------------------------------------------------------------------------------------
@@ -135,7 +172,7 @@ def test_a_fused_decode_is_the_same_in_every_program_order(model_and_prompt, cas
     criterion, executor, moments = CASES[case]
     expected = decode(model, ids, reference, criterion, executor, moments)
     assert len(expected[1]) == 2 * len(STEPS)
-    for order, seed in (("reversed", 0), ("shuffled", 1)):
+    for order, seed in (("reversed", 0), ("interleaved", 1)):
         with program_order(order, seed=seed):
             assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected,
                                f"{case}, {order}")
@@ -148,15 +185,33 @@ def _last_by_number(ARRIVED, pair, BP: tl.constexpr):
     return tl.program_id(1) == BP - 1
 
 
-def test_a_kernel_that_holds_only_in_grid_order_is_caught(model_and_prompt, monkeypatch):
+@triton.jit
+def _last_by_plain_count(ARRIVED, pair, BP: tl.constexpr):
+    """Another wrong :func:`~qada.attention._moment_kernel.last_to_arrive`: the arrivals counted by a load and a store
+    instead of an atomic addition (right in any order of whole programs, not when they run side by side)."""
+    arrived = tl.load(ARRIVED + pair)
+    tl.store(ARRIVED + pair, arrived + 1)
+    last = arrived == BP - 1
+    if last:
+        tl.store(ARRIVED + pair, 0)
+    return last
+
+
+def test_kernels_that_hold_only_in_grid_order_or_one_at_a_time_are_caught(model_and_prompt, monkeypatch):
     """Not vacuous: with the moment launch's last program chosen by its number instead of by an atomic count, the
     decode is right in grid order (the real kernel's, bit for bit) and wrong reversed (the finishing program reads
-    block pairs' shares not yet written)."""
+    block pairs' shares not yet written); with the arrivals counted without an atomic, it is right in every order of
+    whole programs and wrong interleaved (two programs read the same count: none, or two, finish)."""
     model, ids, reference = model_and_prompt
     criterion, executor, moments = CASES["qada current"]
     expected = decode(model, ids, reference, criterion, executor, moments)
-    monkeypatch.setattr(_moment_kernel, "last_to_arrive", _last_by_number)
-    assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "grid order")
-    with program_order("reversed"):
-        with pytest.raises(AssertionError):
+    with monkeypatch.context() as patched:
+        patched.setattr(_moment_kernel, "last_to_arrive", _last_by_number)
+        assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "grid order")
+        with program_order("reversed"), pytest.raises(AssertionError):
             assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "reversed")
+    monkeypatch.setattr(_moment_kernel, "last_to_arrive", _last_by_plain_count)
+    with program_order("reversed"):
+        assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "reversed")
+    with program_order("interleaved", seed=1), pytest.raises(AssertionError):
+        assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "interleaved")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,49 +71,175 @@ def skip_repeated_patching() -> bool:
     return True
 
 
-PROGRAM_ORDERS = ("natural", "reversed", "shuffled")
+PROGRAM_ORDERS = ("natural", "reversed", "shuffled", "interleaved")
 """The orders :func:`program_order` runs a launch's programs in."""
+
+_MEMORY_OPERATIONS = ("load", "store", "atomic")
+"""The interpreter builder's operations (``create_*`` methods whose name holds one of these) before which an
+interleaved program hands over to another."""
+
+
+class _Abandoned(BaseException):
+    """Ends a program thread of an interleaved launch that another program's error stopped."""
+
+
+class _Interleaving:
+    """A launch's programs run as threads, one at a time: before each memory operation the running program hands over
+    to one of the unfinished programs (itself included) drawn by ``rng``. What a GPU may do between two programs'
+    loads and stores (under sequential consistency): a program may read another's store of the same launch, or not
+    yet, at any of its operations."""
+
+    def __init__(self, builder: Any, rng: random.Random) -> None:
+        self.builder, self.rng = builder, rng
+        self.changed = threading.Condition()
+        self.turn: int | None = None  # the program that may run
+        self.unfinished: list[int] = []
+        self.error: BaseException | None = None
+        self.local = threading.local()  # .program: the index of the program this thread runs
+
+    def run(self, fn: Any, programs: list[tuple[tuple[int, int, int], dict[str, Any]]]) -> None:
+        """Run ``fn(**args)`` as each of ``programs`` ``(grid index, args)``, interleaved; raise the first error."""
+        self.unfinished = list(range(len(programs)))
+        threads = [threading.Thread(target=self._program, args=(n, fn, index, args), daemon=True)
+                   for n, (index, args) in enumerate(programs)]
+        for thread in threads:
+            thread.start()
+        with self.changed:
+            self.turn = self.rng.choice(self.unfinished)
+            self.changed.notify_all()
+            self.changed.wait_for(lambda: not self.unfinished)
+        for thread in threads:
+            thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def _program(self, n: int, fn: Any, index: tuple[int, int, int], args: dict[str, Any]) -> None:
+        self.local.program = (n, index)
+        try:
+            self._wait_for_turn()
+            fn(**args)
+        except _Abandoned:
+            pass
+        except BaseException as error:  # noqa: BLE001 - handed to the launching thread
+            with self.changed:
+                self.error = self.error or error
+        finally:
+            with self.changed:
+                self.unfinished.remove(n)
+                if self.error is not None:
+                    self.turn = None  # the others stop at their next turn
+                elif self.unfinished:
+                    self.turn = self.rng.choice(self.unfinished)
+                self.changed.notify_all()
+
+    def _wait_for_turn(self) -> None:
+        n, index = self.local.program
+        with self.changed:
+            self.changed.wait_for(lambda: self.turn == n or self.error is not None)
+            if self.error is not None:
+                raise _Abandoned
+        self.builder.grid_idx = index
+
+    def hand_over(self) -> None:
+        """Before a memory operation of a program thread: let a random unfinished program run until its own."""
+        if getattr(self.local, "program", None) is None:
+            return
+        with self.changed:
+            self.turn = self.rng.choice(self.unfinished)
+            self.changed.notify_all()
+        self._wait_for_turn()
 
 
 @contextlib.contextmanager
 def program_order(order: str, seed: int = 0) -> Iterator[None]:
-    """Within: Triton's interpreter runs each launch's programs in ``order`` instead of its own (``natural``: program
-    0, 1, ... of the flattened grid; ``reversed``: the last first; ``shuffled``: a random permutation per launch, from
-    ``seed`` and the launch's number). Every program still runs once, one after the other.
+    """Within: Triton's interpreter runs each launch's programs in ``order`` instead of its own: ``natural`` (program
+    0, 1, ... of the flattened grid, one after the other), ``reversed`` (the last first), ``shuffled`` (a random
+    permutation per launch) or ``interleaved`` (all at once, as threads taking turns: before each load, store or
+    atomic operation the running program hands over to a random unfinished one, :class:`_Interleaving`). Random
+    choices come from ``seed`` and the launch's number, so a failure repeats.
 
-    On a GPU a launch's programs start and finish in no set order, so a kernel whose programs share memory within a
-    launch (one writes what another reads, the last to arrive finishes for the others) must give the same result in
-    every order; the interpreter alone only ever tries the natural one. Raises ``RuntimeError`` where Triton's
-    interpreter is not built as expected (its builder's ``set_grid_dim`` / ``set_grid_idx``)."""
+    On a GPU a launch's programs start and finish in no set order and run side by side, so a kernel whose programs
+    share memory within a launch (one writes what another reads, the last to arrive finishes for the others) must
+    give the same result in every order and interleaving; the interpreter alone only ever tries the natural order.
+    What the interleaving cannot show: a GPU's weaker memory ordering (stores another SM sees late or out of order,
+    which the kernels' atomics and barriers must order), and interleavings inside one operation. Raises
+    ``RuntimeError`` where Triton's interpreter is not built as expected."""
     if order not in PROGRAM_ORDERS:
         raise ValueError(f"expected an order of {PROGRAM_ORDERS} but got {order!r}")
     from triton.runtime import interpreter
 
     builder = getattr(interpreter, "interpreter_builder", None)
-    set_dim, set_idx = getattr(builder, "set_grid_dim", None), getattr(builder, "set_grid_idx", None)
-    if set_dim is None or set_idx is None:
-        raise RuntimeError("Triton's interpreter has no builder with set_grid_dim / set_grid_idx to reorder programs")
+    executor = getattr(interpreter, "GridExecutor", None)
+    set_dim = getattr(builder, "set_grid_dim", None)
+    memory = [name for name in dir(builder) if name.startswith("create_")
+              and any(word in name for word in _MEMORY_OPERATIONS)]
+    if executor is None or set_dim is None or not hasattr(builder, "set_grid_idx") or not memory:
+        raise RuntimeError("Triton's interpreter has no GridExecutor / builder with set_grid_dim, set_grid_idx and "
+                           "memory operations to reorder programs by")
     launches = [0]
-    programs: list[tuple[int, int, int]] = []
+    running: list[Any] = []  # the GridExecutor of each launch now running (innermost last)
+    interleavings: list[_Interleaving] = []
 
-    def grid_dim(nx: int, ny: int, nz: int) -> None:  # called once per launch, before its programs
-        set_dim(nx, ny, nz)
-        programs[:] = [(x, y, z) for x in range(nx) for y in range(ny) for z in range(nz)]
-        if order == "reversed":
-            programs.reverse()
-        elif order == "shuffled":
-            random.Random(seed * 1_000_003 + launches[0]).shuffle(programs)
+    def run_programs(fn: Any, programs: list[tuple[tuple[int, int, int], dict[str, Any]]]) -> None:
+        rng = random.Random(seed * 1_000_003 + launches[0])
         launches[0] += 1
+        if order == "interleaved":
+            interleavings.append(_Interleaving(builder, rng))
+            try:
+                interleavings[-1].run(fn, programs)
+            finally:
+                interleavings.pop()
+            return
+        if order == "reversed":
+            programs = programs[::-1]
+        elif order == "shuffled":
+            rng.shuffle(programs)
+        for index, args in programs:
+            builder.grid_idx = index
+            fn(**args)
 
-    def grid_idx(x: int, y: int, z: int) -> None:  # the interpreter's n-th program runs as programs[n]
-        _, ny, nz = builder.grid_dim
-        set_idx(*programs[(x * ny + y) * nz + z])
+    def grid_dim(nx: int, ny: int, nz: int) -> None:  # once per launch, after the executor read the kernel's arguments
+        set_dim(nx, ny, nz)
+        if not running:
+            return
+        launch, fn = running[-1], running[-1].fn
+        total, programs = nx * ny * nz, []
 
-    own = {name: vars(builder)[name] for name in ("set_grid_dim", "set_grid_idx") if name in vars(builder)}
-    builder.set_grid_dim, builder.set_grid_idx = grid_dim, grid_idx
+        def deferred(**args: Any) -> None:  # the interpreter's loop calls it once per program, in grid order
+            programs.append((builder.grid_idx, args))
+            if len(programs) == total:
+                run_programs(fn, programs)
+
+        launch.fn = deferred
+
+    run_grid = executor.__call__
+
+    def run_reordered(self: Any, *args: Any, **kwargs: Any) -> Any:
+        fn = self.fn
+        running.append(self)
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            running.pop()
+            self.fn = fn
+
+    def before_memory(operation: Any) -> Any:
+        def operate(*args: Any, **kwargs: Any) -> Any:
+            if interleavings:
+                interleavings[-1].hand_over()
+            return operation(*args, **kwargs)
+        return operate
+
+    own = {name: vars(builder)[name] for name in ("set_grid_dim", *memory) if name in vars(builder)}
+    builder.set_grid_dim = grid_dim
+    for name in memory:
+        setattr(builder, name, before_memory(getattr(builder, name)))
+    executor.__call__ = run_reordered
     try:
         yield
     finally:
-        del builder.set_grid_dim, builder.set_grid_idx  # the class's methods again, or an enclosing order's
+        executor.__call__ = run_grid
+        for name in ("set_grid_dim", *memory):
+            delattr(builder, name)  # the class's methods again, or an enclosing order's
         for name, value in own.items():
             setattr(builder, name, value)

@@ -151,10 +151,12 @@ def grid_dependency(ptx: str) -> dict[str, int]:
 
 def pretend_programmatic_launch() -> None:
     """The ``triton_fused`` executor's ``pdl`` applies here as on an sm_90 GPU (its check of the device, a CPU one
-    here, skipped): its configurations compile their kernels as a GPU launches them. Process-wide."""
+    here, skipped; not that of the Triton version): its configurations compile their kernels as a GPU launches them.
+    Process-wide."""
+    from qada.attention import _triton_kernel
     from qada.attention.fused import FusedTritonExecutor
 
-    FusedTritonExecutor.programmatic = lambda self, device: self.pdl
+    FusedTritonExecutor.programmatic = lambda self, device: self.pdl and _triton_kernel.HAS_PDL
 
 
 def async_copies(ptx: str) -> int:
@@ -162,6 +164,29 @@ def async_copies(ptx: str) -> int:
     pipelining issues a loop's next loads while the current block is computed (a loop it does not pipeline loads
     into registers with ``ld.global`` and waits for them)."""
     return len(re.findall(r"\bcp\.async\.c[ag]\.", ptx))
+
+
+def pack_args(kernel: Any, backend: Any, kwargs: dict[str, Any], bound: Any, specialization: Any,
+              options: Any) -> tuple[Any, dict[str, Any], dict[Any, Any], dict[Any, Any]]:
+    """``(options, signature, constexprs, attrs)`` of a launch, as Triton's launcher builds them before compiling:
+    ``JITFunction._pack_args`` (Triton 3.5 on), or the same steps of ``JITFunction.run`` (3.3, 3.4), its check of the
+    launch's keyword arguments included."""
+    if hasattr(kernel, "_pack_args"):
+        return kernel._pack_args(backend, kwargs, bound, specialization, options)
+    from triton._utils import find_paths_if, get_iterable_path
+
+    options = backend.parse_options(kwargs)
+    sigkeys = [param.name for param in kernel.params]
+    sigvals = [kind for kind, _ in specialization]
+    unknown = [name for name in kwargs if name not in options.__dict__ and name not in sigkeys]
+    if unknown:
+        raise KeyError(f"Triton does not know the launch options {unknown}")
+    constexprs = {path: get_iterable_path(list(bound.values()), path)
+                  for path in find_paths_if(sigvals, lambda _, kind: kind == "constexpr")}
+    attrvals = [attr for _, attr in specialization]
+    attrs = {path: backend.parse_attr(get_iterable_path(attrvals, path))
+             for path in find_paths_if(attrvals, lambda _, attr: isinstance(attr, str))}
+    return options, dict(zip(sigkeys, sigvals, strict=True)), constexprs, attrs
 
 
 class Sm90Compiler:
@@ -188,8 +213,8 @@ class Sm90Compiler:
         if kernel not in self.binders:  # (every layer of every step launches the same few kernels)
             self.binders[kernel] = create_function_from_signature(kernel.signature, kernel.params, self.backend)
         bound, specialization, options = self.binders[kernel](*args, **kwargs)
-        options, signature, constexprs, attrs = kernel._pack_args(self.backend, kwargs, bound, specialization,
-                                                                  options)  # fmt: skip
+        options, signature, constexprs, attrs = pack_args(kernel, self.backend, kwargs, bound, specialization,
+                                                          options)  # fmt: skip
         signature = {name: self.float_scalars if kind == "fp32" else kind for name, kind in signature.items()}
         key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=repr)),
                repr(sorted(attrs.items(), key=repr)), options.num_warps, options.num_stages, options.maxnreg)

@@ -38,6 +38,27 @@ def threads_per_worker() -> int:
 torch.set_num_threads(threads_per_worker())
 
 
+def pytest_addoption(parser):
+    parser.addoption("--program-order", default=None, choices=["natural", "reversed", "shuffled", "interleaved"],
+                     help="run every Triton launch of every test with its programs in this order (Triton's "
+                          "interpreter only; qada.attention.interpreter.program_order, seeded by the test's id)")
+
+
+@pytest.fixture(autouse=True)
+def _program_order(request):
+    """With ``--program-order``: the test runs inside :func:`qada.attention.interpreter.program_order`."""
+    order = request.config.getoption("--program-order")
+    if order is None or os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import zlib
+
+    from qada.attention.interpreter import program_order
+
+    with program_order(order, seed=zlib.crc32(request.node.nodeid.encode())):
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     if not torch.cuda.is_available():

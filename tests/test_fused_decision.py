@@ -707,6 +707,25 @@ def test_programmatic_launches_only_where_the_device_has_them():
     assert torch.equal(with_pdl.output, without.output) and torch.equal(with_pdl.local, without.local)
 
 
+def test_programmatic_launches_need_intrinsics_that_compile(monkeypatch):
+    """Triton 3.4's PDL intrinsics took ``_builder`` where its code generator passed ``_semantic`` (no kernel calling
+    them compiled): such intrinsics, or none, count as no PDL; this Triton's (3.5 on) count."""
+    import triton
+
+    from qada.attention import _triton_kernel
+
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 5):
+        assert _triton_kernel.pdl_intrinsics_compile()
+
+    def old_style(_builder=None):
+        return None
+
+    monkeypatch.setattr(_triton_kernel, "gdc_wait", old_style)
+    assert not _triton_kernel.pdl_intrinsics_compile()
+    monkeypatch.setattr(_triton_kernel, "gdc_wait", None)
+    assert not _triton_kernel.pdl_intrinsics_compile()
+
+
 def test_add_to_must_be_float64_sums_and_one_index():
     """The combine's ``add_to`` refuses sums of another dtype, width or device and an index of several elements."""
     step = make_step(1, 4, 2, 64, 16, None, None, torch.float32, seed=3)

@@ -23,7 +23,7 @@ from qada.criteria import QAdACriterion  # noqa: E402
 from qada.models.fused_step import fused_moment_step, moment_step_rider, steps_moments_ahead  # noqa: E402
 from qada.moments import CurrentMoments  # noqa: E402
 from tests.test_attention_triton import DEVICE  # noqa: E402
-from tests.test_moment_step_kernel import STARTS, WINDOW, prefilled  # noqa: E402
+from tests.test_moment_step_kernel import STARTS, WINDOW, grid_order, prefilled  # noqa: E402
 
 
 def split_outputs(b=2, H=4, H_kv=2, S=3, d=16, seed=0):
@@ -64,14 +64,16 @@ def test_the_combine_launch_steps_the_moments_as_the_moment_launch(kind, d):
 
 def test_a_count_not_at_zero_goes_wrong():
     """Not vacuous: with the arrival count off by one, the first block pair to finish believes itself the last and
-    moves the count and the mean before the others read them: the state differs from the moment launch's."""
+    moves the count and the mean before the others read them: the state differs from the moment launch's (in grid
+    order: interleaved, the others may have read them before)."""
     moments, keys, expected, ahead = prefilled("current", 40)
     start = STARTS.to(DEVICE)
     query, acc, m, l, counts = split_outputs(d=40)
     ends = torch.full((2,), 16, device=DEVICE)
     fused_moment_step(moments, expected, keys, start, ends + 1, WINDOW)
     ahead["arrived"] += 2
-    combine(query, acc, m, l, counts, None, rider=moment_step_rider(moments, ahead, keys, start, ends, WINDOW))
+    with grid_order():
+        combine(query, acc, m, l, counts, None, rider=moment_step_rider(moments, ahead, keys, start, ends, WINDOW))
     assert not all(torch.equal(ahead[name], expected[name]) for name in ("m2", "out_cov"))
 
 

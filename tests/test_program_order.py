@@ -56,6 +56,12 @@ def test_each_order_runs_every_program_once():
     assert _arrivals("shuffled", seed=1) == shuffled != _arrivals("shuffled", seed=2)  # a seed's order, repeatable
     interleaved = _arrivals("interleaved", seed=1)
     assert sorted(interleaved) == list(range(12)) and interleaved == _arrivals("interleaved", seed=1)
+    with program_order("reversed"):
+        assert _arrivals("natural") == natural  # nested: the innermost order holds
+        assert _arrivals("shuffled", seed=1) == shuffled
+        count, out = torch.zeros(1, dtype=torch.int32), torch.full((3, 4), -1, dtype=torch.int32)
+        _arrival_kernel[(3, 4)](count, out, NY=4)  # and the enclosing one again after it
+        assert out.flatten().tolist() == reversed_
     count, out = torch.zeros(1, dtype=torch.int32), torch.full((3, 4), -1, dtype=torch.int32)
     _arrival_kernel[(3, 4)](count, out, NY=4)  # after the context: the interpreter's own order again
     assert out.flatten().tolist() == natural

@@ -25,13 +25,31 @@ import triton.language as tl
 from qada.attention._budget_rank import budget_group_decision
 from qada.attention._group_decision import policy_of_heads
 
-try:  # programmatic dependent launch (Triton >= 3.3): the kernels use it only when asked, on sm_90+
+try:  # programmatic dependent launch (Triton >= 3.4): the kernels use it only when asked, on sm_90+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAS_PDL = True
 except ImportError:  # pragma: no cover - older triton
     gdc_launch_dependents = gdc_wait = None
     HAS_PDL = False
+
+
+def pdl_intrinsics_compile() -> bool:
+    """Whether Triton's programmatic-launch intrinsics take the keyword its code generator passes to a builtin
+    (``_semantic``, or ``_builder`` before): Triton 3.4's ``gdc_wait`` / ``gdc_launch_dependents`` still took
+    ``_builder`` where its code generator passed ``_semantic``, so a kernel calling them did not compile (found
+    compiling for sm_90 with ``benchmarks/kernel_resources.py``); 3.5 on, they do. Without them (before 3.4)
+    ``False``."""
+    import inspect
+
+    if gdc_wait is None or gdc_launch_dependents is None:
+        return False
+    wants = set(inspect.signature(tl.program_id).parameters) & {"_semantic", "_builder"}
+    takes = set(inspect.signature(gdc_wait).parameters) & set(inspect.signature(gdc_launch_dependents).parameters)
+    return bool(wants) and wants <= takes
+
+
+HAS_PDL = pdl_intrinsics_compile()
 
 try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)

@@ -389,8 +389,10 @@ class FusedTritonExecutor(TritonExecutor):
     and the page bounds), then waits for it before reading what it wrote. It hides the launch latency between a
     layer's dependent launches and overlaps the decision's window scan with the moment step: what a step of few
     programs, as at batch size 1, waits for. Off where the device has none (the CPU, Triton's interpreter, before
-    sm_90), inside a step ``torch.compile`` compiles (``compile_step``), and for a ``qada_tail`` decision merging
-    the page-top launch's lists. The same kernels and results either way; opt-in until a GPU has timed it."""
+    sm_90) or Triton's intrinsics for it do not compile (before 3.5:
+    :func:`~qada.attention._triton_kernel.pdl_intrinsics_compile`), inside a step ``torch.compile`` compiles
+    (``compile_step``), and for a ``qada_tail`` decision merging the page-top launch's lists. The same kernels and
+    results either way; opt-in until a GPU has timed it."""
 
     cap_registers: bool = True
     """Whether the ``qada_tail`` split kernel that holds the most state (``attend_exact`` or a page hierarchy, 16-bit

@@ -22,6 +22,7 @@ import contextlib
 import random
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 _INSTALLED = "_qada_skips_repeated_patching"
@@ -150,22 +151,43 @@ class _Interleaving:
         self._wait_for_turn()
 
 
-@contextlib.contextmanager
-def program_order(order: str, seed: int = 0) -> Iterator[None]:
-    """Within: Triton's interpreter runs each launch's programs in ``order`` instead of its own: ``natural`` (program
-    0, 1, ... of the flattened grid, one after the other), ``reversed`` (the last first), ``shuffled`` (a random
-    permutation per launch) or ``interleaved`` (all at once, as threads taking turns: before each load, store or
-    atomic operation the running program hands over to a random unfinished one, :class:`_Interleaving`). Random
-    choices come from ``seed`` and the launch's number, so a failure repeats.
+@dataclass
+class _Order:
+    """One :func:`program_order` context: its order, its seed and the launches it has reordered."""
 
-    On a GPU a launch's programs start and finish in no set order and run side by side, so a kernel whose programs
-    share memory within a launch (one writes what another reads, the last to arrive finishes for the others) must
-    give the same result in every order and interleaving; the interpreter alone only ever tries the natural order.
-    What the interleaving cannot show: a GPU's weaker memory ordering (stores another SM sees late or out of order,
-    which the kernels' atomics and barriers must order), and interleavings inside one operation. Raises
-    ``RuntimeError`` where Triton's interpreter is not built as expected."""
-    if order not in PROGRAM_ORDERS:
-        raise ValueError(f"expected an order of {PROGRAM_ORDERS} but got {order!r}")
+    name: str
+    seed: int
+    launches: int = 0
+
+    def run(self, builder: Any, fn: Any, programs: list[tuple[tuple[int, int, int], dict[str, Any]]]) -> None:
+        """Run ``fn(**args)`` as each of ``programs`` ``(grid index, args)`` (grid order) in this order."""
+        rng = random.Random(self.seed * 1_000_003 + self.launches)
+        self.launches += 1
+        if self.name == "interleaved":
+            _INTERLEAVINGS.append(_Interleaving(builder, rng))
+            try:
+                _INTERLEAVINGS[-1].run(fn, programs)
+            finally:
+                _INTERLEAVINGS.pop()
+            return
+        if self.name == "reversed":
+            programs = programs[::-1]
+        elif self.name == "shuffled":
+            rng.shuffle(programs)
+        for index, args in programs:
+            builder.grid_idx = index
+            fn(**args)
+
+
+_ORDERS: list[_Order] = []
+"""The :func:`program_order` contexts entered, innermost last (the interpreter's hooks are installed while any is)."""
+
+_INTERLEAVINGS: list[_Interleaving] = []
+"""The interleaved launch running now, if any."""
+
+
+def _install_order_hooks() -> Any:
+    """Hook Triton's interpreter so that each launch runs its programs by ``_ORDERS[-1]``; returns the undo."""
     from triton.runtime import interpreter
 
     builder = getattr(interpreter, "interpreter_builder", None)
@@ -176,39 +198,19 @@ def program_order(order: str, seed: int = 0) -> Iterator[None]:
     if executor is None or set_dim is None or not hasattr(builder, "set_grid_idx") or not memory:
         raise RuntimeError("Triton's interpreter has no GridExecutor / builder with set_grid_dim, set_grid_idx and "
                            "memory operations to reorder programs by")
-    launches = [0]
     running: list[Any] = []  # the GridExecutor of each launch now running (innermost last)
-    interleavings: list[_Interleaving] = []
-
-    def run_programs(fn: Any, programs: list[tuple[tuple[int, int, int], dict[str, Any]]]) -> None:
-        rng = random.Random(seed * 1_000_003 + launches[0])
-        launches[0] += 1
-        if order == "interleaved":
-            interleavings.append(_Interleaving(builder, rng))
-            try:
-                interleavings[-1].run(fn, programs)
-            finally:
-                interleavings.pop()
-            return
-        if order == "reversed":
-            programs = programs[::-1]
-        elif order == "shuffled":
-            rng.shuffle(programs)
-        for index, args in programs:
-            builder.grid_idx = index
-            fn(**args)
 
     def grid_dim(nx: int, ny: int, nz: int) -> None:  # once per launch, after the executor read the kernel's arguments
         set_dim(nx, ny, nz)
-        if not running:
+        if not running or not _ORDERS:
             return
-        launch, fn = running[-1], running[-1].fn
+        launch, fn, order = running[-1], running[-1].fn, _ORDERS[-1]
         total, programs = nx * ny * nz, []
 
         def deferred(**args: Any) -> None:  # the interpreter's loop calls it once per program, in grid order
             programs.append((builder.grid_idx, args))
             if len(programs) == total:
-                run_programs(fn, programs)
+                order.run(builder, fn, programs)
 
         launch.fn = deferred
 
@@ -225,8 +227,8 @@ def program_order(order: str, seed: int = 0) -> Iterator[None]:
 
     def before_memory(operation: Any) -> Any:
         def operate(*args: Any, **kwargs: Any) -> Any:
-            if interleavings:
-                interleavings[-1].hand_over()
+            if _INTERLEAVINGS:
+                _INTERLEAVINGS[-1].hand_over()
             return operation(*args, **kwargs)
         return operate
 
@@ -235,11 +237,38 @@ def program_order(order: str, seed: int = 0) -> Iterator[None]:
     for name in memory:
         setattr(builder, name, before_memory(getattr(builder, name)))
     executor.__call__ = run_reordered
+
+    def undo() -> None:
+        executor.__call__ = run_grid
+        for name in ("set_grid_dim", *memory):
+            delattr(builder, name)  # the class's methods again, or what was set on the builder before
+        for name, value in own.items():
+            setattr(builder, name, value)
+
+    return undo
+
+
+@contextlib.contextmanager
+def program_order(order: str, seed: int = 0) -> Iterator[None]:
+    """Within: Triton's interpreter runs each launch's programs in ``order`` instead of its own: ``natural`` (program
+    0, 1, ... of the flattened grid, one after the other), ``reversed`` (the last first), ``shuffled`` (a random
+    permutation per launch) or ``interleaved`` (all at once, as threads taking turns: before each load, store or
+    atomic operation the running program hands over to a random unfinished one, :class:`_Interleaving`). Random
+    choices come from ``seed`` and the launch's number, so a failure repeats. Nested, the innermost order holds.
+
+    On a GPU a launch's programs start and finish in no set order and run side by side, so a kernel whose programs
+    share memory within a launch (one writes what another reads, the last to arrive finishes for the others) must
+    give the same result in every order and interleaving; the interpreter alone only ever tries the natural order.
+    What the interleaving cannot show: a GPU's weaker memory ordering (stores another SM sees late or out of order,
+    which the kernels' atomics and barriers must order), and interleavings inside one operation. Raises
+    ``RuntimeError`` where Triton's interpreter is not built as expected."""
+    if order not in PROGRAM_ORDERS:
+        raise ValueError(f"expected an order of {PROGRAM_ORDERS} but got {order!r}")
+    undo = _install_order_hooks() if not _ORDERS else None
+    _ORDERS.append(_Order(order, seed))
     try:
         yield
     finally:
-        executor.__call__ = run_grid
-        for name in ("set_grid_dim", *memory):
-            delattr(builder, name)  # the class's methods again, or an enclosing order's
-        for name, value in own.items():
-            setattr(builder, name, value)
+        _ORDERS.pop()
+        if undo is not None:
+            undo()

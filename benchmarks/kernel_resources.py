@@ -128,10 +128,11 @@ def ptxas_report(ptx: str) -> dict[str, int]:
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)
         try:
-            ptxas = get_ptxas(90)  # Triton 3.6 on: the ptxas for the architecture
+            ptxas = get_ptxas(90)  # Triton 3.3, 3.4 and 3.6 on: the ptxas for the architecture
         except TypeError:
             ptxas = get_ptxas()  # Triton 3.5
-        done = subprocess.run([ptxas.path, "-v", "--gpu-name", "sm_90a", str(source), "-o",
+        path = ptxas[0] if isinstance(ptxas, tuple) else ptxas.path  # (3.3: a (path, version) pair)
+        done = subprocess.run([path, "-v", "--gpu-name", "sm_90a", str(source), "-o",
                                str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
     log = done.stdout + done.stderr
     registers = re.search(r"Used (\d+) registers", log)

@@ -147,6 +147,24 @@ def test_triton_without_gpu_or_interpreter_is_an_error(monkeypatch):
     check_triton_runtime(torch.device("cpu"))  # the interpreter makes CPU tensors acceptable
 
 
+def test_triton_older_than_the_kernels_need_is_an_error(monkeypatch):
+    """Triton before 3.3 (its compiler not checked with qada's kernels) is refused with the version found, before
+    any launch; the installed one passes, and versions read from package metadata parse as ``(major, minor)``."""
+    import importlib.metadata
+
+    from qada.attention import triton_decode
+
+    assert triton_decode.triton_version() >= triton_decode.MIN_TRITON
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.2.0")
+    assert triton_decode.triton_version() == (3, 2)
+    with pytest.raises(ImportError, match=r"needs Triton 3\.3 or later .* found 3\.2"):
+        check_triton_runtime(torch.device("cpu"), executor="triton_fused")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.4.0+git1234abcd")
+    assert triton_decode.triton_version() == (3, 4)
+    check_triton_runtime(torch.device("cpu"))
+
+
 def test_triton_rejects_float64_and_bad_parameters():
     case = make_case(1, 2, 1, 40, 16, None, "mixed", torch.float64)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):

@@ -7,7 +7,7 @@ model's device and dtype and from whether the criterion's decision can be made i
   ``qada``, ``qada_budget``, ``qada_tail``, ``qada_tail_budget`` with a moment source): ``triton_fused`` (three to
   four launches per layer and step: moment step, decision, attention, combine);
 * the same for any other criterion: ``triton`` (the split-K kernel that skips the bulk of local KV groups);
-* anything else (the CPU, no Triton, another dtype): ``sdpa``.
+* anything else (the CPU, no Triton or one older than 3.3, another dtype): ``sdpa``.
 
 Every executor computes the same attention; the choice changes only what a step costs. Called directly (outside a
 run, :func:`~qada.attention.decode_attention`) it chooses by the step's tensors, without a criterion: ``triton``
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qada.attention.base import EXECUTORS, AttentionExecutor, GroupDecision, register_executor
-from qada.attention.triton_decode import TRITON_DTYPES
+from qada.attention.triton_decode import MIN_TRITON, TRITON_DTYPES, triton_version
 from qada.step import DecodeStep
 
 __all__ = ["AutoExecutor", "executor_for"]
@@ -41,6 +41,9 @@ def executor_for(device: torch.device, dtype: torch.dtype, fusable: bool,
         triton_installed = importlib.util.find_spec("triton") is not None
     if not triton_installed:
         return "sdpa", "Triton is not installed (pip install 'qada[triton]')"
+    if importlib.util.find_spec("triton") is not None and triton_version() < MIN_TRITON:
+        return "sdpa", (f"Triton {'.'.join(map(str, triton_version()))} is older than the kernels need "
+                        f"({'.'.join(map(str, MIN_TRITON))}; pip install 'qada[triton]')")
     if fusable:
         return "triton_fused", "CUDA and Triton: the decision is made in the attention kernel"
     return "triton", ("CUDA and Triton; the criterion's decision is not one the fused kernels make (plain 'qada', "

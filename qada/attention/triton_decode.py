@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -34,6 +35,30 @@ _LOG2E = 1.4426950408889634  # the kernel works in base 2: exp(x) = exp2(x * log
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The dtypes the Triton executors take."""
+
+
+MIN_TRITON = (3, 3)
+"""The oldest Triton whose compiler takes every qada kernel (``benchmarks/kernel_resources.py`` compiled them for
+sm_90 with 3.3.1, 3.4.0, 3.5.1, 3.6.0 and 3.9.0); the ``triton`` extra asks for it."""
+
+
+def triton_version() -> tuple[int, ...]:
+    """The installed Triton's ``(major, minor)``, from its package metadata (``triton`` or PyTorch's nightly
+    ``pytorch-triton``) without importing it, else from ``triton.__version__``."""
+    import importlib.metadata
+
+    for name in ("triton", "pytorch-triton"):
+        try:
+            text = importlib.metadata.version(name)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    else:
+        import triton
+
+        text = triton.__version__
+    parts = [int(part) for part in re.findall(r"\d+", text)[:2]]
+    return tuple(parts + [0] * (2 - len(parts)))
 
 
 def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None, executor: str = "triton") -> None:
@@ -57,6 +82,11 @@ def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None,
         )
     if importlib.util.find_spec("triton") is None:
         raise ImportError(f"the '{executor}' executor needs triton installed: pip install 'qada[triton]'")
+    version = triton_version()
+    if version < MIN_TRITON:
+        raise ImportError(f"the '{executor}' executor needs Triton {'.'.join(map(str, MIN_TRITON))} or later (its "
+                          f"kernels compile with 3.3 to 3.9) but found {'.'.join(map(str, version))}: pip install "
+                          f"'qada[triton]'")
     from qada.attention import _triton_kernel
 
     if device.type == "cpu" and not _triton_kernel.INTERPRETED:

@@ -12,8 +12,9 @@ patching is about 40% of the interpreter's time (1,103 s against 642 s of test t
 patched what the helper sees; a helper that sees more is patched as before. Results are the same; only time
 changes. Nothing is changed at import: the test suite and ``benchmarks/run.py --gpu --dry-run`` call it.
 
-:func:`program_order` runs each launch's programs reversed or shuffled (the interpreter runs them in grid order, a
-GPU in none), to check that kernels whose programs share memory within a launch give the same result in any order.
+:func:`program_order` runs each launch's programs reversed, shuffled or interleaved (the interpreter runs them one
+after the other in grid order, a GPU side by side in none), to check that kernels whose programs share memory within
+a launch give the same result in any order.
 """
 
 from __future__ import annotations

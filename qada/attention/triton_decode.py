@@ -15,6 +15,7 @@ slow, for tests). Otherwise calling it raises: no silent fallback. triton is imp
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -42,23 +43,27 @@ MIN_TRITON = (3, 3)
 sm_90 with 3.3.1, 3.4.0, 3.5.1, 3.6.0 and 3.9.0); the ``triton`` extra asks for it."""
 
 
-def triton_version() -> tuple[int, ...]:
+def version_of(text: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string (``"3.4.0+git1234abcd"``: ``(3, 4)``)."""
+    parts = [int(part) for part in re.findall(r"\d+", text)[:2]]
+    return tuple(parts + [0] * (2 - len(parts)))
+
+
+@functools.cache
+def triton_version() -> tuple[int, int]:
     """The installed Triton's ``(major, minor)``, from its package metadata (``triton`` or PyTorch's nightly
-    ``pytorch-triton``) without importing it, else from ``triton.__version__``."""
+    ``pytorch-triton``) without importing it, else from ``triton.__version__``; read once per process (each layer's
+    launch checks it)."""
     import importlib.metadata
 
     for name in ("triton", "pytorch-triton"):
         try:
-            text = importlib.metadata.version(name)
-            break
+            return version_of(importlib.metadata.version(name))
         except importlib.metadata.PackageNotFoundError:
             continue
-    else:
-        import triton
+    import triton
 
-        text = triton.__version__
-    parts = [int(part) for part in re.findall(r"\d+", text)[:2]]
-    return tuple(parts + [0] * (2 - len(parts)))
+    return version_of(triton.__version__)
 
 
 def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None, executor: str = "triton") -> None:

@@ -46,9 +46,11 @@ def pytest_addoption(parser):
 
 @pytest.fixture(autouse=True)
 def _program_order(request):
-    """With ``--program-order``: the test runs inside :func:`qada.attention.interpreter.program_order`."""
+    """With ``--program-order``: the test runs inside :func:`qada.attention.interpreter.program_order` (not a module
+    with ``OWN_PROGRAM_ORDER``: its tests set the order themselves, or instrument the programs)."""
     order = request.config.getoption("--program-order")
-    if order is None or os.environ.get("TRITON_INTERPRET") != "1":
+    own = getattr(request.module, "OWN_PROGRAM_ORDER", False)
+    if order is None or os.environ.get("TRITON_INTERPRET") != "1" or own:
         yield
         return
     import zlib

@@ -21,6 +21,10 @@ from benchmarks.launch_bytes import ArgumentSpans, ByteRecorder, summarise, tota
 from qada.attention import _triton_kernel  # noqa: E402
 from tests.test_fused_decision import make_run, model, reference  # noqa: E402, F401 - the tiny model's fixtures
 
+OWN_PROGRAM_ORDER = True
+"""The byte recorder follows the interpreter's own program loop (``pytest --program-order`` leaves these tests
+alone: tests/conftest.py)."""
+
 pytestmark = pytest.mark.skipif(not _triton_kernel.INTERPRETED, reason="counts bytes in Triton's interpreter")
 
 

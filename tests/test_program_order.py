@@ -35,6 +35,9 @@ from qada.models.generation import copy_to_cache  # noqa: E402
 from qada.models.observers import DecisionRecorder  # noqa: E402
 from qada.moments.reference import collect_reference_keys  # noqa: E402
 
+OWN_PROGRAM_ORDER = True
+"""These tests set the order themselves (``pytest --program-order`` leaves them alone: tests/conftest.py)."""
+
 
 @triton.jit
 def _arrival_kernel(COUNT, OUT, NY: tl.constexpr):

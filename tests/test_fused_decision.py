@@ -710,11 +710,9 @@ def test_programmatic_launches_only_where_the_device_has_them():
 def test_programmatic_launches_need_intrinsics_that_compile(monkeypatch):
     """Triton 3.4's PDL intrinsics took ``_builder`` where its code generator passed ``_semantic`` (no kernel calling
     them compiled): such intrinsics, or none, count as no PDL; this Triton's (3.5 on) count."""
-    import triton
+    from qada.attention import _triton_kernel, triton_decode
 
-    from qada.attention import _triton_kernel
-
-    if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 5):
+    if triton_decode.triton_version() >= (3, 5):
         assert _triton_kernel.pdl_intrinsics_compile()
 
     def old_style(_builder=None):

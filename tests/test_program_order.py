@@ -34,6 +34,7 @@ from qada.models import attach, build_run, prepare_run  # noqa: E402
 from qada.models.generation import copy_to_cache  # noqa: E402
 from qada.models.observers import DecisionRecorder  # noqa: E402
 from qada.moments.reference import collect_reference_keys  # noqa: E402
+from tests.test_fused_decision import greedy, make_run, model, reference  # noqa: E402, F401 - the tiny model's fixtures
 
 OWN_PROGRAM_ORDER = True
 """These tests set the order themselves (``pytest --program-order`` leaves them alone: tests/conftest.py)."""
@@ -132,31 +133,31 @@ STEPS = [5, 6, 7]
 @pytest.fixture(scope="module")
 def model_and_prompt(tmp_path_factory):
     """A tiny Llama with SmolLM2's head size (64: three block pairs of moment state per KV head) and three query
-    heads per KV head, a 300-token prompt (19 pages of 16) and a stored reference of 420 keys."""
-    model = tiny_model("llama", num_hidden_layers=2, hidden_size=192, head_dim=64, num_attention_heads=6,
+    heads per KV head, a 300-token prompt (19 pages of 16) and a stored ref of 420 keys."""
+    lm = tiny_model("llama", num_hidden_layers=2, hidden_size=192, head_dim=64, num_attention_heads=6,
                        num_key_value_heads=2)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, model.config.vocab_size, (1, 300), generator=g)
-    reference = tmp_path_factory.mktemp("order") / "reference.safetensors"
-    collect_reference_keys(model, torch.randint(3, model.config.vocab_size, (1, 420), generator=g),
-                           info={"prompt": "random_words"}).save(reference)
-    return model, ids, str(reference)
+    ids = torch.randint(3, lm.config.vocab_size, (1, 300), generator=g)
+    ref = tmp_path_factory.mktemp("order") / "ref.safetensors"
+    collect_reference_keys(lm, torch.randint(3, lm.config.vocab_size, (1, 420), generator=g),
+                           info={"prompt": "random_words"}).save(ref)
+    return lm, ids, str(ref)
 
 
-def decode(model, ids, reference: str, criterion, executor, moments: str):
+def decode(lm, ids, ref: str, criterion, executor, moments: str):
     """``(logits [steps, vocab], {(layer, step): local [1, H]}, summary)`` of :data:`STEPS` decoded after ``ids``."""
     recorder = DecisionRecorder()
-    source = {"name": "stored", "path": reference, "offset": 64} if moments == "stored" else moments
+    source = {"name": "stored", "path": ref, "offset": 64} if moments == "stored" else moments
     run = prepare_run(build_run(criterion=copy.deepcopy(criterion), moments=source, executor=executor,
-                                observers=[recorder], compile=False), model)
-    done = prefill(model, ids, keep_queries=run.criterion.prompt_queries())
-    cache = copy_to_cache(model, done.cache, "static", ids.shape[1] + len(STEPS) + 1)
-    attach(model, run)
+                                observers=[recorder], compile=False), lm)
+    done = prefill(lm, ids, keep_queries=run.criterion.prompt_queries())
+    cache = copy_to_cache(lm, done.cache, "static", ids.shape[1] + len(STEPS) + 1)
+    attach(lm, run)
     logits = []
     try:
         prefill_from_cache(run, cache, queries=done.queries)
         for position, token in enumerate(STEPS, start=ids.shape[1]):
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+            out = lm(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
                         cache_position=torch.tensor([position]))
             logits.append(out.logits[0, -1])
         summary = run.summary()
@@ -177,14 +178,36 @@ def assert_same_decode(got, expected, what: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_fused_decode_is_the_same_in_every_program_order(model_and_prompt, case):
-    model, ids, reference = model_and_prompt
+    lm, ids, ref = model_and_prompt
     criterion, executor, moments = CASES[case]
-    expected = decode(model, ids, reference, criterion, executor, moments)
+    expected = decode(lm, ids, ref, criterion, executor, moments)
     assert len(expected[1]) == 2 * len(STEPS)
     for order, seed in (("reversed", 0), ("interleaved", 1)):
         with program_order(order, seed=seed):
-            assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected,
+            assert_same_decode(decode(lm, ids, ref, criterion, executor, moments), expected,
                                f"{case}, {order}")
+
+
+ROWS_CASES = {  # two rows, the second left-padded (the tiny model of tests/test_fused_decision.py: d = 16)
+    "qada": ("stored", {"name": "qada", "tau": 0.3}, {"name": "triton_fused", "block_size": 16, "num_splits": 2}),
+    "qada estimating": ("current", {"name": "qada", "tau": 0.3},
+                        {"name": "triton_fused", "block_size": 16, "num_splits": 2, "estimate_in_splits": True}),
+    "qada_tail once spread": ("stored", {"name": "qada_tail", "tau": 0.3, "page_size": 4},
+                              {"name": "triton_fused", "block_size": 16, "num_splits": 2, "decide_once": True,
+                               "pages_per_program": 2}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ROWS_CASES))
+def test_rows_with_left_padding_decode_the_same_interleaved(model, reference, case):  # noqa: F811
+    """Two rows of different lengths (each row's own bounds in every program): the same greedy tokens and statistics
+    with each launch's programs interleaved as in grid order."""
+    source, criterion, executor = ROWS_CASES[case]
+    expected = greedy(model, make_run(source, executor, reference, criterion), "static")
+    with program_order("interleaved", seed=4):
+        tokens, summary = greedy(model, make_run(source, executor, reference, criterion), "static")
+    assert torch.equal(tokens, expected[0]) and summary == expected[1]
+    assert 0 < summary["sparsity"] < 1
 
 
 @triton.jit
@@ -211,16 +234,16 @@ def test_kernels_that_hold_only_in_grid_order_or_one_at_a_time_are_caught(model_
     decode is right in grid order (the real kernel's, bit for bit) and wrong reversed (the finishing program reads
     block pairs' shares not yet written); with the arrivals counted without an atomic, it is right in every order of
     whole programs and wrong interleaved (two programs read the same count: none, or two, finish)."""
-    model, ids, reference = model_and_prompt
+    lm, ids, ref = model_and_prompt
     criterion, executor, moments = CASES["qada current"]
-    expected = decode(model, ids, reference, criterion, executor, moments)
+    expected = decode(lm, ids, ref, criterion, executor, moments)
     with monkeypatch.context() as patched:
         patched.setattr(_moment_kernel, "last_to_arrive", _last_by_number)
-        assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "grid order")
+        assert_same_decode(decode(lm, ids, ref, criterion, executor, moments), expected, "grid order")
         with program_order("reversed"), pytest.raises(AssertionError):
-            assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "reversed")
+            assert_same_decode(decode(lm, ids, ref, criterion, executor, moments), expected, "reversed")
     monkeypatch.setattr(_moment_kernel, "last_to_arrive", _last_by_plain_count)
     with program_order("reversed"):
-        assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "reversed")
+        assert_same_decode(decode(lm, ids, ref, criterion, executor, moments), expected, "reversed")
     with program_order("interleaved", seed=1), pytest.raises(AssertionError):
-        assert_same_decode(decode(model, ids, reference, criterion, executor, moments), expected, "interleaved")
+        assert_same_decode(decode(lm, ids, ref, criterion, executor, moments), expected, "interleaved")

@@ -133,9 +133,9 @@ STEPS = [5, 6, 7]
 @pytest.fixture(scope="module")
 def model_and_prompt(tmp_path_factory):
     """A tiny Llama with SmolLM2's head size (64: three block pairs of moment state per KV head) and three query
-    heads per KV head, a 300-token prompt (19 pages of 16) and a stored ref of 420 keys."""
+    heads per KV head, a 300-token prompt (19 pages of 16) and a stored reference of 420 keys."""
     lm = tiny_model("llama", num_hidden_layers=2, hidden_size=192, head_dim=64, num_attention_heads=6,
-                       num_key_value_heads=2)
+                    num_key_value_heads=2)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, lm.config.vocab_size, (1, 300), generator=g)
     ref = tmp_path_factory.mktemp("order") / "ref.safetensors"
@@ -158,7 +158,7 @@ def decode(lm, ids, ref: str, criterion, executor, moments: str):
         prefill_from_cache(run, cache, queries=done.queries)
         for position, token in enumerate(STEPS, start=ids.shape[1]):
             out = lm(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                        cache_position=torch.tensor([position]))
+                     cache_position=torch.tensor([position]))
             logits.append(out.logits[0, -1])
         summary = run.summary()
     finally:
@@ -198,6 +198,7 @@ ROWS_CASES = {  # two rows, the second left-padded (the tiny model of tests/test
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(ROWS_CASES))
 def test_rows_with_left_padding_decode_the_same_interleaved(model, reference, case):  # noqa: F811
     """Two rows of different lengths (each row's own bounds in every program): the same greedy tokens and statistics

@@ -27,11 +27,8 @@ from qada.attention._group_decision import policy_of_heads
 
 try:  # programmatic dependent launch (Triton >= 3.4): the kernels use it only when asked, on sm_90+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAS_PDL = True
 except ImportError:  # pragma: no cover - older triton
     gdc_launch_dependents = gdc_wait = None
-    HAS_PDL = False
 
 
 def pdl_intrinsics_compile() -> bool:
@@ -50,6 +47,7 @@ def pdl_intrinsics_compile() -> bool:
 
 
 HAS_PDL = pdl_intrinsics_compile()
+"""Whether the kernels may use programmatic dependent launches (:func:`pdl_intrinsics_compile`)."""
 
 try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)

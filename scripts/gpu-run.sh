@@ -53,13 +53,17 @@
 # A session lent 15 minutes of device time (the start, every call and idle wait counted; ~30 s idle gives the machine
 # back): three calls back to back, the model's three parts (scripts/gpu-bundle.sh) carried one a call, each call's
 # stages chosen to end inside its share (seconds measured on an H200: goals-llama 155 with 4 rows, ~195 expected with
-# the 5 it has now, a goals-smollm2 stage 180-240):
-#   run(command="source .gpu/p0/setup.sh && LIMIT_goals_llama=240 bash scripts/gpu-run.sh env goals-llama",
-#       carry=[".gpu/p0"], timeout_s=300)
-#   run(command="source .gpu/p1/setup.sh && LIMIT_bandwidth=200 bash scripts/gpu-run.sh bandwidth", carry=[".gpu/p1"],
-#       timeout_s=240)
-#   run(command="source .gpu/p2/setup.sh && LIMIT_wide_b32=300 bash scripts/gpu-run.sh wide-b32", carry=[".gpu/p2"],
-#       timeout_s=340)
+# the 5 it has now, a goals-smollm2 stage 180-240). Each call sets DEADLINE (epoch seconds, on the device's clock: the
+# call's start plus its timeout_s less 10): every stage's limit is cut to end 30 s before it (a stage with under 30 s
+# left is skipped, saying so), so a stage stopped early is stopped by its own SIGINT and saves the rows it finished,
+# never killed with the call. The start takes a minute or more, so the three timeouts add up to 780 s at most; the
+# third takes what `status` says is left (budget_left_s) less 20 s, at most 320:
+#   run(command="export DEADLINE=$(( $(date +%s) + 270 )); source .gpu/p0/setup.sh && bash scripts/gpu-run.sh env \
+#       goals-llama", carry=[".gpu/p0"], timeout_s=280)
+#   run(command="export DEADLINE=$(( $(date +%s) + 220 )); source .gpu/p1/setup.sh && bash scripts/gpu-run.sh \
+#       bandwidth", carry=[".gpu/p1"], timeout_s=230)
+#   run(command="export DEADLINE=$(( $(date +%s) + N - 10 )); source .gpu/p2/setup.sh && bash scripts/gpu-run.sh \
+#       wide-b32", carry=[".gpu/p2"], timeout_s=N)
 # then give_back, and commit $OUT's files as benchmarks/results/gpu-<kind>-<date>-*. The first two need no model
 # (random weights, random K/V); the third needs every part ("model ready"). Where fewer parts are packed, move wide-b32
 # to the call that carries the last part and run tail-b1 or parity in the freed call. wide-b32 comes before lean-b1
@@ -87,11 +91,12 @@
 # (the triton executor's dense path and its launch settings against copy bandwidth, Llama-3-8B layer shapes at 32k and
 # 128k, B = 1 and 8: no model, no flex), goals-llama (128k, B = 1: dense, qada's all-dense path, the budget fused
 # over heads and over whole KV groups, graph-captured), llama, llama-32k, llama-128k.
-# Each stage's limit (seconds) can be changed with LIMIT_<stage>=..., e.g. LIMIT_smollm2=300.
+# Each stage's limit (seconds) can be changed with LIMIT_<stage>=..., e.g. LIMIT_smollm2=300; DEADLINE (above) cuts it.
 set -u
 out=${OUT:-/tmp/qada-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
+deadline_reserve=30  # s: a stage's SIGINT save, its 20 s kill-after margin, $OUT's files going back
 smollm2_goal_rows="dense compiled,dense packed compiled,qada compiled,qada fused compiled,qada_tail fused compiled,qada_tail_budget fused compiled"
 pdl_rows="dense compiled,qada fused compiled,qada fused pdl compiled,qada_tail fused splits compiled,\
 qada_tail fused pdl compiled"
@@ -110,6 +115,13 @@ qada_tail fused compiled,qada_tail fused unspread compiled"
 stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
   local name=$1 default=$2; shift 2
   local var="LIMIT_${name//-/_}"; local limit=${!var:-$default}
+  if [[ -n ${DEADLINE:-} ]]; then  # the call's end (epoch seconds): each stage ends, and saves, before the device's kill
+    local left=$(( DEADLINE - $(date +%s) - deadline_reserve ))
+    if (( left < 30 )); then
+      echo "=== $name skipped: ${left}s left before DEADLINE (less ${deadline_reserve}s to save and return)"; return
+    fi
+    (( limit > left )) && limit=$left
+  fi
   echo "=== $name (limit ${limit}s) $(date +%T)"
   timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -n 60
   echo "=== $name rc ${PIPESTATUS[0]} $(date +%T)"

@@ -158,3 +158,52 @@ def test_every_test_file_a_stage_runs_exists():
     assert {"tests/test_estimate_in_splits.py", "tests/test_moments_ahead.py", "tests/test_device_parity.py"} <= named
     missing = sorted(name for name in named if not (ROOT / name).is_file())
     assert not missing, missing
+
+
+def run_stage(tmp_path, stage: str, **env: str) -> str:
+    """``bash scripts/gpu-run.sh STAGE`` with ``env`` (no GPU, no python: ``PYTHON=true``); its printed lines."""
+    done = subprocess.run(["bash", str(SCRIPT), stage], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHON": "true", **env})  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def stage_limit(printed: str, stage: str) -> int:
+    match = re.search(rf"=== {stage} \(limit (-?\d+)s\)", printed)
+    assert match, printed
+    return int(match[1])
+
+
+def test_a_deadline_cuts_each_stage_to_end_before_the_call(tmp_path):
+    """``DEADLINE`` (epoch seconds): a stage's limit is cut to end 30 s before it, one with under 30 s left is skipped
+    (saying so) and runs nothing, and a limit already inside it stays."""
+    import time
+
+    ran, skipped = tmp_path / "ran", tmp_path / "skipped"
+    now = int(time.time())
+    assert stage_limit(run_stage(ran, "env"), "env") == 60  # no deadline: the stage's own limit
+    assert (ran / "env.log").is_file()
+    assert stage_limit(run_stage(ran, "env", DEADLINE=str(now + 1000)), "env") == 60
+    cut = stage_limit(run_stage(ran, "env", DEADLINE=str(now + 100), LIMIT_env="500"), "env")
+    assert 60 <= cut <= 70  # 100 s away less the 30 s kept to save and return (a few seconds may pass)
+    printed = run_stage(skipped, "env", DEADLINE=str(now + 50))
+    assert re.search(r"=== env skipped: \d+s left before DEADLINE", printed) and "=== env (limit" not in printed
+    assert not (skipped / "env.log").exists()
+
+
+def test_the_header_plan_fits_a_15_minute_session():
+    """The header's device calls: each sets ``DEADLINE`` to its start plus its ``timeout_s`` less 10 s, and the fixed
+    timeouts leave the machine's start (a minute or more) and the third call room in 900 s of device time."""
+    header = SCRIPT.read_text().split("\nset -u\n", 1)[0]
+    joined = re.sub(r"\\\n#\s*", "", header)
+    calls = re.findall(r"run\(command=\"export DEADLINE=\$\(\( \$\(date \+%s\) \+ ([^)]+) \)\);.*?timeout_s=(\w+)\)",
+                       joined)  # fmt: skip
+    assert len(calls) == 3, calls
+    fixed = []
+    for offset, timeout in calls:
+        if timeout.isdigit():
+            assert int(offset) == int(timeout) - 10
+            fixed.append(int(timeout))
+        else:
+            assert offset == f"{timeout} - 10"
+    assert len(fixed) == 2 and sum(fixed) + 60 + 240 <= 900

@@ -106,6 +106,17 @@ def greedy_decode(model: Any, ids: torch.Tensor, steps: int, capacity: int,
                 out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
 
 
+def keep_first_layers(model: Any, layers: int) -> int:
+    """Cut a transformers decoder to its first ``layers`` layers (the dry run: the real model's code path at a tiny
+    cost); returns how many it had."""
+    total = model.config.num_hidden_layers
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    return total
+
+
 def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     """CPU model, cores, torch threads, GPU name, library versions and the date."""
     import transformers

@@ -8,23 +8,13 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import keep_first_layers
 from benchmarks.end_to_end import DecodeConfig, dense_run, group_static_mask, static_run
 from benchmarks.suites import FUSED_VARIANTS, LEAN_ROWS, Suite, Workload
 from qada.models import build_run, prepare_run
 from qada.models.prompt_queries import PromptQueries
 
 __all__ = ["build_configs", "build_contexts", "build_model", "passkey_rows"]
-
-
-def keep_first_layers(model: Any, layers: int) -> int:
-    """Cut a transformers decoder to its first ``layers`` layers (the dry run: the real model's code path at a tiny
-    cost); returns how many it had."""
-    total = model.config.num_hidden_layers
-    model.model.layers = model.model.layers[:layers]
-    model.config.num_hidden_layers = layers
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:layers]
-    return total
 
 
 def build_model(suite: Suite, workload: Workload, max_length: int) -> tuple[Any, Any, str]:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import keep_first_layers
+
 __all__ = ["EXECUTORS", "ParityCases", "run_parity"]
 
 EXECUTORS: dict[str, dict[str, Any]] = {
@@ -64,7 +66,6 @@ class ParityCases:
 
 def load_embedded(cases: ParityCases, device: torch.device) -> tuple[Any, Any]:
     """The embedded SmolLM2 on ``device`` in ``cases.dtype`` (its first ``cases.layers`` layers where given)."""
-    from benchmarks.models import keep_first_layers  # (not at import: benchmarks.models imports the suites)
     from qada.models.loading import load_model
 
     model, tokenizer = load_model("smollm2-135m", dtype=cases.dtype, device=device)

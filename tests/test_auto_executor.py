@@ -47,10 +47,10 @@ def test_executor_for_says_why():
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton installed")
 def test_a_triton_older_than_the_kernels_need_gets_sdpa(monkeypatch):
     """Triton before 3.3 (the kernels not checked with its compiler): ``auto`` keeps ``sdpa`` and says why."""
-    from qada.attention import auto
+    from qada.attention import triton_decode
 
     assert executor_for(CUDA, torch.bfloat16, True)[0] == "triton_fused"
-    monkeypatch.setattr(auto, "triton_version", lambda: (3, 2))
+    monkeypatch.setattr(triton_decode, "triton_version", lambda: (3, 2))
     name, reason = executor_for(CUDA, torch.bfloat16, True)
     assert name == "sdpa" and "Triton 3.2 is older than the kernels need (3.3" in reason
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qada.attention.base import EXECUTORS, AttentionExecutor, GroupDecision, register_executor
-from qada.attention.triton_decode import MIN_TRITON, TRITON_DTYPES, triton_version
+from qada.attention.triton_decode import MIN_TRITON_TEXT, TRITON_DTYPES, older_triton
 from qada.step import DecodeStep
 
 __all__ = ["AutoExecutor", "executor_for"]
@@ -41,9 +41,9 @@ def executor_for(device: torch.device, dtype: torch.dtype, fusable: bool,
         triton_installed = importlib.util.find_spec("triton") is not None
     if not triton_installed:
         return "sdpa", "Triton is not installed (pip install 'qada[triton]')"
-    if importlib.util.find_spec("triton") is not None and triton_version() < MIN_TRITON:
-        return "sdpa", (f"Triton {'.'.join(map(str, triton_version()))} is older than the kernels need "
-                        f"({'.'.join(map(str, MIN_TRITON))}; pip install 'qada[triton]')")
+    found = older_triton() if importlib.util.find_spec("triton") is not None else None
+    if found is not None:
+        return "sdpa", f"Triton {found} is older than the kernels need ({MIN_TRITON_TEXT}; pip install 'qada[triton]')"
     if fusable:
         return "triton_fused", "CUDA and Triton: the decision is made in the attention kernel"
     return "triton", ("CUDA and Triton; the criterion's decision is not one the fused kernels make (plain 'qada', "

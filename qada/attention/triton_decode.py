@@ -41,6 +41,8 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_TRITON = (3, 3)
 """The oldest Triton whose compiler takes every qada kernel (``benchmarks/kernel_resources.py`` compiled them for
 sm_90 with 3.3.1, 3.4.0, 3.5.1, 3.6.0 and 3.9.0); the ``triton`` extra asks for it."""
+MIN_TRITON_TEXT = ".".join(map(str, MIN_TRITON))
+"""It as ``major.minor``, for messages."""
 
 
 def version_of(text: str) -> tuple[int, int]:
@@ -66,6 +68,13 @@ def triton_version() -> tuple[int, int]:
     return version_of(triton.__version__)
 
 
+def older_triton() -> str | None:
+    """The installed Triton's ``major.minor`` where it is older than :data:`MIN_TRITON` (the kernels' oldest), else
+    ``None``."""
+    version = triton_version()
+    return ".".join(map(str, version)) if version < MIN_TRITON else None
+
+
 def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None, executor: str = "triton") -> None:
     """Raise unless ``executor`` (``triton`` or ``triton_fused``) can run on ``device`` (CUDA, or CPU under the
     interpreter, set before Triton was imported) with inputs of ``dtype`` (float16, bfloat16 or float32).
@@ -87,11 +96,10 @@ def check_triton_runtime(device: torch.device, dtype: torch.dtype | None = None,
         )
     if importlib.util.find_spec("triton") is None:
         raise ImportError(f"the '{executor}' executor needs triton installed: pip install 'qada[triton]'")
-    version = triton_version()
-    if version < MIN_TRITON:
-        raise ImportError(f"the '{executor}' executor needs Triton {'.'.join(map(str, MIN_TRITON))} or later (its "
-                          f"kernels compile with 3.3 to 3.9) but found {'.'.join(map(str, version))}: pip install "
-                          f"'qada[triton]'")
+    found = older_triton()
+    if found is not None:
+        raise ImportError(f"the '{executor}' executor needs Triton {MIN_TRITON_TEXT} or later (its kernels compile "
+                          f"with 3.3 to 3.9) but found {found}: pip install 'qada[triton]'")
     from qada.attention import _triton_kernel
 
     if device.type == "cpu" and not _triton_kernel.INTERPRETED:

@@ -123,6 +123,23 @@ def test_stored_validation_and_missing_reference(reference):
         source.moments(0, torch.zeros(1, 3, 300, 4), None, WINDOW)
 
 
+@pytest.mark.parametrize("keys", [3, 4])
+def test_stored_reference_without_a_bulk_is_an_error(keys):
+    """A reference with no key past the window's ``t_sink`` (where its bulk starts) gives no prompt a bulk: the
+    analysis path and the prefill say so, as the bucketed source does, instead of an index error (fewer keys) or zero
+    moments for a prompt with a bulk (as many)."""
+    source = StoredMoments(offset=0, min_bulk_keys=1)
+    source.set_reference(ReferenceKeys(torch.randn(1, 2, keys, 4)))
+    with pytest.raises(ValueError, match=f"longer than its bulk start 4 .* got {keys} keys"):
+        source.moments(0, cache(1, 40), None, WINDOW)
+    with pytest.raises(ValueError, match="longer than its bulk start 4"):
+        source.prefill(0, cache(1, 40), None, WINDOW, capacity=50)
+    source = StoredMoments(offset=0, min_bulk_keys=1)
+    source.set_reference(ReferenceKeys(torch.randn(1, 2, 5, 4)))  # one bulk key: moments, no error
+    with pytest.warns(UserWarning, match="shorter"):
+        assert source.moments(0, cache(1, 40), None, WINDOW).mean.abs().sum() > 0
+
+
 def test_bucket_ends_grid():
     assert bucket_ends(2000, 512, 16, 64) == [80, 144, 272, 512, 1024, 1536, 2000]
     assert bucket_ends(1024, 512, 0, 64) == [64, 128, 256, 512, 1024]

@@ -344,8 +344,12 @@ class StoredMoments(ReferenceMomentSource):
     def _range_sums(self, layer: int, ref: torch.Tensor, shift: torch.Tensor, first: int,
                     ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(count [b, H_kv], s1 [b, H_kv, d], s2 [b, H_kv, d, d])``: float64 shifted sums of each row's reference
-        range ``[first, ends_r)`` (``ends [b]`` on the host), from the prefix sums at the checkpoints."""
-        H_kv, _, d = ref.shape
+        range ``[first, ends_r)`` (``ends [b]`` on the host), from the prefix sums at the checkpoints. A reference
+        with no key past ``first`` (the window's ``T_sink``) gives no prompt a bulk: an error, not zero moments."""
+        H_kv, N, d = ref.shape
+        if N <= first:
+            raise ValueError(f"expected a reference longer than its bulk start {first} (the window's t_sink) but got "
+                             f"{N} keys: build a longer reference (length=...)")
         f64 = dict(dtype=torch.float64, device=ref.device)
         b = ends.shape[0]
         count, s1, s2 = torch.zeros(b, H_kv, **f64), torch.zeros(b, H_kv, d, **f64), torch.zeros(b, H_kv, d, d, **f64)

@@ -47,9 +47,11 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def decode_steps(draw, max_kv=3, groups=(1, 2, 3, 4), min_length=2, max_length=700, dtypes=DTYPES):
     """A :func:`~tests.test_fused_decision.make_step` step of drawn shapes: ``b`` rows (left padding and early ends
     or none), ``H_kv`` KV heads of ``G`` query heads each, ``C`` slots, head dim 16 / 32 / 64, a window of any
-    ``t_local`` and ``t_sink <= t_local``, a soft cap and sink logits or not."""
+    ``t_local`` and ``t_sink <= t_local``, a soft cap and sink logits or not. Head dim 128 (Llama-3-8B's, which the
+    GPU suite times) at most 300 slots: the interpreter's time grows with it."""
     b, H_kv, G = draw(st.integers(1, 3)), draw(st.integers(1, max_kv)), draw(st.sampled_from(groups))
-    C, d = draw(st.integers(min_length, max_length)), draw(st.sampled_from([16, 32, 64]))
+    d = draw(st.sampled_from([16, 32, 64, 128]))
+    C = draw(st.integers(min_length, max_length if d < 128 else min(max_length, 300)))
     t_local = draw(st.integers(2, 64))
     window = Window(t_local, draw(st.integers(0, t_local - 1)))
     starts = draw(st.one_of(st.none(), st.lists(st.integers(0, C - 1), min_size=b, max_size=b)))
@@ -160,7 +162,7 @@ def test_generated_budget_steps_equal_eager(step, policy, sparsity, per_group, t
 
 @GENERATED
 @given(kind=st.sampled_from(["current", "stored"]), b=st.integers(1, 3), H_kv=st.integers(1, 3),
-       d=st.sampled_from([8, 16, 24, 40, 64, 72]), t_local=st.integers(1, 24), T=st.integers(1, 60),
+       d=st.sampled_from([8, 16, 24, 40, 64, 72, 128]), t_local=st.integers(1, 24), T=st.integers(1, 60),
        steps=st.integers(1, 8), spread=st.booleans(), G=st.sampled_from([0, 1, 3, 8]),
        softcap=st.sampled_from([None, 3.0]), data=st.data())
 def test_generated_moment_steps_equal_the_sources(kind, b, H_kv, d, t_local, T, steps, spread, G, softcap, data):

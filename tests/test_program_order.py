@@ -12,7 +12,6 @@ be those of the grid order, bit for bit.
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 
@@ -29,11 +28,8 @@ from triton.runtime import interpreter  # noqa: E402
 
 from qada.attention import _moment_kernel  # noqa: E402
 from qada.attention.interpreter import program_order  # noqa: E402
-from qada.eval.decode import prefill, prefill_from_cache  # noqa: E402
-from qada.models import attach, build_run, prepare_run  # noqa: E402
-from qada.models.generation import copy_to_cache  # noqa: E402
-from qada.models.observers import DecisionRecorder  # noqa: E402
 from qada.moments.reference import collect_reference_keys  # noqa: E402
+from tests.forced_decode import STEPS, decode  # noqa: E402
 from tests.test_fused_decision import greedy, make_run, model, reference  # noqa: E402, F401 - the tiny model's fixtures
 
 OWN_PROGRAM_ORDER = True
@@ -127,7 +123,6 @@ CASES = {  # name: (criterion, executor, moments); each launch layout whose prog
     "qada_tail_budget group": ({"name": "qada_tail_budget", "sparsity": 0.5, "per_group": True}, FUSED, "stored"),
     "dense": ("dense", FUSED, "none"),
 }  # fmt: skip
-STEPS = [5, 6, 7]
 
 
 @pytest.fixture(scope="module")
@@ -142,28 +137,6 @@ def model_and_prompt(tmp_path_factory):
     collect_reference_keys(lm, torch.randint(3, lm.config.vocab_size, (1, 420), generator=g),
                            info={"prompt": "random_words"}).save(ref)
     return lm, ids, str(ref)
-
-
-def decode(lm, ids, ref: str, criterion, executor, moments: str):
-    """``(logits [steps, vocab], {(layer, step): local [1, H]}, summary)`` of :data:`STEPS` decoded after ``ids``."""
-    recorder = DecisionRecorder()
-    source = {"name": "stored", "path": ref, "offset": 64} if moments == "stored" else moments
-    run = prepare_run(build_run(criterion=copy.deepcopy(criterion), moments=source, executor=executor,
-                                observers=[recorder], compile=False), lm)
-    done = prefill(lm, ids, keep_queries=run.criterion.prompt_queries())
-    cache = copy_to_cache(lm, done.cache, "static", ids.shape[1] + len(STEPS) + 1)
-    attach(lm, run)
-    logits = []
-    try:
-        prefill_from_cache(run, cache, queries=done.queries)
-        for position, token in enumerate(STEPS, start=ids.shape[1]):
-            out = lm(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                     cache_position=torch.tensor([position]))
-            logits.append(out.logits[0, -1])
-        summary = run.summary()
-    finally:
-        run.remove()
-    return torch.stack(logits), {(e.layer, e.step): e.local.bool() for e in recorder.events}, summary
 
 
 def assert_same_decode(got, expected, what: str) -> None:

@@ -29,6 +29,7 @@ LEAN = {"name": "qada_tail", "tau": 0.42, "attend_exact": True, "super_page": 4,
         "heavy": 8, "scale_exact": 8192, "shrink_exact": False}
 CASES = {  # name: (criterion, moments, the fused executor's options)
     "qada": ({"name": "qada", "tau": 0.42}, "stored", {}),
+    "qada estimating": ({"name": "qada", "tau": 0.42}, "stored", {"estimate_in_splits": True}),  # moments ahead
     "qada estimating current": ({"name": "qada", "tau": 0.42}, "current", {"estimate_in_splits": True}),
     "qada_tail once": ({"name": "qada_tail", "tau": 0.42}, "stored", {"decide_once": True}),
     "qada_tail splits spread": ({"name": "qada_tail", "tau": 0.42}, "current",

@@ -77,9 +77,9 @@
 # Stages: env, tests, fused (the triton_fused tests and the dense step's, on CUDA), fused-more (the later fused
 # kernels' tests on CUDA: the estimate in the splits, the moments a step ahead, heads apart, the budget's ranking in
 # the split, the moment launch in a model's step), generated (the generated fused cases and the head-dim-128 decode of
-# tests/test_fused_generated.py and tests/test_fused_head_dim_128.py on CUDA: no model), graphs (triton_fused inside a model's CUDA graph, and
-# its layer step compiled by Inductor, against eager, over a decode, call by call and launch by launch on the same
-# inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
+# tests/test_fused_generated.py and tests/test_fused_head_dim_128.py on CUDA: no model), graphs (triton_fused inside
+# a model's CUDA graph, and its layer step compiled by Inductor, against eager, over a decode, call by call and
+# launch by launch on the same inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
 # model), decisions (the same as the GPU suite's rows and goal, eager: benchmarks/run.py --only parity), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
 # smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, dense packed, qada, qada fused, qada_tail fused
 # and qada_tail_budget fused, graph-captured; every fused row with the executor's defaults, qada_tail's decided once

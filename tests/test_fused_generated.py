@@ -168,7 +168,7 @@ def test_generated_budget_steps_equal_eager(step, policy, sparsity, per_group, t
 def test_generated_moment_steps_equal_the_sources(kind, b, H_kv, d, t_local, T, steps, spread, G, softcap, data):
     """The moment step's launch (one program per block pair of the state, or per (row, KV head)), with each query
     head's ``log E[exp(s)]`` or without: after every step the source's torch step's float64 state and float32
-    moments, and bit for bit the estimate's own launch on them. Head dims not a power of two, short prompts, rows
+    moments, and (in the interpreter) bit for bit the estimate's own launch on them. Head dims not a power of two, short prompts, rows
     with left padding, a stored reference's range that jumps (its offset and short-prompt rule drawn)."""
     window = Window(t_local, data.draw(st.integers(0, t_local - 1) if t_local > 1 else st.just(0), "t_sink"))
     capacity = T + steps + data.draw(st.integers(0, 5), "spare")

@@ -18,15 +18,13 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from qada.attention import EXECUTORS, FusedTritonExecutor, apply_group_policy  # noqa: E402
-from qada.attention.base import GroupDecision  # noqa: E402
+from qada.attention import FusedTritonExecutor, apply_group_policy  # noqa: E402
 from qada.attention.fused import FusedBudget  # noqa: E402
 from qada.criteria import BudgetedQAdACriterion  # noqa: E402
-from qada.models.layer_step import statistics_row  # noqa: E402
-from tests.test_attention_triton import DEVICE, TOLERANCE  # noqa: E402
+from tests.test_attention_triton import DEVICE  # noqa: E402
 from tests.test_fused_budget import (  # noqa: E402
-    assert_keeps_its_count,
     assert_ties_and_broken_group,
+    check_budget,
     tied_step_with_a_broken_group,
 )
 from tests.test_fused_decision import (  # noqa: E402
@@ -86,17 +84,8 @@ def test_fused_qada_budget_equals_eager(case):
     criterion, state = prepared(step, sparsity, per_group)
     decided, local, read, fail_safe, score, eager_step = eager(criterion, step, state, policy)
     got = fused(criterion, step, state, policy)
-    finite = torch.isfinite(score)
-    torch.testing.assert_close(got.log_ratio[finite], score[finite].float(), atol=2e-5, rtol=1e-4)
-    assert torch.equal(torch.isfinite(got.log_ratio), finite)
-    assert torch.equal(got.decided, decided) and torch.equal(got.local, local) and torch.equal(got.read, read)
-    assert int(got.broken.sum()) == int(fail_safe)
-    assert torch.equal(got.row, statistics_row(eager_step, got.local, got.read, got.broken, criterion))
-    unfused = EXECUTORS.build("triton", group_policy=policy, block_size=16, num_splits=3)
-    expected = unfused.launch(fresh(step), GroupDecision(got.local, got.read))
-    atol, rtol = TOLERANCE[step.query.dtype]
-    torch.testing.assert_close(got.output.float(), expected.output.float(), atol=atol, rtol=rtol)
-    assert_keeps_its_count(decided, eager_step.has_bulk, int(count_of(criterion, state, H // H_kv)), per_group, H_kv)
+    check_budget(got, (decided, local, read, fail_safe, score), eager_step, criterion, step, policy,
+                 int(count_of(criterion, state, H // H_kv)), per_group)
 
 
 def test_ties_go_to_the_lower_head_and_non_finite_heads_are_dense():

@@ -7,7 +7,8 @@
 #   bash scripts/gpu-run.sh llama                    # Llama-3-8B shapes, random weights
 #   bash scripts/gpu-run.sh fused fused-more parity     # issue 33: the fused kernels on CUDA, CPU-vs-CUDA decisions
 #   bash scripts/gpu-run.sh generated                   # the generated fused cases (shapes, windows, dtypes drawn) and
-#                                                       # the head-dim-128 decode, on CUDA (no model)
+#                                                       # the head-dim-128 decode, on CUDA (no model: the Gemma-3
+#                                                       # decode at head dim 256 needs its packages, not bundled)
 #   bash scripts/gpu-run.sh graphs                      # the fused step in a CUDA graph, and compiled (tiny model)
 #   bash scripts/gpu-run.sh decisions                   # the GPU suite's parity section (benchmarks/parity.py): every
 #                                                       # layer's decisions on CUDA against the CPU's, eager, each
@@ -76,9 +77,9 @@
 # left, then `decisions` (the parity rows and goal, the model) or `parity` (the pytest, compiled cases too).
 # Stages: env, tests, fused (the triton_fused tests and the dense step's, on CUDA), fused-more (the later fused
 # kernels' tests on CUDA: the estimate in the splits, the moments a step ahead, heads apart, the budget's ranking in
-# the split, the moment launch in a model's step), generated (the generated fused cases and the head-dim-128 decode of
-# tests/test_fused_generated.py and tests/test_fused_head_dim_128.py on CUDA: no model), graphs (triton_fused inside
-# a model's CUDA graph, and its layer step compiled by Inductor, against eager, over a decode, call by call and
+# the split, the moment launch in a model's step), generated (the generated fused cases, head dims up to 256, and the
+# head-dim-128 decode of tests/test_fused_generated.py and tests/test_fused_head_layouts.py on CUDA: no model), graphs
+# (triton_fused inside a model's CUDA graph, and its layer step compiled by Inductor, against eager, over a decode, call by call and
 # launch by launch on the same inputs: a tiny model, no bundle needed, ~3-4 min), parity (every layer's decisions on the CPU and on CUDA, needs the
 # model), decisions (the same as the GPU suite's rows and goal, eager: benchmarks/run.py --only parity), attention (+ overhead), smollm2, eager (the qada rows with their layer step eager, beside the compiled ones),
 # smollm2-b1, smollm2-b32, goals-smollm2 (7.68k, B = 1 and 32: dense, dense packed, qada, qada fused, qada_tail fused
@@ -142,7 +143,7 @@ for s in "$@"; do
         tests/test_moments_ahead.py tests/test_tail_heads_apart.py tests/test_budget_rank.py \
         tests/test_fused_qada_budget.py tests/test_moment_launch_step.py ;;
     generated) stage generated 300 "$py" -m pytest -q -p no:cacheprovider tests/test_fused_generated.py \
-        tests/test_fused_head_dim_128.py ;;
+        tests/test_fused_head_layouts.py -k "not gemma" ;;
     graphs) stage graphs 360 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_fused_decision.py \
              tests/test_buffer_decode.py -k "cuda_graphs or compiles_and_decides or same_inputs or each_fused_launch or programmatic" ;;
     parity) stage parity 540 "$py" -m pytest -m gpu -q -s -p no:cacheprovider tests/test_device_parity.py ;;

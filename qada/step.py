@@ -353,7 +353,7 @@ class DecodeStep:
               t_bulk: torch.Tensor | None, real: torch.Tensor | None, window_output: torch.Tensor | None = None,
               host_plan: torch.Tensor | None = None) -> None:
         """Take the derived values the run's layer step computed for this very step
-        (:class:`qada.models.layer_step.LayerStepResult`): ``window_keys``/``window_values`` ``[b, H_kv, W, d]``,
+        (:class:`qada.models.step_parts.LayerStepResult`): ``window_keys``/``window_values`` ``[b, H_kv, W, d]``,
         ``window_valid [b, W]``, ``t_bulk [b]`` and ``real [b, T]`` (or ``None``), as this step would compute them;
         the executor then does not compute them again. A ``None`` window or ``t_bulk`` (a step whose kernels read the
         rows' bounds themselves, :mod:`qada.models.fused_step`) or ``real`` is not taken: the step computes it on

@@ -79,7 +79,7 @@ def _differences(name: str, first: Any, second: Any) -> list[str]:
 def replay(calls: list[tuple[LayerStep, bool, tuple]], first: Callable[[LayerStep, tuple], Any],
            second: Callable[[LayerStep, tuple], Any]) -> list[str]:
     """Run ``first(step, args)`` and ``second(step, args)`` on two identical copies of each recorded call, in order;
-    return the differences of the first call whose results (the :class:`~qada.models.layer_step.LayerStepResult`)
+    return the differences of the first call whose results (the :class:`~qada.models.step_parts.LayerStepResult`)
     or arguments after the call (the states a step updates in place) differ, each prefixed with the call's index,
     or ``[]`` when every call agrees."""
     for index, (step, _, args) in enumerate(calls):

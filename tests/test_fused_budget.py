@@ -23,7 +23,7 @@ from qada.attention import EXECUTORS, FusedTritonExecutor, apply_group_policy  #
 from qada.attention.base import GroupDecision  # noqa: E402
 from qada.attention.fused import FusedBudget, FusedTail  # noqa: E402
 from qada.criteria import TailBudgetCriterion  # noqa: E402
-from qada.models.layer_step import statistics_row  # noqa: E402
+from qada.models.step_parts import statistics_row  # noqa: E402
 from tests.test_attention_triton import DEVICE, TOLERANCE  # noqa: E402
 from tests.test_fused_decision import fresh, make_step  # noqa: E402
 from tests.test_fused_tail import STATE, assert_same_state, with_state  # noqa: E402

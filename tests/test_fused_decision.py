@@ -28,7 +28,8 @@ from qada.attention.base import GroupDecision  # noqa: E402
 from qada.criteria import QAdACriterion  # noqa: E402
 from qada.functional import local_ratio  # noqa: E402
 from qada.models import attach, build_run  # noqa: E402
-from qada.models.layer_step import LayerStep, statistics_row  # noqa: E402
+from qada.models.layer_step import LayerStep  # noqa: E402
+from qada.models.step_parts import statistics_row  # noqa: E402
 from qada.moments import StoredMoments  # noqa: E402
 from qada.moments.reference import collect_reference_keys  # noqa: E402
 from qada.step import BulkMoments, DecodeStep  # noqa: E402

@@ -44,19 +44,21 @@ HEAD_DIMS = ONLY_DIMS or (16, 32, 64, 128, 256)
 """The head dims of the drawn decode steps: up to Gemma's 256 (``QADA_GENERATED_HEAD_DIMS=256`` draws only those
 given, in the moment steps too)."""
 MOMENT_DIMS = ONLY_DIMS or (8, 16, 24, 40, 64, 72, 128, 256)
-LONGEST = {128: 300, 256: 200}
-"""The most slots drawn at a head dim (the interpreter's time grows with it)."""
+
+
+def longest(d: int) -> int:
+    """The most slots drawn at head dim ``d`` (the interpreter's time grows with it)."""
+    return 700 if d <= 64 else 300 if d <= 128 else 200
 
 
 @st.composite
 def decode_steps(draw, max_kv=3, groups=(1, 2, 3, 4), min_length=2, max_length=700, dtypes=DTYPES, dims=HEAD_DIMS):
     """A :func:`~tests.test_fused_decision.make_step` step of drawn shapes: ``b`` rows (left padding and early ends
-    or none), ``H_kv`` KV heads of ``G`` query heads each, ``C`` slots, head dim 16 / 32 / 64, a window of any
-    ``t_local`` and ``t_sink <= t_local``, a soft cap and sink logits or not. Head dim 128 (Llama-3-8B's, which the
-    GPU suite times) at most 300 slots: the interpreter's time grows with it."""
+    or none), ``H_kv`` KV heads of ``G`` query heads each, ``C`` slots (:func:`longest`), a head dim of ``dims``
+    (:data:`HEAD_DIMS`), a window of any ``t_local`` and ``t_sink <= t_local``, a soft cap and sink logits or not."""
     b, H_kv, G = draw(st.integers(1, 3)), draw(st.integers(1, max_kv)), draw(st.sampled_from(groups))
     d = draw(st.sampled_from(dims))
-    C = draw(st.integers(min_length, min(max_length, LONGEST.get(d, max_length))))
+    C = draw(st.integers(min_length, min(max_length, longest(d))))
     t_local = draw(st.integers(2, 64))
     window = Window(t_local, draw(st.integers(0, t_local - 1)))
     starts = draw(st.one_of(st.none(), st.lists(st.integers(0, C - 1), min_size=b, max_size=b)))

@@ -29,7 +29,8 @@ from qada.functional import local_ratio  # noqa: E402
 from qada.functional.extra_set import attend_extra, merge_extra  # noqa: E402
 from qada.models import attach  # noqa: E402
 from qada.models.fused_step import fused_tail  # noqa: E402
-from qada.models.layer_step import LayerStep, statistics_row  # noqa: E402
+from qada.models.layer_step import LayerStep  # noqa: E402
+from qada.models.step_parts import statistics_row  # noqa: E402
 from qada.step import DecodeStep  # noqa: E402
 from qada.window import Window  # noqa: E402
 from tests.test_attention_triton import DEVICE, TOLERANCE, hand_blocks  # noqa: E402

@@ -374,7 +374,7 @@ UNFUSED_SCRIPT = textwrap.dedent(
 def test_the_compiled_torch_step_on_cuda_makes_its_few_row_products_loops():
     """The layer step compiled for a CUDA GPU with a criterion the kernels do not decide (here on ``triton``): its
     window scores, heavy keys and page bounds (a KV group's few query heads against keys) are reductions in
-    Inductor's own kernels (:func:`~qada.models.layer_step.gpu_step_options`), not a cuBLAS launch each; the stored
+    Inductor's own kernels (:func:`~qada.models.step_compile.gpu_step_options`), not a cuBLAS launch each; the stored
     source's step is its one launch (``moment_launch``), first, where Inductor made several kernels of it."""
     rows = rows_on_fake_cuda(UNFUSED_SCRIPT, 40)
     for name, row in rows.items():

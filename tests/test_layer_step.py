@@ -302,7 +302,7 @@ def test_a_run_over_prompts_of_several_lengths_compiles_at_most_twice(model, ref
 
 
 def test_compile_takes_a_bool_or_a_known_backend(monkeypatch):
-    from qada.models.layer_step import resolve_compile
+    from qada.models.step_compile import resolve_compile
 
     assert resolve_compile(True) == "inductor" and resolve_compile(False) is None
     assert resolve_compile("aot_eager") == "aot_eager"

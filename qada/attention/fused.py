@@ -98,7 +98,7 @@ class FusedLaunch(NamedTuple):
             score ``log A_local - log Â_bulk`` that is ranked (NaN where an input is); else ``None``.
         n_exact: with a ``qada_tail`` decision, ``[b, H]`` int32 ``|E|``, the bulk tokens scored exactly, else
             ``None``.
-        row: ``[5]`` float64, the step's statistics row (:func:`~qada.models.layer_step.statistics_row`: sparsity,
+        row: ``[5]`` float64, the step's statistics row (:func:`~qada.models.step_parts.statistics_row`: sparsity,
             kv_sparsity, 1, heads forced dense, kv_read), written by the combine launch.
     """
 

@@ -293,7 +293,7 @@ def _hermite(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 class StepStatistics(NamedTuple):
     """What the combine launch reads to write a layer step's statistics row as well (:func:`combine`'s
-    ``statistics``): the row of :func:`~qada.models.layer_step.statistics_row`, computed on the device in the
+    ``statistics``): the row of :func:`~qada.models.step_parts.statistics_row`, computed on the device in the
     launch's last program instead of a dozen torch operations.
 
     Attributes:

@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         import_modules(getattr(args, "imports", None) or [])
         if getattr(args, "no_compile", False):
-            from qada.models.layer_step import COMPILE_ENV
+            from qada.models.step_compile import COMPILE_ENV
 
             os.environ[COMPILE_ENV] = "0"  # every run this command builds (and any worker it starts) steps eagerly
         code = int(args.run(args) or 0)

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from qada.eval.sweep import run_sweep
     from qada.eval.validate import check_output_dir
     from qada.models import load_model
-    from qada.models.layer_step import COMPILE_ENV
+    from qada.models.step_compile import COMPILE_ENV
 
     # Short answers (a few tokens per configuration and prompt): compiling each configuration's layer step would cost
     # more than it saves, so the demo decodes eagerly unless QADA_COMPILE says otherwise.

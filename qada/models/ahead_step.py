@@ -24,7 +24,7 @@ of a step). Anything else changed, the full key is made and looked up as before.
 
 A key seen for the first time (at the inputs' first shapes) is exported (``torch.export``, non-strict: the step's own
 Python, run once on fake tensors), checked for host reads as :func:`~qada.models.layer_step.compile_layer_step`
-checks, and compiled by AOTInductor with the step's options (:func:`~qada.models.layer_step.cpu_step_options`); the
+checks, and compiled by AOTInductor with the step's options (:func:`~qada.models.step_compile.cpu_step_options`); the
 package is kept in
 Inductor's cache directory (``qada_aot/``) under a hash of the exported graph's code and the key, so a later process
 loads it in milliseconds instead of compiling again (~15-25 s). In-place updates of the inputs (the moment state, the
@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 import torch
 
 from qada.models.inline_step import flatten_result, unflatten_result
+from qada.models.step_compile import HostReadError, cpu_step_options, unbacked_node
 from qada.registry import is_built_in
 
 __all__ = ["AOT_DIRECTORY", "MAX_ENTRIES", "AheadOfTimeStep", "StepKey", "flatten_arguments", "settings",
@@ -202,7 +203,7 @@ class _Recent(NamedTuple):
 class AheadOfTimeStep:
     """A layer step function (``layer_step`` with the run's components bound as keyword arguments) compiled ahead of
     time per key (see the module's docstring). Call with the step's positional arguments; returns its
-    :class:`~qada.models.layer_step.LayerStepResult`, or ``None`` where it declines.
+    :class:`~qada.models.step_parts.LayerStepResult`, or ``None`` where it declines.
 
     Attributes:
         parts: the components whose fields are part of the key (every criterion, the moment source, the window).
@@ -310,8 +311,6 @@ class AheadOfTimeStep:
         the non-``None`` outputs, output count)``."""
         from torch.utils import _pytree as pytree
 
-        from qada.models.layer_step import HostReadError, unbacked_node
-
         function, bound = self.function, self.bound
         scale, softcap = args[5], args[10]
         inputs = args[:5] + args[6:10] + args[11:]
@@ -346,7 +345,6 @@ class AheadOfTimeStep:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        from qada.models.layer_step import cpu_step_options
         from qada.version import __version__
 
         options = cpu_step_options()

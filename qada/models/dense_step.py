@@ -14,7 +14,7 @@ that step's whole work:
   attends as the executor attends a read group (qada's streamed kernel, in float32), the statistics row made on the
   host; the general step's decision, window attention and host plan (a compiled step of its own) are not computed.
 
-It returns a :class:`~qada.models.layer_step.LayerStepResult` with the attention's ``output``; its ``decided``,
+It returns a :class:`~qada.models.step_parts.LayerStepResult` with the attention's ``output``; its ``decided``,
 ``local`` and ``read`` are ``None`` (nothing computes them: :func:`dense_decision` makes them where an observer asks).
 """
 
@@ -26,6 +26,7 @@ import torch
 
 from qada.attention.group_policy import apply_group_policy
 from qada.criteria.base import HeadCriterion
+from qada.models.step_parts import LayerStepResult, new_step
 from qada.moments.base import MomentSource
 from qada.step import DecodeStep
 from qada.window import Window
@@ -78,10 +79,8 @@ def dense_layer_step(
 ) -> Any:
     """:func:`~qada.models.layer_step.layer_step` (same arguments) for the ``dense`` criterion: the executor's
     ``attend_dense`` (``query [b, H, 1, d]``, ``keys, values [b, H_kv, C, d]``), its statistics row added to
-    ``sums[layer]``. Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the
+    ``sums[layer]``. Returns a :class:`~qada.models.step_parts.LayerStepResult` whose ``output [b, H, 1, d]`` is the
     attention and whose ``decided``, ``local``, ``read`` are ``None``."""
-    from qada.models.layer_step import LayerStepResult, new_step
-
     step = new_step(query, keys, values, start, end, scale, layer, criterion_states, sink_logits, softcap, window)
     add_to = None if sums is None else (sums, layer)
     output, bulk_blocks, row = executor.attend_dense(step, add_to)

@@ -12,7 +12,7 @@ and that estimate is then a launch of its own), the decision with the split-K at
 program also writes the step's statistics row; five for the budget (its scores, then the ranking of each row's heads,
 then the ``triton`` split). With ``decide_once`` the plain ``qada`` decision is made by the moment step's launch
 (:class:`~qada.attention.moment_step.EstimateDecision`), and the split is the ``triton`` executor's.
-It returns the same :class:`~qada.models.layer_step.LayerStepResult` (the window fields ``None``: nothing gathers
+It returns the same :class:`~qada.models.step_parts.LayerStepResult` (the window fields ``None``: nothing gathers
 the window; a step computes it on demand) with the attention's ``output`` and ``bulk_blocks``, which the run takes
 instead of calling the executor.
 """
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from qada.criteria.base import HeadCriterion
+from qada.models.step_parts import LayerStepResult, advance_moments, new_step, rows_end
 from qada.moments.base import MomentSource
 from qada.step import BulkMoments, DecodeStep
 from qada.window import Window
@@ -121,10 +122,8 @@ def fused_layer_step(
     """:func:`~qada.models.layer_step.layer_step` (same arguments) with the moment step, the decision, the attention
     and the statistics row made by the executor's launches (:func:`fused_moment_step`,
     then ``executor.decide_and_attend`` at ``criterion.tau``): ``query [b, H, 1, d]``, ``keys, values [b, H_kv, C,
-    d]``. Returns a :class:`~qada.models.layer_step.LayerStepResult` whose ``output [b, H, 1, d]`` is the
+    d]``. Returns a :class:`~qada.models.step_parts.LayerStepResult` whose ``output [b, H, 1, d]`` is the
     attention. A moment source without a kernel steps in torch (:meth:`~qada.moments.MomentSource.step`)."""
-    from qada.models.layer_step import LayerStepResult, advance_moments, new_step, rows_end
-
     step = new_step(query, keys, values, start, end, scale, layer, criterion_states, sink_logits, softcap, window)
     tail = fused_tail(criterion, step)  # (None: the plain qada criterion, or qada_budget)
     budget = fused_budget(criterion, step)

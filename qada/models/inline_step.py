@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from qada.models.guards import buffer_row_bounds
-from qada.models.layer_step import LayerStepResult
+from qada.models.step_parts import LayerStepResult
 from qada.step import BulkMoments
 
 __all__ = ["attend_op", "flatten_result", "inline_decode", "unflatten_result"]

@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
-import os
 import traceback
-import types
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -38,74 +35,16 @@ from qada.attention.sdpa import pack_host_plan, skips_on_host
 from qada.criteria.base import HeadCriterion
 from qada.functional.extra_set import attend_extra, merge_extra, merge_masses
 from qada.functional.masses import window_attention
-from qada.models.statistics import step_row
+from qada.models.ahead_step import AheadOfTimeStep
+from qada.models.dense_step import dense_layer_step, takes_dense_step
+from qada.models.fused_step import check_fusable, fused_layer_step, fused_moment_step
+from qada.models.step_compile import compile_own, failure_reason
+from qada.models.step_parts import LayerStepResult, begin_step, statistics_row
 from qada.moments.base import MomentSource
-from qada.step import BulkMoments, DecodeStep
 from qada.window import Window
 
-__all__ = ["COMPILE_ENV", "LayerStep", "LayerStepResult", "compile_layer_step", "cpu_step_options", "gpu_step_options",
-           "layer_step", "resolve_compile", "unbacked_node"]
-
-COMPILE_ENV = "QADA_COMPILE"
-"""Environment variable giving the default of ``compile`` (``0``/``false``: eager; ``1``/``true``: inductor; any
-other value: that ``torch.compile`` backend, e.g. ``aot_eager``) where :func:`qada.apply` is not told."""
-
-
-class LayerStepResult(NamedTuple):
-    """What :func:`layer_step` returns.
-
-    Attributes:
-        decided: ``[b, H]`` bool, the criterion's decision (True = local).
-        local: ``[b, H]`` bool after the group policy; ``read``: ``[b, H_kv]`` bool, the bulks to read. All three
-            ``None`` from the ``dense`` criterion's step (:func:`~qada.models.dense_step.dense_layer_step`), which
-            computes no decision.
-        counts: ``[1, 5]`` float64, the step's row of :class:`~qada.models.statistics.DecodeStatistics`.
-        fail_safe: 0-d, the heads the criterion forced dense (non-finite values).
-        window_keys, window_values: ``[b, H_kv, W, d]``; ``window_valid``: ``[b, W]`` bool.
-        t_bulk: ``[b]`` bulk sizes (``None`` from a fused step: computed on demand); ``real``: ``[b, C]`` bool, the
-            slots holding a row's tokens, where the step computed it (:attr:`~qada.step.DecodeStep.real_if_computed`;
-            ``None``: the executor computes it where it needs it, :attr:`~qada.step.DecodeStep.real`; the ``sdpa``
-            executor needs it only for rows of unequal bounds; a mask of every slot cost ~35 us of a ~355 us step in a
-            loop over one layer's arguments at 7.68k).
-        moments: the step's bulk moments (``None`` without a moment source).
-        query, start, end: the step's ``[b, H, d]`` query and its rows' bounds as the step checked them.
-        extra_output, log_extra, log_local: where the criterion asked local heads to attend over an extra set too
-            (:meth:`~qada.step.DecodeStep.attend_also`): that set's attention ``[b, H, d]`` and mass ``[b, H]``, and
-            the window's mass (sink logits included) to merge them with the executor's output
-            (:func:`~qada.functional.extra_set.merge_extra`); else ``None``, also where the step merged them into
-            ``window_output`` already.
-        output, bulk_blocks: where the executor made the decision in its kernel (:meth:`LayerStep.fuse`): the
-            attention ``[b, H, 1, d]`` and its 0-d bulk-only block count; the window fields are then ``None``;
-            else ``None``.
-        window_output: ``[b, H, d]`` every head's attention over its window, from the criterion's window scores
-            (:func:`~qada.functional.masses.window_attention`), where the executor uses it (``attend_window``);
-            with an extra set, over ``window ∪ E`` (:func:`~qada.functional.extra_set.merge_masses`: what a local
-            head attends to, so the executor's output needs no merge); else ``None``.
-        host_plan: the ``int64`` vector the host-skipping executor reads (:func:`~qada.attention.sdpa.pack_host_plan`:
-            ``read``, ``local``, ``end``, ``start``), where it asks for it (``host_plan``); else ``None``.
-    """
-
-    decided: torch.Tensor | None
-    local: torch.Tensor | None
-    read: torch.Tensor | None
-    counts: torch.Tensor
-    fail_safe: torch.Tensor
-    window_keys: torch.Tensor
-    window_values: torch.Tensor
-    window_valid: torch.Tensor
-    t_bulk: torch.Tensor | None
-    real: torch.Tensor | None
-    moments: BulkMoments | None
-    query: torch.Tensor
-    start: torch.Tensor | None
-    end: torch.Tensor | None
-    extra_output: torch.Tensor | None = None
-    log_extra: torch.Tensor | None = None
-    log_local: torch.Tensor | None = None
-    output: torch.Tensor | None = None
-    bulk_blocks: torch.Tensor | None = None
-    window_output: torch.Tensor | None = None
-    host_plan: torch.Tensor | None = None
+__all__ = ["DENSE_STEP_EAGER", "FUSED_STEP_EAGER", "INTERPRETED_STEP_EAGER", "LayerStep", "compile_layer_step",
+           "layer_step"]
 
 
 def layer_step(
@@ -165,7 +104,6 @@ def layer_step(
     step_moments = estimate = None
     if moment_launch and moments is not None:
         from qada.attention.moment_step import BulkEstimate
-        from qada.models.fused_step import fused_moment_step
 
         if softcap is None:
             estimate = BulkEstimate.uncapped(query[:, :, 0], scale)
@@ -201,60 +139,6 @@ def layer_step(
                            step.end, extra_output, log_extra, log_local, window_output=window_output, host_plan=plan)
 
 
-def begin_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor | None,
-               end: torch.Tensor | None, scale: float, layer: torch.Tensor,
-               moment_state: dict[str, torch.Tensor] | None, criterion_states: dict[str, dict[str, torch.Tensor]],
-               sink_logits: torch.Tensor | None, softcap: float | None, moments: MomentSource | None,
-               window: Window, step_moments: Any = None) -> tuple[DecodeStep, BulkMoments | None]:
-    """The moment source's step (rows ending at ``end``, or at ``C``; ``step_moments``, with the arguments of
-    :meth:`~qada.moments.MomentSource.step`, instead of it where given) and the :class:`~qada.step.DecodeStep` of
-    :func:`layer_step`'s arguments: ``(step, bulk moments or None)``: :func:`new_step`, then
-    :func:`advance_moments`."""
-    step = new_step(query, keys, values, start, end, scale, layer, criterion_states, sink_logits, softcap, window)
-    return step, advance_moments(step, keys, start, end, layer, moment_state, moments, window, step_moments)
-
-
-def new_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor | None,
-             end: torch.Tensor | None, scale: float, layer: torch.Tensor,
-             criterion_states: dict[str, dict[str, torch.Tensor]], sink_logits: torch.Tensor | None,
-             softcap: float | None, window: Window) -> DecodeStep:
-    """The :class:`~qada.step.DecodeStep` of :func:`layer_step`'s arguments, its moments not stepped yet
-    (:func:`advance_moments` sets them)."""
-    return DecodeStep(query[:, :, 0], keys, scale, window, layer=layer, start=start, end=end, values=values,
-                      states=criterion_states, sink_logits=sink_logits, softcap=softcap)
-
-
-def advance_moments(step: DecodeStep, keys: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None,
-                    layer: torch.Tensor, moment_state: dict[str, torch.Tensor] | None, moments: MomentSource | None,
-                    window: Window, step_with: Any = None) -> BulkMoments | None:
-    """The moment source's step for ``step`` (rows ending at ``end``, or at ``C``; ``step_with``, with the arguments
-    of :meth:`~qada.moments.MomentSource.step`, instead of it where given), the step's moments set to the result:
-    the bulk moments, or ``None`` without a source."""
-    bulk = None
-    if moments is not None:
-        # (an explicit None test: torch 2.11's dynamo cannot take the truth value of a functools.partial)
-        moment_step = step_with if step_with is not None else moments.step
-        bulk = moment_step(moment_state, keys, start, rows_end(end, layer, keys), window)
-    step.moments = bulk
-    return bulk
-
-
-def rows_end(end: torch.Tensor | None, layer: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The rows' ends ``[b]`` a moment step takes: ``end``, or, on a cache whose rows all end at its length ``C``
-    (``keys [b, H_kv, C, d]``), ``C`` for each row (a device value made from the layer's index tensor ``layer``: no
-    host data in a compiled step)."""
-    return end if end is not None else torch.full_like(layer, keys.shape[2]).expand(keys.shape[0])
-
-
-def statistics_row(step: DecodeStep, local: torch.Tensor, read: torch.Tensor, forced: torch.Tensor | None,
-                   criterion: HeadCriterion) -> torch.Tensor:
-    """The step's ``[5]`` statistics (:func:`~qada.models.statistics.step_row`), ``forced [b, H]`` the heads forced
-    dense (:attr:`~qada.step.DecodeStep.forced_heads`), ``kv_read`` counting the bulks ``read [b, H_kv]`` reads and
-    the criterion's :meth:`~qada.criteria.HeadCriterion.extra_reads`."""
-    window = step.window
-    return step_row(local, read, step.t_bulk + window.t_local, window.t_local, criterion.extra_reads(step), forced)
-
-
 FUSED_STEP_EAGER = "the fused layer step runs eagerly (the executor's compile_step is False)"
 """The :attr:`LayerStep.eager_reason` of a ``triton_fused`` run whose executor does not compile its step (the
 default): by choice, not a fallback."""
@@ -266,28 +150,6 @@ INTERPRETED_STEP_EAGER = "the fused kernels run in Triton's interpreter, which t
 DENSE_STEP_EAGER = "the dense criterion's layer step is the executor's two launches, run eagerly"
 """The :attr:`LayerStep.eager_reason` of a run on the ``dense`` criterion whose executor attends densely in its own
 launches (:mod:`qada.models.dense_step`): by choice, not a fallback."""
-
-
-def resolve_compile(compile: Any) -> Any:
-    """The ``torch.compile`` backend of ``compile`` (``None``: eager): ``True`` is inductor, a string or a callable
-    a backend, ``None`` the :data:`COMPILE_ENV` default (inductor when unset)."""
-    if compile is None:
-        value = os.environ.get(COMPILE_ENV, "1").strip().lower()
-        compile = {"0": False, "false": False, "no": False, "off": False, "1": True, "true": True, "yes": True,
-                   "on": True, "": True}.get(value, value)
-    if compile is True:
-        return "inductor"
-    if compile is False:
-        return None
-    if isinstance(compile, str) and compile:
-        known = torch._dynamo.list_backends(exclude_tags=())
-        if compile not in known:
-            raise ValueError(f"expected compile to be a bool or one of the torch.compile backends {known} but got "
-                             f"{compile!r} (from {COMPILE_ENV} when not given)")
-        return compile
-    if callable(compile):
-        return compile
-    raise ValueError(f"expected compile to be a bool or a torch.compile backend name but got {compile!r}")
 
 
 class LayerStep:
@@ -319,8 +181,6 @@ class LayerStep:
             self._compiled = compile_layer_step(bound, backend)
             self._merge = compile_own(merge_extra, "qada_merge_extra", backend)
         if backend == "inductor":
-            from qada.models.ahead_step import AheadOfTimeStep
-
             parts = [part for _, part in criterion.named_criteria()] + [moments, window]
             self.ahead = AheadOfTimeStep(layer_step, bound, [part for part in parts if part is not None])
 
@@ -338,8 +198,6 @@ class LayerStep:
         (``torch.compile`` does not trace the interpreter); on a GPU it is compiled with the kernels' launches where
         the executor's ``compile_step`` says so (:attr:`~qada.attention.FusedTritonExecutor.compile_step`), else
         eagerly."""
-        from qada.models.fused_step import check_fusable, fused_layer_step
-
         check_fusable(self.criterion, self.moments, executor)
         bound = self._run_on(executor, fused_layer_step)
         if self.backend is not None:
@@ -357,8 +215,6 @@ class LayerStep:
         on an executor that attends densely in its own launches, :func:`~qada.models.dense_step.takes_dense_step`):
         two launches, run eagerly (inside a model's CUDA graph as they are; nothing to compile around them). Raises
         ``ValueError`` for another criterion, a moment source, or an executor without ``attend_dense``."""
-        from qada.models.dense_step import dense_layer_step, takes_dense_step
-
         if not takes_dense_step(self.criterion, self.moments, executor):
             raise ValueError(f"the dense layer step takes the plain 'dense' criterion without a moment source on an "
                              f"executor with attend_dense, not {self.criterion.registry_name!r} on {executor!r}")
@@ -390,7 +246,7 @@ class LayerStep:
             return self._compiled(*args)
         except Exception as error:  # noqa: BLE001 - decided below: an error of the part itself, or of compiling
             result = self.eager(*args)  # raises the part's own error, if it is one
-            self.eager_reason = _reason(error)
+            self.eager_reason = failure_reason(error)
             warnings.warn(f"qada: {self._culprit(error)} cannot be compiled into the layer step, so every decode "
                           f"step of this run runs eagerly (slower; compile=False silences this): {self.eager_reason}",
                           RuntimeWarning, stacklevel=4)
@@ -438,86 +294,3 @@ def compile_layer_step(bound: dict[str, Any], backend: Any, function: Any = None
                       softcap, sums, **bound)
 
     return compile_own(step, "qada_layer_step", backend)
-
-
-def compile_own(function: Any, prefix: str, backend: Any) -> Any:
-    """``function`` compiled by ``torch.compile`` (``fullgraph=True``, host reads refused) on a copy of its code
-    object with a name of its own: dynamo keeps its cache and what it learnt about the inputs (which sizes and floats
-    change) per code object and per (file, line, name), so one run's compiled function never recompiles or evicts
-    another's (another model's scale, another cache size)."""
-    name = f"{prefix}_{next(_STEPS)}"
-    own = types.FunctionType(function.__code__.replace(co_name=name, co_qualname=name), function.__globals__, name,
-                             function.__defaults__, function.__closure__)
-    # dynamic=None: the first cache size compiles with static shapes; a run that meets a second one (an evaluation
-    # whose prompts differ in length) compiles once more with the sizes symbolic, and never again
-    return torch.compile(own, backend=_refusing_host_reads(backend), fullgraph=True, dynamic=None)
-
-
-_STEPS = itertools.count()
-
-
-class HostReadError(RuntimeError):
-    """The traced layer step reads a value from the device on the host (a sync; no CUDA graph can hold it)."""
-
-
-def _refusing_host_reads(backend: Any) -> Any:
-    """``backend``, refusing a traced graph in which a value computed on the device decides something on the host
-    (``item``, ``tolist``, ``nonzero``, a data-dependent shape): ``torch.compile`` traces those into the graph, but
-    the compiled step would then wait for the device at every layer, and a CUDA graph could not capture it."""
-    from torch._dynamo import lookup_backend
-
-    compile_graph = lookup_backend(backend) if isinstance(backend, str) else backend
-
-    def refusing(graph: torch.fx.GraphModule, example_inputs: list) -> Any:
-        node = unbacked_node(graph.graph)
-        if node is not None:
-            where = "".join(node.meta.get("stack_trace", "").strip().splitlines()[-2:]).strip()
-            raise HostReadError(f"it reads a device value on the host ({node.target}): {where}")
-        devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
-        if backend == "inductor" and devices in ({"cpu"}, {"cuda"}):
-            from torch._inductor.compile_fx import compile_fx
-
-            options = cpu_step_options() if devices == {"cpu"} else gpu_step_options()
-            return compile_fx(graph, example_inputs, config_patches=options)
-        return compile_graph(graph, example_inputs)
-
-    return refusing
-
-
-def cpu_step_options() -> dict[str, Any]:
-    """Inductor's options for the layer step on the CPU, scoped to its own compilation (``torch.compile``'s route
-    and the ahead-of-time one, :mod:`qada.models.ahead_step`): a C++ wrapper around the kernels instead of a Python
-    one (~60 us less per layer step on a 2-core CPU), and the few-row products as fused loops instead of BLAS calls
-    (:class:`~qada.models.small_matmul.SmallMatmulPass`)."""
-    from qada.models.small_matmul import SmallMatmulPass
-
-    return {"cpp_wrapper": True, "post_grad_custom_post_pass": SmallMatmulPass()}
-
-
-def gpu_step_options() -> dict[str, Any]:
-    """Inductor's options for the layer step on a CUDA GPU, scoped to its own compilation: the few-row products as
-    multiply-and-sum loops fused into the kernels around them (:class:`~qada.models.small_matmul.SmallMatmulPass`)
-    instead of a cuBLAS launch each (a ``qada`` step's window scores, a ``qada_tail`` step's heavy keys and page
-    bounds: three to six launches per layer)."""
-    from qada.models.small_matmul import SmallMatmulPass
-
-    return {"post_grad_custom_post_pass": SmallMatmulPass()}
-
-
-def unbacked_node(graph: torch.fx.Graph) -> torch.fx.Node | None:
-    """The first operation of a traced ``graph`` whose result has a size or value only known on the host (an
-    unbacked symbol: ``item``, ``nonzero``, ...), or ``None``."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    for node in graph.nodes:
-        value = node.meta.get("example_value", node.meta.get("val"))
-        if node.op in ("call_method", "call_function") and free_unbacked_symbols(value):
-            return node
-    return None
-
-
-def _reason(error: Exception) -> str:
-    """The first lines of a compile error, which say what could not be traced."""
-    text = str(error).replace("backend='refusing' raised: ", "")
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("Set TORCHDYNAMO")]
-    return " ".join(lines[:3])[:400] or type(error).__name__

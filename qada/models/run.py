@@ -24,11 +24,13 @@ from qada.criteria.base import HeadCriterion
 from qada.functional.capping import hermite_rule
 from qada.models.dense_step import dense_decision, takes_dense_step
 from qada.models.guards import CacheGuard, StaleStateError, UnsupportedModelError
-from qada.models.layer_step import LayerStep, LayerStepResult, resolve_compile
+from qada.models.layer_step import LayerStep
 from qada.models.layer_types import LayerTypes
 from qada.models.masks import RowBounds
 from qada.models.observers import Observer, ObserverFanout
 from qada.models.statistics import DecodeStatistics, all_layer_sparsity
+from qada.models.step_compile import resolve_compile
+from qada.models.step_parts import LayerStepResult
 from qada.moments.base import MomentSource
 from qada.registry import is_built_in
 from qada.stable_tensors import write_into

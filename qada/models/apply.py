@@ -16,6 +16,7 @@ from qada.criteria import CRITERIA
 from qada.models.attention_features import check_attention_source
 from qada.models.attention_function import ATTENTION_NAME, RUN_NUMBER, active_runs, qada_attention_forward
 from qada.models.compiled import register_run
+from qada.models.inline_step import register_attend_op
 from qada.models.layer_types import GLOBAL_KINDS, LOCAL_KINDS, OTHER_KINDS, attention_modules, cache_layers, layer_types
 from qada.models.observers import Observer
 from qada.models.run import QAdARun, UnsupportedModelError
@@ -169,6 +170,7 @@ def attach(model: Any, run: QAdARun) -> QAdARun:
             stacklevel=2,
         )
     register_run(run)  # its number for the compiled decode step (qada.models.compiled)
+    register_attend_op()  # the executor's operator of a step traced inline (qada.models.inline_step)
     for module in modules:
         active_runs[module] = run
         setattr(module, RUN_NUMBER, run.op_number)  # what a compiled model's graph is guarded on

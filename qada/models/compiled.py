@@ -30,9 +30,6 @@ def register_run(run: Any) -> int:
     """The number that names ``run`` in the operator's calls (given once, when the run is attached: eagerly,
     never while ``torch.compile`` traces)."""
     _operator()  # the operator is registered eagerly too, never while tracing
-    from qada.models.inline_step import _operator as inline_operator
-
-    inline_operator()
     number = getattr(run, "op_number", None)
     if number is None or _RUNS.get(number) is not run:
         number = next(_NUMBERS)

@@ -12,8 +12,8 @@ decision's kernels join the model's graph: no compiled function of its own to en
 wrappers), which on a 2-core CPU cost more than its kernels. The price: the compiler compiles every layer's copy
 of the step (minutes for a 30-layer model, against seconds for the one shared compiled step).
 
-The operator is registered when a run is attached (:func:`~qada.models.compiled.register_run`; no global side effect
-at import).
+The operator is registered when a run is attached (:func:`register_attend_op`, called by
+:func:`~qada.models.apply.attach`; no global side effect at import).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
+from qada.models.compiled import run_named, unaliased
 from qada.models.guards import buffer_row_bounds
 from qada.models.step_parts import LayerStepResult
 from qada.step import BulkMoments
 
-__all__ = ["attend_op", "flatten_result", "inline_decode", "unflatten_result"]
+__all__ = ["attend_op", "flatten_result", "inline_decode", "register_attend_op", "unflatten_result"]
 
 _TENSOR_FIELDS = [name for name in LayerStepResult._fields if name != "moments"]
 _COUNT, _MOMENTS = len(_TENSOR_FIELDS), LayerStepResult._fields.index("moments")
@@ -72,8 +73,9 @@ def attend_op(run: Any, layer: int, query: torch.Tensor, key: torch.Tensor, valu
 
 
 @functools.cache
-def _operator():
-    from qada.models.compiled import run_named, unaliased
+def register_attend_op() -> Any:
+    """Register ``qada::attend_step`` (once; eagerly, when a run is attached, never while ``torch.compile`` traces)
+    and return it."""
 
     @torch.library.custom_op("qada::attend_step", mutates_args=())
     def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, parts: list[torch.Tensor | None],

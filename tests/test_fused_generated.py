@@ -40,9 +40,10 @@ GENERATED = settings(max_examples=EXAMPLES or 8, derandomize=not EXAMPLES, deadl
                      suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.reuse, Phase.generate])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ONLY_DIMS = tuple(int(d) for d in os.environ.get("QADA_GENERATED_HEAD_DIMS", "").split(",") if d)
-HEAD_DIMS = ONLY_DIMS or (16, 32, 64, 128, 256)
-"""The head dims of the drawn decode steps: up to Gemma's 256 (``QADA_GENERATED_HEAD_DIMS=256`` draws only those
-given, in the moment steps too)."""
+HEAD_DIMS = ONLY_DIMS or (16, 32, 64, 80, 96, 128, 256)
+"""The head dims of the drawn decode steps: powers of two up to Gemma's 256, and Phi-2's 80 and Phi-3's 96 (the
+kernels pad them to a power of two). ``QADA_GENERATED_HEAD_DIMS=256`` draws only those given, in the moment steps
+too."""
 MOMENT_DIMS = ONLY_DIMS or (8, 16, 24, 40, 64, 72, 128, 256)
 
 

@@ -53,12 +53,12 @@ def longest(d: int) -> int:
 
 
 @st.composite
-def decode_steps(draw, max_kv=3, groups=(1, 2, 3, 4), min_length=2, max_length=700, dtypes=DTYPES, dims=HEAD_DIMS):
+def decode_steps(draw, max_kv=3, groups=(1, 2, 3, 4), min_length=2, max_length=700, dtypes=DTYPES):
     """A :func:`~tests.test_fused_decision.make_step` step of drawn shapes: ``b`` rows (left padding and early ends
-    or none), ``H_kv`` KV heads of ``G`` query heads each, ``C`` slots (:func:`longest`), a head dim of ``dims``
-    (:data:`HEAD_DIMS`), a window of any ``t_local`` and ``t_sink <= t_local``, a soft cap and sink logits or not."""
+    or none), ``H_kv`` KV heads of ``G`` query heads each, ``C`` slots (:func:`longest`), a head dim of
+    :data:`HEAD_DIMS`, a window of any ``t_local`` and ``t_sink <= t_local``, a soft cap and sink logits or not."""
     b, H_kv, G = draw(st.integers(1, 3)), draw(st.integers(1, max_kv)), draw(st.sampled_from(groups))
-    d = draw(st.sampled_from(dims))
+    d = draw(st.sampled_from(HEAD_DIMS))
     C = draw(st.integers(min_length, min(max_length, longest(d))))
     t_local = draw(st.integers(2, 64))
     window = Window(t_local, draw(st.integers(0, t_local - 1)))
